@@ -1,0 +1,116 @@
+"""`python -m harness`: gen, dequant, sweep. Every user error is one line on stderr and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from harness.errors import HarnessError
+
+EXIT_OK, EXIT_FINDING, EXIT_ERROR = 0, 1, 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is a single line and exit 2."""
+
+    def error(self, message):
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def command_gen(args) -> int:
+    from harness.architectures import ARCHITECTURES
+    from harness.formats import FORMAT_NAMES
+    from harness.recipe import Recipe, apply_settings
+    from harness.writer import generate
+
+    if args.format not in FORMAT_NAMES:
+        raise HarnessError(f"unknown format '{args.format}' (known: {', '.join(FORMAT_NAMES)})")
+    if args.arch not in ARCHITECTURES:
+        raise HarnessError(f"unknown architecture '{args.arch}' (known: {', '.join(ARCHITECTURES)})")
+    recipe = apply_settings(Recipe(format=args.format, arch=args.arch, seed=args.seed), args.set or [])
+    manifest = generate(recipe, args.out)
+    print(f"wrote {args.out}: {args.format} {args.arch}, {len(manifest['modules'])} quantized modules, "
+          f"expectation {manifest['expectation']}")
+    return EXIT_OK
+
+
+def command_dequant(args) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    from harness.reference import dequantize_checkpoint
+
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise HarnessError(f"{out}: its directory does not exist")
+    weights = {name: tensor.to(torch.float32).contiguous() for name, tensor in dequantize_checkpoint(args.directory)}
+    temporary = out.with_name(out.name + ".partial")
+    save_file(weights, str(temporary))
+    os.replace(temporary, out)
+    print(f"wrote {out}: {len(weights)} tensors, float32")
+    return EXIT_OK
+
+
+def command_sweep(args) -> int:
+    from harness.sweep import ODD_SIZES, sweep
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise HarnessError(f"{out}: output directory exists and is not empty")
+    sizes = ", ".join(f"{k}={v}" for k, v in ODD_SIZES.items())
+    print(f"every format x architecture at {sizes}: gen -> dequant from disk -> compare with the truth")
+    print(f"{'format':<16} {'arch':<6} {'expectation':<16} {'outcome':<10} max|error|")
+    results = sweep(out, args.seed)
+    for fmt, arch, verdict in results:
+        print(f"{fmt:<16} {arch:<6} {verdict.expectation:<16} {verdict.outcome:<10} {verdict.max_error:.3g}")
+    failed = [r for r in results if not r[2].ok]
+    print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    return EXIT_FINDING if failed else EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="python -m harness", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+
+    gen = commands.add_parser("gen", help="write a synthetic quantized checkpoint with its ground truth")
+    gen.add_argument("--format", required=True, help="fp8-block, ct-fp8-tensor, ct-fp8-channel, ct-fp8-block, "
+                     "ct-nvfp4, ct-nvfp4a16, modelopt-nvfp4")
+    gen.add_argument("--arch", required=True, help="llama or qwen2")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--out", required=True, help="output directory (created; must be empty)")
+    gen.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="config size (hidden_size=200), format knob (block_size=64), layout (shards=3) "
+                          "or perturbation (zero_block=true); repeatable")
+    gen.set_defaults(run=command_gen)
+
+    dequant = commands.add_parser("dequant", help="reference-dequantize a checkpoint to float32 safetensors")
+    dequant.add_argument("directory", help="checkpoint directory (format detected from config.json)")
+    dequant.add_argument("--out", required=True, help="output .safetensors file")
+    dequant.set_defaults(run=command_dequant)
+
+    sweep = commands.add_parser("sweep", help="gen + dequant every format x architecture at odd sizes, "
+                                "judged against the recorded truth")
+    sweep.add_argument("--out", required=True, help="output directory (created; must be empty)")
+    sweep.add_argument("--seed", type=int, default=0)
+    sweep.set_defaults(run=command_sweep)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except HarnessError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as error:  # a bug in the harness: still one line, unless debugging
+        if os.environ.get("HARNESS_DEBUG"):
+            raise
+        print(f"internal error: {type(error).__name__}: {error} (set HARNESS_DEBUG=1 for a traceback)",
+              file=sys.stderr)
+        return EXIT_ERROR

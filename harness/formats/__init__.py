@@ -1,0 +1,37 @@
+"""Registry of quantization formats: a name -> the module attribute that implements it."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Mapping
+
+from harness.formats.base import FormatError, QuantFormat
+
+REGISTRY: dict[str, str] = {
+    "fp8-block": "harness.formats.fp8_block:FORMAT",
+    "ct-fp8-tensor": "harness.formats.ct_fp8:TENSOR",
+    "ct-fp8-channel": "harness.formats.ct_fp8:CHANNEL",
+    "ct-fp8-block": "harness.formats.ct_fp8:BLOCK",
+    "ct-nvfp4": "harness.formats.ct_nvfp4:W4A4",
+    "ct-nvfp4a16": "harness.formats.ct_nvfp4:W4A16",
+    "modelopt-nvfp4": "harness.formats.modelopt_nvfp4:FORMAT",
+}
+
+FORMAT_NAMES = tuple(REGISTRY)
+
+
+def get_format(name: str) -> QuantFormat:
+    if name not in REGISTRY:
+        raise FormatError(f"unknown format '{name}' (known: {', '.join(FORMAT_NAMES)})")
+    module_name, attribute = REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def detect_format(quantization_config: Mapping) -> QuantFormat:
+    """The one registered format whose definition matches a checkpoint's `quantization_config`."""
+    found = [fmt for fmt in map(get_format, FORMAT_NAMES) if fmt.matches(quantization_config)]
+    if len(found) != 1:
+        method = quantization_config.get("quant_method", "?")
+        what = "no supported format" if not found else f"several formats ({', '.join(f.name for f in found)})"
+        raise FormatError(f"quantization_config (quant_method={method!r}) matches {what}")
+    return found[0]

@@ -1,0 +1,130 @@
+"""What every quantization format module provides.
+
+A format owns its tensor names, its `quantization_config` fragment, a quantizer that
+computes scales the way the real producers do, and a float64 reference dequantizer
+written from the format's definition. Formats never import an engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+
+class FormatError(ValueError):
+    """A module's tensors do not follow the format (wrong shape, dtype, non-finite scale)."""
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A format parameter settable with `gen --set NAME=VALUE`; `choices` bounds it."""
+
+    default: Any
+    choices: tuple = ()
+    help: str = ""
+
+
+EXPECTATIONS = ("exact", "exact-or-refuse", "refuse")
+
+
+@dataclass
+class QuantizedWeight:
+    """One Linear weight as a format writes it: tensors by suffix (`weight`, `weight_scale`, ...).
+
+    `truth` is the float64 weight a correct loader must produce, computed by the quantizer
+    on its own path (not by `dequantize`). `expectation` says what a correct loader does
+    with this module: load it exactly, load it exactly or refuse it, or refuse it; `notes`
+    say why, for the manifest.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    notes: list[str] = field(default_factory=list)
+    truth: torch.Tensor | None = None
+    expectation: str = "exact"
+
+
+class QuantFormat:
+    """Base class: subclasses set the attributes and implement the four methods."""
+
+    name: str = ""
+    description: str = ""
+    #: tensor suffixes that belong to a quantized Linear, besides `bias`
+    suffixes: tuple[str, ...] = ()
+    #: the suffix whose presence marks a module as quantized in a checkpoint
+    marker: str = ""
+    #: format parameters (block size, scale dtype, perturbation switches)
+    knobs: Mapping[str, Knob] = {}
+
+    def resolve_knobs(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        values = {name: knob.default for name, knob in self.knobs.items()}
+        for name, value in overrides.items():
+            if name not in self.knobs:
+                raise KeyError(name)
+            knob = self.knobs[name]
+            if knob.choices and value not in knob.choices:
+                raise ValueError(f"{name}={value!r}: expected one of {list(knob.choices)}")
+            values[name] = value
+        return values
+
+    def matches(self, quantization_config: Mapping[str, Any]) -> bool:
+        """True when a checkpoint's `quantization_config` declares this format."""
+        raise NotImplementedError
+
+    def quantization_config(self, knobs: Mapping[str, Any], ignore: list[str]) -> dict:
+        """The `quantization_config` fragment for config.json."""
+        raise NotImplementedError
+
+    def knobs_from_config(self, quantization_config: Mapping[str, Any]) -> dict[str, Any]:
+        """The parameters the dequantizer needs, read back from `quantization_config`."""
+        raise NotImplementedError
+
+    def quantize(
+        self,
+        weight: torch.Tensor,
+        knobs: Mapping[str, Any],
+        *,
+        model_dtype: torch.dtype,
+        activation_amax: float,
+    ) -> QuantizedWeight:
+        """Quantize one [N, K] weight (any float dtype) as the real producer would."""
+        raise NotImplementedError
+
+    def dequantize(self, tensors: Mapping[str, torch.Tensor], knobs: Mapping[str, Any]) -> torch.Tensor:
+        """Reference dequantization to float64 [N, K]; raise FormatError on malformed input."""
+        raise NotImplementedError
+
+    def scale_block(self, knobs: Mapping[str, Any], shape: tuple[int, int]) -> tuple[int, int]:
+        """The [rows, cols] region of a weight of `shape` that shares one scale."""
+        raise NotImplementedError
+
+    def subnormal_amax(self, knobs: Mapping[str, Any], weight_amax: float) -> float:
+        """An amax for one scale block that makes its stored scale subnormal in its dtype."""
+        raise NotImplementedError
+
+
+def require_finite(name: str, tensor: torch.Tensor) -> None:
+    """Refuse scales that are NaN or infinite: no definition gives them a meaning."""
+    values = tensor.to(torch.float64)
+    bad = ~torch.isfinite(values)
+    if bad.any():
+        raise FormatError(f"{name} has {int(bad.sum())} non-finite value(s)")
+
+
+def require_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if tensor.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise FormatError(f"{name} has dtype {str(tensor.dtype).removeprefix('torch.')}, expected {names}")
+
+
+def require_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...], why: str = "") -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        detail = f" ({why})" if why else ""
+        raise FormatError(f"{name} has shape {list(tensor.shape)}, expected {list(expected)}{detail}")
+
+
+def require_tensor(tensors: Mapping[str, torch.Tensor], suffix: str) -> torch.Tensor:
+    if suffix not in tensors:
+        raise FormatError(f"missing tensor '{suffix}'")
+    return tensors[suffix]

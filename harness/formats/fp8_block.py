@@ -1,0 +1,177 @@
+"""`fp8-block`: FineGrainedFP8 / DeepSeek-V3 block-scaled FP8.
+
+Tensors: `weight` float8_e4m3fn [N, K] and `weight_scale_inv` [ceil(N/bn), ceil(K/bk)]
+(float32 normally). Despite its name the scale is a multiplier: W = w * scale_inv per
+block, edge blocks partial. Config: `quant_method: fp8`, `weight_block_size` [bn, bk]
+(a scalar or one-element list means a square block), default [128, 128].
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from harness.formats.base import (
+    FormatError,
+    Knob,
+    QuantFormat,
+    QuantizedWeight,
+    require_dtype,
+    require_finite,
+    require_tensor,
+)
+from harness.numerics import E4M3_MAX, ceil_div, decode_e4m3, encode_e4m3
+
+SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_block_size(value: Any) -> tuple[int, int]:
+    """`weight_block_size` as written in the wild: [bn, bk], [b], or b."""
+    if isinstance(value, bool):
+        raise FormatError(f"weight_block_size {value!r} is not a block size")
+    if isinstance(value, int):
+        sizes = [value, value]
+    elif isinstance(value, (list, tuple)) and len(value) in (1, 2):
+        sizes = list(value) * (2 if len(value) == 1 else 1)
+    else:
+        raise FormatError(f"weight_block_size {value!r} is not an int or a list of one or two ints")
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+        raise FormatError(f"weight_block_size {value!r} must hold positive integers")
+    return sizes[0], sizes[1]
+
+
+def expand_block_grid(grid: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
+    """Repeat a [ceil(N/bn), ceil(K/bk)] grid over [N, K], cutting the partial edge blocks."""
+    bn, bk = block
+    return grid.repeat_interleave(bn, dim=0)[:rows].repeat_interleave(bk, dim=1)[:, :cols]
+
+
+def block_amax(weight: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Max |w| per block, edge blocks included (padding with zeros does not change a max)."""
+    bn, bk = block
+    rows, cols = weight.shape
+    gn, gk = ceil_div(rows, bn), ceil_div(cols, bk)
+    padded = torch.zeros(gn * bn, gk * bk, dtype=torch.float32)
+    padded[:rows, :cols] = weight.to(torch.float32).abs()
+    return padded.reshape(gn, bn, gk, bk).amax(dim=(1, 3))
+
+
+def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int], scale_dtype: torch.dtype):
+    """scale = amax/448 per block (1.0 for an all-zero block), q = clamp(w/scale) -> e4m3."""
+    amax = block_amax(weight, block)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).to(scale_dtype)
+    expanded = expand_block_grid(scale.to(torch.float32), *weight.shape, block)
+    quantized = encode_e4m3(weight.to(torch.float32) / expanded)
+    return quantized, scale
+
+
+def block_truth(quantized: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Ground truth computed independently of `dequantize`: torch's own e4m3 cast, index lookup."""
+    rows, cols = quantized.shape
+    row_block = torch.arange(rows) // block[0]
+    col_block = torch.arange(cols) // block[1]
+    per_element = scale.to(torch.float64)[row_block][:, col_block]
+    return quantized.to(torch.float64) * per_element
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], scale_name: str):
+    """Reference: decode e4m3 from its bits, multiply by the block's scale."""
+    require_dtype("weight", weight, (torch.float8_e4m3fn,))
+    require_dtype(scale_name, scale, (torch.float32, torch.bfloat16, torch.float16))
+    if weight.dim() != 2:
+        raise FormatError(f"weight has {weight.dim()} dimensions, expected 2")
+    rows, cols = weight.shape
+    grid = (ceil_div(rows, block[0]), ceil_div(cols, block[1]))
+    if tuple(scale.shape) != grid:
+        raise FormatError(
+            f"{scale_name} has shape {list(scale.shape)} but weight [{rows}, {cols}] with block "
+            f"{list(block)} needs the grid {list(grid)}"
+        )
+    require_finite(scale_name, scale)
+    return decode_e4m3(weight) * expand_block_grid(scale.to(torch.float64), rows, cols, block)
+
+
+def transpose_scale_grid(result: QuantizedWeight, scale_name: str, block: tuple[int, int]) -> None:
+    """Store a block grid transposed. A non-square grid no longer fits the weight: a correct
+    loader refuses it or transposes it back. A square one cannot be told apart: the files
+    then mean the definition's reading, which becomes the truth."""
+    scale = result.tensors[scale_name]
+    transposed = scale.t().contiguous()
+    result.tensors[scale_name] = transposed
+    if transposed.shape == scale.shape:
+        result.truth = block_truth(result.tensors["weight"], transposed, block)
+        result.notes.append(f"{scale_name} stored transposed; square grid, so undetectable: "
+                            "truth is the literal reading")
+    else:
+        result.expectation = "exact-or-refuse"
+        result.notes.append(f"{scale_name} stored transposed {list(transposed.shape)}: does not fit "
+                            "the weight; a loader must refuse it or transpose it back")
+
+
+class Fp8Block(QuantFormat):
+    name = "fp8-block"
+    description = "FineGrainedFP8 / DeepSeek block FP8 (weight_scale_inv, weight_block_size)"
+    suffixes = ("weight", "weight_scale_inv")
+    marker = "weight_scale_inv"
+    knobs = {
+        "block_rows": Knob(128, help="block height bn"),
+        "block_cols": Knob(128, help="block width bk"),
+        "block_size_style": Knob("list", ("list", "one-element", "scalar"), "how weight_block_size is written"),
+        "scale_dtype": Knob("float32", tuple(SCALE_DTYPES), "dtype of weight_scale_inv"),
+        "scale_layout": Knob("normal", ("normal", "transposed"), "store the grid transposed (a perturbation)"),
+    }
+
+    def resolve_knobs(self, overrides):
+        overrides = dict(overrides)
+        if "block_size" in overrides:
+            size = overrides.pop("block_size")
+            overrides.setdefault("block_rows", size)
+            overrides.setdefault("block_cols", size)
+        values = super().resolve_knobs(overrides)
+        if values["block_size_style"] != "list" and values["block_rows"] != values["block_cols"]:
+            raise ValueError("a scalar or one-element weight_block_size needs a square block")
+        return values
+
+    def matches(self, quantization_config):
+        return quantization_config.get("quant_method") == "fp8" and "weight_block_size" in quantization_config
+
+    def quantization_config(self, knobs, ignore):
+        rows, cols = knobs["block_rows"], knobs["block_cols"]
+        block = {"list": [rows, cols], "one-element": [rows], "scalar": rows}[knobs["block_size_style"]]
+        return {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": block,
+            "modules_to_not_convert": list(ignore),
+        }
+
+    def knobs_from_config(self, quantization_config):
+        rows, cols = parse_block_size(quantization_config.get("weight_block_size"))
+        return {"block_rows": rows, "block_cols": cols}
+
+    def quantize(self, weight, knobs, *, model_dtype, activation_amax):
+        block = (knobs["block_rows"], knobs["block_cols"])
+        quantized, scale = quantize_fp8_blocks(weight, block, SCALE_DTYPES[knobs["scale_dtype"]])
+        result = QuantizedWeight({"weight": quantized, "weight_scale_inv": scale},
+                                 truth=block_truth(quantized, scale, block))
+        if knobs["scale_layout"] == "transposed":
+            transpose_scale_grid(result, "weight_scale_inv", block)
+        return result
+
+    def scale_block(self, knobs, shape):
+        return knobs["block_rows"], knobs["block_cols"]
+
+    def subnormal_amax(self, knobs, weight_amax):
+        # float32 and bfloat16 share the exponent range: normal down to 2**-126
+        return 448.0 * 2.0**-130
+
+    def dequantize(self, tensors, knobs):
+        block = (knobs["block_rows"], knobs["block_cols"])
+        weight = require_tensor(tensors, "weight")
+        scale = require_tensor(tensors, "weight_scale_inv")
+        return dequantize_fp8_blocks(weight, scale, block, "weight_scale_inv")
+
+
+FORMAT = Fp8Block()

@@ -1,0 +1,133 @@
+"""A recipe fully determines a generated checkpoint: architecture, sizes, format, knobs,
+layout and perturbations, plus a seed. It is stored in the manifest, so any checkpoint can
+be regenerated bit for bit from it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from harness.architectures import ARCHITECTURES
+from harness.errors import HarnessError
+from harness.formats import FORMAT_NAMES, get_format
+
+VLM_PREFIX = "model.language_model."
+
+LAYOUT_DEFAULTS: dict[str, Any] = {
+    "shards": 2,  # 1 writes a single model.safetensors without an index
+    "split_scale": False,  # put each quantized weight and its scale in different shards
+    "key_prefix": "model.",  # or VLM_PREFIX: keys as a vision-language checkpoint stores them
+    "dtype": "bfloat16",
+    "activation_amax": 4.0,  # the calibration amax behind static activation scales
+}
+LAYOUT_CHOICES: dict[str, tuple] = {
+    "key_prefix": ("model.", VLM_PREFIX),
+    "dtype": ("bfloat16", "float16", "float32"),
+}
+
+PERTURB_DEFAULTS: dict[str, Any] = {
+    "zero_block": False,  # the first scale block of every quantized weight is all zero
+    "subnormal_block": False,  # the last scale block is so small its scale is subnormal
+    "extreme_amax": "none",  # "tiny" (x1e-4) or "huge" (x1e3) weights: global scales at extremes
+    "nonfinite_scale": "none",  # "nan" or "inf" in one scale of the first layer: must be refused
+}
+PERTURB_CHOICES: dict[str, tuple] = {
+    "extreme_amax": ("none", "tiny", "huge"),
+    "nonfinite_scale": ("none", "nan", "inf"),
+}
+
+
+@dataclass
+class Recipe:
+    format: str
+    arch: str
+    seed: int = 0
+    config: dict[str, Any] = field(default_factory=dict)
+    knobs: dict[str, Any] = field(default_factory=dict)
+    layout: dict[str, Any] = field(default_factory=dict)
+    perturb: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> "Recipe":
+        unknown = set(data) - {"format", "arch", "seed", "config", "knobs", "layout", "perturb"}
+        if unknown:
+            raise HarnessError(f"recipe has unknown keys: {sorted(unknown)}")
+        return cls(**data)
+
+    def resolved(self) -> "ResolvedRecipe":
+        """Check every value and fill in the defaults; a bad value is a one-line HarnessError."""
+        if self.format not in FORMAT_NAMES:
+            raise HarnessError(f"unknown format '{self.format}' (known: {', '.join(FORMAT_NAMES)})")
+        if self.arch not in ARCHITECTURES:
+            raise HarnessError(f"unknown architecture '{self.arch}' (known: {', '.join(ARCHITECTURES)})")
+        fmt = get_format(self.format)
+        try:
+            settings = ARCHITECTURES[self.arch].settings(self.config)
+            knobs = fmt.resolve_knobs(self.knobs)
+        except KeyError as error:
+            raise HarnessError(f"unknown setting {error}") from None
+        except ValueError as error:
+            raise HarnessError(str(error)) from None
+        layout = _merge("layout", LAYOUT_DEFAULTS, LAYOUT_CHOICES, self.layout)
+        perturb = _merge("perturbation", PERTURB_DEFAULTS, PERTURB_CHOICES, self.perturb)
+        if not isinstance(layout["shards"], int) or layout["shards"] < 1:
+            raise HarnessError(f"shards must be a positive integer, got {layout['shards']!r}")
+        if layout["split_scale"] and layout["shards"] < 2:
+            raise HarnessError("split_scale needs shards >= 2")
+        return ResolvedRecipe(self, settings, knobs, layout, perturb)
+
+
+@dataclass
+class ResolvedRecipe:
+    recipe: Recipe
+    settings: dict[str, Any]
+    knobs: dict[str, Any]
+    layout: dict[str, Any]
+    perturb: dict[str, Any]
+
+
+def _merge(what: str, defaults: Mapping, choices: Mapping, overrides: Mapping) -> dict:
+    values = dict(defaults)
+    for key, value in overrides.items():
+        if key not in defaults:
+            raise HarnessError(f"unknown {what} setting '{key}'")
+        if key in choices and value not in choices[key]:
+            raise HarnessError(f"{key}={value!r}: expected one of {list(choices[key])}")
+        values[key] = value
+    return values
+
+
+def parse_value(text: str) -> Any:
+    """`--set` values: JSON where it parses (numbers, booleans, lists), a string otherwise."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def apply_settings(recipe: Recipe, assignments: list[str]) -> Recipe:
+    """Route each `KEY=VALUE` to the architecture config, the format knobs, the layout or a perturbation."""
+    fmt = get_format(recipe.format) if recipe.format in FORMAT_NAMES else None
+    arch = ARCHITECTURES.get(recipe.arch)
+    for assignment in assignments:
+        key, sep, text = assignment.partition("=")
+        if not sep or not key:
+            raise HarnessError(f"--set expects KEY=VALUE, got '{assignment}'")
+        value = parse_value(text)
+        if arch and (key in arch.settings({}) ):
+            recipe.config[key] = value
+        elif fmt and (key in fmt.knobs or key == "block_size"):
+            recipe.knobs[key] = value
+        elif key in LAYOUT_DEFAULTS:
+            recipe.layout[key] = value
+        elif key in PERTURB_DEFAULTS:
+            recipe.perturb[key] = value
+        else:
+            known = sorted({*(arch.settings({}) if arch else {}), *(fmt.knobs if fmt else {}),
+                            *LAYOUT_DEFAULTS, *PERTURB_DEFAULTS})
+            raise HarnessError(f"unknown setting '{key}' (known: {', '.join(known)})")
+    return recipe

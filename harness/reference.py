@@ -1,0 +1,66 @@
+"""The oracle: dequantize any checkpoint of a supported format from the format's definition.
+
+float64 throughout; the same code runs on any torch device. It trusts nothing in the
+checkpoint: files are checked by `Checkpoint`, tensors by the format's `dequantize`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from harness.checkpoint import Checkpoint
+from harness.errors import CheckpointError
+from harness.formats import detect_format
+from harness.formats.base import FormatError, QuantFormat
+
+
+def group_modules(names: list[str], fmt: QuantFormat) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """Split tensor names into quantized modules (module -> suffix -> name) and plain tensors."""
+    modules: dict[str, dict[str, str]] = {}
+    for name in names:
+        module, _, suffix = name.rpartition(".")
+        if suffix == fmt.marker:
+            modules[module] = {}
+    plain = []
+    for name in names:
+        module, _, suffix = name.rpartition(".")
+        if module in modules and suffix in fmt.suffixes:
+            modules[module][suffix] = name
+        else:
+            plain.append(name)
+    return modules, plain
+
+
+def dequantize_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, float64 tensor) for every weight: quantized Linears dequantized under
+    `<module>.weight`, everything else (biases, norms, embeddings) as stored; scale tensors
+    are consumed, not yielded."""
+    checkpoint = Checkpoint(directory)
+    config_path = checkpoint.directory / "config.json"
+    try:
+        fmt = detect_format(checkpoint.quantization_config)
+        knobs = fmt.knobs_from_config(checkpoint.quantization_config)
+    except FormatError as error:
+        raise CheckpointError(config_path, str(error)) from None
+    modules, plain = group_modules(checkpoint.names(), fmt)
+    for module, parts in sorted(modules.items()):
+        tensors = {suffix: checkpoint.tensor(name).to(device) for suffix, name in parts.items()}
+        try:
+            weight = fmt.dequantize(tensors, knobs)
+        except FormatError as error:
+            shard = checkpoint.shard_of(parts.get(fmt.marker, next(iter(parts.values()))))
+            raise CheckpointError(shard, f"{module}: {error}") from None
+        yield f"{module}.weight", weight
+    for name in plain:
+        yield name, checkpoint.tensor(name).to(device=device, dtype=torch.float64)
+
+
+def format_of(directory: str | Path) -> QuantFormat:
+    checkpoint = Checkpoint(directory)
+    try:
+        return detect_format(checkpoint.quantization_config)
+    except FormatError as error:
+        raise CheckpointError(checkpoint.directory / "config.json", str(error)) from None

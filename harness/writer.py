@@ -1,0 +1,210 @@
+"""Write a complete, offline-loadable checkpoint directory from a recipe, with its ground truth.
+
+Layout: config.json (with quantization_config), tokenizer.json, safetensors shards and
+model.safetensors.index.json (or one model.safetensors), and the harness's own files:
+harness_manifest.json plus harness_truth/{truth,original}.safetensors. The truth files
+live in a subdirectory so that loaders which glob `*.safetensors` never pick them up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from harness import __version__
+from harness.architectures import ARCHITECTURES
+from harness.checkpoint import INDEX_FILE, SINGLE_FILE
+from harness.errors import HarnessError
+from harness.formats import get_format
+from harness.formats.base import EXPECTATIONS, FormatError, QuantizedWeight
+from harness.recipe import VLM_PREFIX, Recipe, ResolvedRecipe
+from harness.tokenizer import write_tokenizer
+
+MANIFEST_FILE = "harness_manifest.json"
+TRUTH_DIR = "harness_truth"
+TRUTH_FILE = f"{TRUTH_DIR}/truth.safetensors"
+ORIGINAL_FILE = f"{TRUTH_DIR}/original.safetensors"
+IGNORED_MODULES = ["lm_head"]
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+EXTREME_FACTORS = {"none": 1.0, "tiny": 1e-4, "huge": 1e3}
+
+
+def float_weights(resolved: ResolvedRecipe) -> dict[str, torch.Tensor]:
+    """The unquantized model, in the model dtype, drawn from the recipe's seed.
+
+    Biases are drawn away from zero (|b| in [0.5, 1]) so that a clobbered bias is visible.
+    """
+    arch = ARCHITECTURES[resolved.recipe.arch]
+    generator = torch.Generator().manual_seed(resolved.recipe.seed)
+    dtype = DTYPES[resolved.layout["dtype"]]
+    weights = {}
+    for name, (shape, role) in arch.tensor_layout(resolved.settings).items():
+        normal = torch.randn(shape, generator=generator, dtype=torch.float32)
+        if role in ("linear", "lm_head"):
+            value = normal / math.sqrt(shape[1])
+        elif role == "bias":
+            magnitude = 0.5 + 0.5 * torch.rand(shape, generator=generator)
+            value = torch.where(normal < 0, -magnitude, magnitude)
+        elif role == "norm":
+            value = 1.0 + 0.1 * normal
+        else:
+            value = normal
+        weights[name] = value.to(dtype)
+    return weights
+
+
+def perturb_weight(weight: torch.Tensor, block: tuple[int, int], perturb: dict, fmt, knobs) -> tuple[torch.Tensor, list[str]]:
+    """Weight-level perturbations, applied before quantization so the truth includes them."""
+    notes = []
+    weight = weight.clone()
+    factor = EXTREME_FACTORS[perturb["extreme_amax"]]
+    if factor != 1.0:
+        weight = (weight.to(torch.float32) * factor).to(weight.dtype)
+        notes.append(f"weights scaled by {factor:g}: global scales at an extreme")
+    rows, cols = weight.shape
+    if perturb["subnormal_block"]:
+        r0, c0 = ((rows - 1) // block[0]) * block[0], ((cols - 1) // block[1]) * block[1]
+        region = weight[r0:, c0:].to(torch.float32)
+        amax = float(region.abs().max())
+        target = fmt.subnormal_amax(knobs, float(weight.to(torch.float32).abs().max()))
+        if amax > 0:
+            weight[r0:, c0:] = (region * (target / amax)).to(weight.dtype)
+            notes.append(f"block at [{r0}, {c0}] scaled to amax {target:.3g}: subnormal scale")
+    if perturb["zero_block"]:
+        weight[: block[0], : block[1]] = 0
+        notes.append(f"block [0:{block[0]}, 0:{block[1]}] is all zero")
+    return weight, notes
+
+
+def inject_nonfinite(quantized: QuantizedWeight, kind: str) -> str:
+    """Put NaN or inf into the first element of the module's first floating-point scale."""
+    for suffix, tensor in quantized.tensors.items():
+        if suffix in ("weight", "weight_packed") or not tensor.is_floating_point():
+            continue
+        flat = tensor.to(torch.float32).flatten()
+        flat[0] = math.nan if kind == "nan" else math.inf
+        quantized.tensors[suffix] = flat.reshape(tensor.shape).to(tensor.dtype)
+        quantized.expectation = "refuse"
+        note = f"{suffix}[0] set to {kind}: a loader must refuse it"
+        quantized.notes.append(note)
+        return note
+    raise HarnessError("this format has no floating-point scale to make non-finite")
+
+
+def rename_key(name: str, prefix: str) -> str:
+    return prefix + name.removeprefix("model.") if name.startswith("model.") else name
+
+
+def assign_shards(names: list[str], shards: int, split_pairs: dict[str, str]) -> dict[str, int]:
+    """Contiguous chunks by tensor order; a scale listed in `split_pairs` goes to the shard
+    after its weight's, so the pair is always split across files."""
+    primary = [n for n in names if n not in split_pairs]
+    placement = {name: min(i * shards // max(len(primary), 1), shards - 1) for i, name in enumerate(primary)}
+    for scale, weight in split_pairs.items():
+        placement[scale] = (placement[weight] + 1) % shards
+    return placement
+
+
+def combined_expectation(expectations) -> str:
+    return max(expectations, key=EXPECTATIONS.index, default="exact")
+
+
+def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
+    """Write the checkpoint for `recipe` into `out` (created; must be empty) and return its manifest."""
+    resolved = recipe.resolved()
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise HarnessError(f"{out}: output directory exists and is not empty")
+    fmt = get_format(recipe.format)
+    arch = ARCHITECTURES[recipe.arch]
+    dtype = DTYPES[resolved.layout["dtype"]]
+    originals = float_weights(resolved)
+    tensors: dict[str, torch.Tensor] = {}
+    truth: dict[str, torch.Tensor] = {}
+    modules: dict[str, dict] = {}
+    split_pairs: dict[str, str] = {}
+    first_linear = True
+    for name, weight in originals.items():
+        role = arch.tensor_layout(resolved.settings)[name][1]
+        if role != "linear":
+            tensors[name] = weight
+            truth[name] = weight.to(torch.float64)
+            continue
+        module = name.removesuffix(".weight")
+        block = fmt.scale_block(resolved.knobs, tuple(weight.shape))
+        weight, notes = perturb_weight(weight, block, resolved.perturb, fmt, resolved.knobs)
+        originals[name] = weight
+        try:
+            quantized = fmt.quantize(weight, resolved.knobs, model_dtype=dtype,
+                                     activation_amax=resolved.layout["activation_amax"])
+        except FormatError as error:
+            raise HarnessError(f"{recipe.format} cannot quantize {name} {list(weight.shape)}: {error}") from None
+        quantized.notes[:0] = notes
+        if first_linear and resolved.perturb["nonfinite_scale"] != "none":
+            inject_nonfinite(quantized, resolved.perturb["nonfinite_scale"])
+        first_linear = False
+        for suffix, tensor in quantized.tensors.items():
+            tensors[f"{module}.{suffix}"] = tensor
+        if resolved.layout["split_scale"]:
+            split_pairs[f"{module}.{fmt.marker}"] = f"{module}.{fmt.suffixes[0]}"
+        truth[name] = quantized.truth
+        modules[module] = {"shape": list(weight.shape), "expectation": quantized.expectation,
+                           "notes": quantized.notes}
+    checkpoint_notes = []
+    prefix = resolved.layout["key_prefix"]
+    if prefix == VLM_PREFIX:
+        checkpoint_notes.append("keys stored under 'model.language_model.': a text-model loader must map "
+                                "them onto 'model.' or refuse the checkpoint, never load random weights")
+    expectation = combined_expectation(
+        [m["expectation"] for m in modules.values()] + (["exact-or-refuse"] if checkpoint_notes else []))
+
+    rename = {name: rename_key(name, prefix) for name in tensors}
+    names = [rename[n] for n in tensors]
+    split_pairs = {rename[s]: rename[w] for s, w in split_pairs.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    _write_shards(out, {rename[n]: t for n, t in tensors.items()}, names, resolved.layout["shards"], split_pairs)
+
+    config = arch.config_json(resolved.settings, resolved.layout["dtype"])
+    config["quantization_config"] = fmt.quantization_config(resolved.knobs, IGNORED_MODULES)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}, indent=2) + "\n")
+    write_tokenizer(out, resolved.settings["vocab_size"])
+
+    (out / TRUTH_DIR).mkdir()
+    save_file({rename[n]: t.contiguous() for n, t in truth.items()}, str(out / TRUTH_FILE))
+    save_file({rename[n]: t.contiguous() for n, t in originals.items()}, str(out / ORIGINAL_FILE))
+    manifest = {
+        "harness_version": __version__,
+        "recipe": recipe.to_json(),
+        "resolved": {"config": resolved.settings, "knobs": resolved.knobs, "layout": resolved.layout,
+                     "perturb": resolved.perturb},
+        "format": recipe.format,
+        "expectation": expectation,
+        "notes": checkpoint_notes,
+        "modules": {rename_key(m, prefix): info for m, info in modules.items()},
+        "truth_file": TRUTH_FILE,
+        "original_file": ORIGINAL_FILE,
+    }
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _write_shards(out: Path, tensors: dict[str, torch.Tensor], names: list[str], shards: int,
+                  split_pairs: dict[str, str]) -> None:
+    if shards == 1:
+        save_file({n: tensors[n].contiguous() for n in names}, str(out / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    placement = assign_shards(names, shards, split_pairs)
+    files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    for index, file in enumerate(files):
+        chunk = {n: tensors[n].contiguous() for n in names if placement[n] == index}
+        save_file(chunk, str(out / file), metadata={"format": "pt"})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": {n: files[placement[n]] for n in sorted(names)}}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
