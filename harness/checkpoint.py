@@ -1,12 +1,18 @@
 """Reading a checkpoint directory defensively: every file is checked before it is trusted.
 
-Refused with a one-line CheckpointError: a missing or truncated shard, an index entry that
-escapes the directory, an absurd safetensors header, a tensor whose bytes do not fit.
+Refused with a one-line CheckpointError naming the file: a missing, truncated or
+non-regular file, a file (or symlink) that leads outside the checkpoint directory, an
+absurd or malformed safetensors header, a tensor whose bytes do not fit the file, JSON
+that is not JSON. Nothing here reads a byte outside the directory it was given, and
+nothing reads an unbounded amount: JSON files and safetensors headers are size-capped
+before they are read, and only regular files are opened (never a FIFO or a device).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import struct
 from pathlib import Path
 from typing import Any, Iterator
@@ -16,73 +22,167 @@ from safetensors import safe_open
 
 from harness.errors import CheckpointError
 
+CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
 MAX_JSON_BYTES = 64 * 2**20
 
+#: bytes per element of each safetensors dtype this reader accepts (sub-byte dtypes are refused)
 DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
-    "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1,
+    "F8_E8M0": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4,
+    "U64": 8, "I64": 8, "F64": 8, "C64": 8,
 }
 
 
-def read_json(path: Path, what: str) -> Any:
-    if not path.is_file():
-        raise CheckpointError(path, f"{what} not found")
-    if path.stat().st_size > MAX_JSON_BYTES:
-        raise CheckpointError(path, f"{what} is larger than {MAX_JSON_BYTES} bytes")
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _regular_file(path: Path, what: str) -> os.stat_result:
+    """stat() a file that must exist and be a regular file (following symlinks)."""
     try:
-        return json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        info = path.stat()
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise CheckpointError(path, f"{what} is a dangling symlink") from None
+        raise CheckpointError(path, f"{what} not found") from None
+    except OSError as error:  # a symlink loop, a permission problem, a name too long
+        raise CheckpointError(path, f"{what} cannot be read ({error.strerror or error})") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise CheckpointError(path, f"{what} is a directory, not a file")
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(path, f"{what} is not a regular file")
+    return info
+
+
+def _parse_json(data: bytes) -> Any:
+    """json.loads, with every way it can fail (bad UTF, bad syntax, deep nesting, huge ints) as ValueError."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"not UTF-8: {error.reason} at byte {error.start}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{error.msg}: line {error.lineno} column {error.colno}") from None
+    except ValueError as error:  # e.g. an integer with more digits than Python converts
+        raise ValueError(str(error).splitlines()[0] if str(error) else type(error).__name__) from None
+
+
+def read_json(path: Path, what: str) -> Any:
+    """A JSON file, refused if missing, not a regular file, over MAX_JSON_BYTES or not JSON."""
+    path = Path(path)
+    info = _regular_file(path, what)
+    if info.st_size > MAX_JSON_BYTES:
+        raise CheckpointError(path, f"{what} is {info.st_size} bytes, larger than the {MAX_JSON_BYTES} allowed")
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(MAX_JSON_BYTES + 1)
+    except OSError as error:
+        raise CheckpointError(path, f"{what} cannot be read ({error.strerror or error})") from None
+    if len(data) > MAX_JSON_BYTES:  # the file grew since stat()
+        raise CheckpointError(path, f"{what} is larger than the {MAX_JSON_BYTES} bytes allowed")
+    try:
+        return _parse_json(data)
+    except ValueError as error:
         raise CheckpointError(path, f"{what} is not valid JSON ({error})") from None
 
 
 def read_safetensors_header(path: Path) -> dict[str, dict]:
-    """Parse and check a safetensors header without trusting it; tensor name -> entry."""
-    size = path.stat().st_size
-    with path.open("rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise CheckpointError(path, f"truncated: {size} bytes, not even a header length")
-        (header_length,) = struct.unpack("<Q", prefix)
-        if header_length > MAX_HEADER_BYTES or header_length > size - 8:
-            raise CheckpointError(path, f"header length {header_length} is absurd for a file of {size} bytes")
-        raw = handle.read(header_length)
+    """Parse and check a safetensors header without trusting it; tensor name -> entry.
+
+    Checks what the safetensors library would refuse later, so that the refusal names the
+    tensor and happens before anything is computed: the header length against the file,
+    the entries' form, dtype and shape against their byte range, and that the byte ranges
+    tile the data section exactly (no overlap, no hole, nothing past the end).
+    """
+    path = Path(path)
+    size = _regular_file(path, "safetensors file").st_size
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CheckpointError(path, "header is not valid JSON") from None
+        with path.open("rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(path, f"truncated: {size} bytes, not even a header length")
+            (header_length,) = struct.unpack("<Q", prefix)
+            if header_length > MAX_HEADER_BYTES:
+                raise CheckpointError(path, f"header length {header_length} is absurd (the limit is "
+                                            f"{MAX_HEADER_BYTES}; the file has {size} bytes)")
+            if header_length > size - 8:
+                raise CheckpointError(path, f"truncated: header length {header_length} exceeds the "
+                                            f"{size - 8} bytes after the length field")
+            raw = handle.read(header_length)
+    except OSError as error:
+        raise CheckpointError(path, f"cannot be read ({error.strerror or error})") from None
+    if len(raw) != header_length:  # the file shrank since stat()
+        raise CheckpointError(path, f"truncated: header of {header_length} bytes, {len(raw)} read")
+    try:
+        header = _parse_json(raw)
+    except ValueError as error:
+        raise CheckpointError(path, f"header is not valid JSON ({error})") from None
     if not isinstance(header, dict):
         raise CheckpointError(path, "header is not a JSON object")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise CheckpointError(path, "header __metadata__ is not a map of strings")
     data_size = size - 8 - header_length
+    ranges = []
     for name, entry in header.items():
-        try:
-            dtype, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            count = 1
-            for dim in shape:
-                count *= int(dim)
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(path, f"tensor '{name}' has a malformed header entry") from None
-        if dtype not in DTYPE_BYTES:
-            raise CheckpointError(path, f"tensor '{name}' has unsupported dtype {dtype}")
-        if not (0 <= start <= end) or end - start != count * DTYPE_BYTES[dtype]:
-            raise CheckpointError(path, f"tensor '{name}' offsets {[start, end]} do not match shape {shape} {dtype}")
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            raise CheckpointError(path, f"tensor {name!r} has a malformed header entry")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+            raise CheckpointError(path, f"tensor {name!r} has unsupported dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise CheckpointError(path, f"tensor {name!r} has an invalid shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise CheckpointError(path, f"tensor {name!r} has invalid data_offsets {offsets!r}")
+        start, end = offsets
+        count = 1
+        for dim in shape:
+            count *= dim
+        if end - start != count * DTYPE_BYTES[dtype]:
+            raise CheckpointError(path, f"tensor {name!r} data_offsets {offsets} hold {end - start} bytes "
+                                        f"but shape {shape} {dtype} needs {count * DTYPE_BYTES[dtype]}")
         if end > data_size:
-            raise CheckpointError(path, f"truncated: tensor '{name}' ends at byte {end} of {data_size} data bytes")
+            raise CheckpointError(path, f"truncated: tensor {name!r} data_offsets {offsets} extend past the "
+                                        f"{data_size} data bytes in the file")
+        ranges.append((start, end, name))
+    position = 0
+    for start, end, name in sorted(ranges):
+        if start != position:
+            problem = "overlaps another tensor" if start < position else f"leaves a gap at byte {position}"
+            raise CheckpointError(path, f"tensor {name!r} data_offsets {[start, end]} {problem}")
+        position = end
+    if position != data_size:
+        raise CheckpointError(path, f"{data_size - position} bytes after the last tensor belong to none")
     return header
 
 
-def contained_file(directory: Path, name: Any, what: str) -> Path:
-    """A file named by the checkpoint itself; refused if the name leaves the directory."""
-    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
-        raise CheckpointError(directory / INDEX_FILE, f"{what} {name!r} escapes the checkpoint directory")
+def contained_file(directory: Path, name: Any, what: str, referrer: Path | None = None) -> Path:
+    """A regular file named by the checkpoint itself, refused if the name (or a symlink on
+    the way) leads outside the directory. `referrer` is the file that named it (the index
+    by default) and is blamed for a bad name."""
+    directory = Path(directory)
+    referrer = directory / INDEX_FILE if referrer is None else Path(referrer)
+    if not isinstance(name, str) or not name or any(ord(c) < 32 for c in name):
+        raise CheckpointError(referrer, f"{what} {name!r} is not a file name")
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        raise CheckpointError(referrer, f"{what} {name!r} escapes the checkpoint directory")
     path = directory / name
-    if not path.resolve().is_relative_to(directory.resolve()):
-        raise CheckpointError(directory / INDEX_FILE, f"{what} {name!r} escapes the checkpoint directory")
-    if not path.is_file():
-        raise CheckpointError(path, f"{what} is missing")
+    try:
+        real_directory = directory.resolve(strict=True)
+        real_path = path.resolve()
+    except (OSError, RuntimeError) as error:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise CheckpointError(path, f"{what} cannot be resolved ({error})") from None
+    if not real_path.is_relative_to(real_directory):
+        raise CheckpointError(path, f"{what} {name!r} is a symlink to {real_path}, outside the checkpoint "
+                                    "directory")
+    _regular_file(path, what)
     return path
 
 
@@ -92,35 +192,52 @@ class Checkpoint:
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         if not self.directory.is_dir():
-            raise CheckpointError(self.directory, "not a directory")
-        self.config: dict = read_json(self.directory / "config.json", "config.json")
+            raise CheckpointError(self.directory, "not a directory" if self.directory.exists() else "not found")
+        config_path = contained_file(self.directory, CONFIG_FILE, CONFIG_FILE, referrer=self.directory)
+        self.config: dict = read_json(config_path, CONFIG_FILE)
         if not isinstance(self.config, dict):
-            raise CheckpointError(self.directory / "config.json", "config.json is not a JSON object")
+            raise CheckpointError(config_path, "config.json is not a JSON object")
         self.weight_map = self._resolve_weight_map()
         self.headers = {path: read_safetensors_header(path) for path in sorted(set(self.weight_map.values()))}
         for name, path in self.weight_map.items():
             if name not in self.headers[path]:
-                raise CheckpointError(path, f"the index places tensor '{name}' here but the shard lacks it")
+                raise CheckpointError(path, f"the index places tensor {name!r} here but the shard lacks it")
 
     def _resolve_weight_map(self) -> dict[str, Path]:
         index_path = self.directory / INDEX_FILE
-        if index_path.exists():
+        if index_path.exists() or index_path.is_symlink():
+            index_path = contained_file(self.directory, INDEX_FILE, "index", referrer=self.directory)
             index = read_json(index_path, "index")
-            weight_map = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(weight_map, dict) or not weight_map:
+            if not isinstance(index, dict):
+                raise CheckpointError(index_path, "index is not a JSON object")
+            weight_map = index.get("weight_map")
+            if weight_map is None:
                 raise CheckpointError(index_path, "index has no weight_map")
-            shards = {name: contained_file(self.directory, name, "shard") for name in set(weight_map.values())}
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(index_path, "index weight_map is not a JSON object")
+            if not weight_map:
+                raise CheckpointError(index_path, "index weight_map is empty")
+            shards = {}
+            for shard in weight_map.values():
+                if not isinstance(shard, str):
+                    raise CheckpointError(index_path, f"index weight_map names shard {shard!r}, not a file name")
+                if shard not in shards:
+                    shards[shard] = contained_file(self.directory, shard, "shard", referrer=index_path)
             return {tensor: shards[shard] for tensor, shard in weight_map.items()}
-        single = self.directory / SINGLE_FILE
-        if not single.is_file():
+        if not (self.directory / SINGLE_FILE).exists() and not (self.directory / SINGLE_FILE).is_symlink():
             raise CheckpointError(self.directory, f"neither {INDEX_FILE} nor {SINGLE_FILE} found")
-        return {name: single for name in read_safetensors_header(single)}
+        single = contained_file(self.directory, SINGLE_FILE, SINGLE_FILE, referrer=self.directory)
+        header = read_safetensors_header(single)
+        if not header:
+            raise CheckpointError(single, "holds no tensors")
+        return {name: single for name in header}
 
     @property
     def quantization_config(self) -> dict:
         config = self.config.get("quantization_config")
         if not isinstance(config, dict):
-            raise CheckpointError(self.directory / "config.json", "config.json has no quantization_config")
+            problem = "has no quantization_config" if config is None else "quantization_config is not a JSON object"
+            raise CheckpointError(self.directory / CONFIG_FILE, f"config.json {problem}")
         return config
 
     def names(self) -> list[str]:
@@ -135,7 +252,7 @@ class Checkpoint:
             with safe_open(str(path), framework="pt") as handle:
                 return handle.get_tensor(name)
         except Exception as error:  # safetensors raises its own error types
-            raise CheckpointError(path, f"cannot read tensor '{name}': {error}") from None
+            raise CheckpointError(path, f"cannot read tensor {name!r}: {_one_line(error)}") from None
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """All tensors, shard by shard, each shard opened once."""
@@ -143,6 +260,19 @@ class Checkpoint:
         for name, path in self.weight_map.items():
             by_shard.setdefault(path, []).append(name)
         for path, names in sorted(by_shard.items()):
-            with safe_open(str(path), framework="pt") as handle:
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as error:
+                raise CheckpointError(path, f"cannot open: {_one_line(error)}") from None
+            with handle:
                 for name in sorted(names):
-                    yield name, handle.get_tensor(name)
+                    try:
+                        tensor = handle.get_tensor(name)
+                    except Exception as error:
+                        raise CheckpointError(path, f"cannot read tensor {name!r}: {_one_line(error)}") from None
+                    yield name, tensor
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text or type(error).__name__

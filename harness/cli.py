@@ -1,4 +1,4 @@
-"""`python -m harness`: gen, dequant, sweep. Every user error is one line on stderr and exit 2."""
+"""`python -m harness`: gen, dequant, sweep, compare. Every user error is one line on stderr and exit 2."""
 
 from __future__ import annotations
 
@@ -70,6 +70,74 @@ def command_sweep(args) -> int:
     return EXIT_FINDING if failed else EXIT_OK
 
 
+def parse_engines(text: str) -> list[str]:
+    from harness.engines import engine_spec
+
+    engines = [e.strip() for e in text.split(",") if e.strip()]
+    if not engines:
+        raise HarnessError("--engines needs at least one engine")
+    for engine in engines:
+        engine_spec(engine)
+    return engines
+
+
+def command_compare(args) -> int:
+    import tempfile
+
+    from harness.engines.process import Limits
+    from harness.known_issues import KnownIssues
+    from harness.report import write_report
+    from harness.runner import EngineSession, evaluate
+
+    directory = Path(args.directory)
+    if not directory.is_dir():
+        raise HarnessError(f"{directory}: not a directory")
+    engines = parse_engines(args.engines)
+    known = KnownIssues.load()
+    with tempfile.TemporaryDirectory(prefix="harness-") as scratch:
+        work = Path(args.report) if args.report else Path(scratch)
+        session = EngineSession(engines, work / "work", Limits(args.timeout, args.memory_mb))
+        try:
+            result = evaluate(directory, session, known)
+        finally:
+            session.close()
+        for item in result.findings:
+            engine_list = item.engine if item.engine == "reference" else f"reference,{item.engine}"
+            item.reproduction = str(directory.resolve())
+            item.command = f"python -m harness compare {directory.resolve()} --engines {engine_list}"
+        print_outcomes(result)
+        if args.report:
+            engines_info = {e: {"version": session.versions.get(e, ""), "status": session.unavailable.get(e, "ran")}
+                            for e in engines}
+            path = write_report(Path(args.report), result.findings, [checkpoint_json(result)], engines_info,
+                                f"compare {directory}")
+            print(f"report: {path} and {path.with_suffix('.md')}")
+    new = [f for f in result.findings if not f.known_issue]
+    return EXIT_FINDING if new else EXIT_OK
+
+
+def checkpoint_json(result) -> dict:
+    from dataclasses import asdict
+
+    return {"directory": result.directory, "format": result.format, "expectation": result.expectation,
+            "outcomes": {e: asdict(o) for e, o in result.outcomes.items()}}
+
+
+def print_outcomes(result) -> None:
+    print(f"{result.directory} ({result.format}, expectation {result.expectation})")
+    for engine, outcome in result.outcomes.items():
+        ppl = f", perplexity {outcome.perplexity:.4g}" if outcome.perplexity is not None else ""
+        detail = f": {outcome.detail}" if outcome.detail else ""
+        print(f"  {engine:<20} {outcome.status}{ppl}{detail}")
+    for item in result.findings:
+        tag = f"known issue {item.known_issue}" if item.known_issue else "NEW"
+        print(f"  finding [{tag}] {item.engine} {item.kind}: {item.message}")
+        if item.command and not item.known_issue:
+            print(f"    reproduce: {item.command}")
+    if not result.findings:
+        print("  no findings: every engine that ran agrees within tolerance")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="python -m harness", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -89,6 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
     dequant.add_argument("directory", help="checkpoint directory (format detected from config.json)")
     dequant.add_argument("--out", required=True, help="output .safetensors file")
     dequant.set_defaults(run=command_dequant)
+
+    compare = commands.add_parser("compare", help="load one checkpoint in several engines and judge each")
+    compare.add_argument("directory", help="checkpoint directory (generated or not)")
+    compare.add_argument("--engines", default="reference,transformers",
+                         help="comma-separated: reference, transformers, compressed-tensors, vllm, or package.module:Class")
+    compare.add_argument("--report", help="write OUTDIR/report.json and report.md here")
+    compare.add_argument("--timeout", type=float, default=600.0, help="seconds an engine may take per request")
+    compare.add_argument("--memory-mb", type=float, default=16000.0, help="resident memory limit per engine worker")
+    compare.set_defaults(run=command_compare)
 
     sweep = commands.add_parser("sweep", help="gen + dequant every format x architecture at odd sizes, "
                                 "judged against the recorded truth")

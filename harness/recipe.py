@@ -12,7 +12,7 @@ from harness.architectures import ARCHITECTURES
 from harness.errors import HarnessError
 from harness.formats import FORMAT_NAMES, get_format
 
-VLM_PREFIX = "model.language_model."
+from harness.naming import VLM_PREFIX
 
 LAYOUT_DEFAULTS: dict[str, Any] = {
     "shards": 2,  # 1 writes a single model.safetensors without an index

@@ -39,12 +39,7 @@ def dequantize_checkpoint(directory: str | Path, device: str | torch.device = "c
     `<module>.weight`, everything else (biases, norms, embeddings) as stored; scale tensors
     are consumed, not yielded."""
     checkpoint = Checkpoint(directory)
-    config_path = checkpoint.directory / "config.json"
-    try:
-        fmt = detect_format(checkpoint.quantization_config)
-        knobs = fmt.knobs_from_config(checkpoint.quantization_config)
-    except FormatError as error:
-        raise CheckpointError(config_path, str(error)) from None
+    fmt, knobs = format_and_knobs(checkpoint)
     modules, plain = group_modules(checkpoint.names(), fmt)
     for module, parts in sorted(modules.items()):
         tensors = {suffix: checkpoint.tensor(name).to(device) for suffix, name in parts.items()}
@@ -58,9 +53,11 @@ def dequantize_checkpoint(directory: str | Path, device: str | torch.device = "c
         yield name, checkpoint.tensor(name).to(device=device, dtype=torch.float64)
 
 
-def format_of(directory: str | Path) -> QuantFormat:
-    checkpoint = Checkpoint(directory)
+def format_and_knobs(source: str | Path | Checkpoint) -> tuple[QuantFormat, dict]:
+    """The checkpoint's format and the parameters its dequantizer needs, from config.json."""
+    checkpoint = source if isinstance(source, Checkpoint) else Checkpoint(source)
     try:
-        return detect_format(checkpoint.quantization_config)
+        fmt = detect_format(checkpoint.quantization_config)
+        return fmt, fmt.knobs_from_config(checkpoint.quantization_config)
     except FormatError as error:
         raise CheckpointError(checkpoint.directory / "config.json", str(error)) from None

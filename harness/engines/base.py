@@ -1,0 +1,65 @@
+"""The small protocol every engine implements, in-process inside a worker subprocess.
+
+An engine loads a checkpoint directory as its users would, then answers: the weights it
+really holds (dequantized to float32 where it keeps them packed, read after a forward where
+it decompresses lazily), its load report, next-token log-probabilities, greedy generation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class LoadReport:
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class EngineUnsupported(Exception):
+    """The engine does not implement this format or feature (not a finding, a skip)."""
+
+
+class Engine:
+    """Subclass and implement; register in harness.engines.REGISTRY or pass `module:Class`."""
+
+    name: str = ""
+    #: the distribution whose version identifies this engine in findings and known issues
+    package: str = ""
+
+    def version(self) -> str:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version(self.package) if self.package else "n/a"
+        except PackageNotFoundError:
+            return "not installed"
+
+    def unsupported_reason(self, format_name: str) -> str | None:
+        """Why this engine cannot load `format_name` here, or None when it can."""
+        return None
+
+    def load(self, directory: str) -> LoadReport:
+        raise NotImplementedError
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every Linear weight and bias, norm and embedding, under HF module names, float32."""
+        raise NotImplementedError
+
+    def logprobs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """Per sequence, float32 [len-1, vocab]: log-softmax of the prediction for tokens 1..len-1."""
+        raise NotImplementedError
+
+    def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        raise NotImplementedError
+
+    def unload(self) -> None:
+        """Free the loaded model so the next load starts clean."""

@@ -1,0 +1,77 @@
+"""What the engines that run a transformers model class share: forward, generation, weights."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from harness.naming import canonical_name
+
+
+@torch.no_grad()
+def model_logprobs(model, sequences: list[list[int]]) -> list[torch.Tensor]:
+    rows = []
+    for sequence in sequences:
+        ids = torch.tensor([sequence], device=model.device)
+        logits = model(input_ids=ids).logits[0, :-1].to(torch.float32)
+        rows.append(torch.log_softmax(logits, dim=-1))
+    return rows
+
+
+@torch.no_grad()
+def model_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def held_weights(model, fmt=None, knobs=None) -> dict[str, torch.Tensor]:
+    """The model's parameters under canonical names, float32. A Linear that still holds packed
+    tensors (its weight not floating point, or FP8) is dequantized with the format's reference
+    from exactly the tensors it holds."""
+    result = {}
+    for module_name, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
+        if not params:
+            continue
+        packed = "weight" in params and (params["weight"].dtype in (torch.float8_e4m3fn, torch.uint8))
+        packed = packed or ("weight_packed" in params)
+        if packed and fmt is not None:
+            tensors = {k: v for k, v in params.items() if k in fmt.suffixes}
+            result[canonical_name(f"{module_name}.weight")] = fmt.dequantize(tensors, knobs).to(torch.float32)
+            if "bias" in params:
+                result[canonical_name(f"{module_name}.bias")] = params["bias"].float()
+            continue
+        for name, tensor in params.items():
+            if name in ("weight", "bias") and tensor.is_floating_point():
+                result[canonical_name(f"{module_name}.{name}" if module_name else name)] = tensor.float()
+    return result
+
+
+class _Collect(logging.Handler):
+    def __init__(self, sink: list[str]):
+        super().__init__(logging.WARNING)
+        self.sink = sink
+
+    def emit(self, record):
+        self.sink.append(record.getMessage().splitlines()[0][:300] if record.getMessage() else "")
+
+
+@contextmanager
+def captured_warnings(sink: list[str], loggers=("transformers", "compressed_tensors", "vllm")):
+    """Collect warnings and WARNING log records raised while loading (first line of each)."""
+    handler = _Collect(sink)
+    for name in loggers:
+        logging.getLogger(name).addHandler(handler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for name in loggers:
+                logging.getLogger(name).removeHandler(handler)
+            sink.extend(str(w.message).splitlines()[0][:300] for w in caught if str(w.message))

@@ -1,0 +1,151 @@
+"""Run an engine in a worker subprocess that stays alive across checkpoints.
+
+The worker inherits the user's environment unchanged (PYTHONPATH, HF_HOME,
+CUDA_VISIBLE_DEVICES, ...). It is killed, and the failure reported, when it crashes, answers
+nothing within the timeout, or its resident memory passes the limit; the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class EngineFailure(Exception):
+    """The worker died, hung or blew its memory limit. `kind` is crash, timeout or memory."""
+
+    def __init__(self, kind: str, message: str, log_tail: str = ""):
+        super().__init__(message)
+        self.kind = kind
+        self.log_tail = log_tail
+
+
+class EngineError(Exception):
+    """The engine raised inside the worker (the worker itself is fine)."""
+
+    def __init__(self, message: str, traceback: str, unsupported: bool = False):
+        super().__init__(message)
+        self.traceback = traceback
+        self.unsupported = unsupported
+
+
+@dataclass
+class Limits:
+    timeout_s: float = 600.0
+    memory_mb: float = 16_000.0
+
+
+def resident_mb(pid: int) -> float:
+    """RSS of a process and its children, from /proc (0 where /proc is unavailable)."""
+    total = 0.0
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    for p in [pid, *map(int, children)]:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+        except OSError:
+            pass
+    return total
+
+
+class EngineProcess:
+    def __init__(self, spec: str, python: str | None, log_path: Path, limits: Limits):
+        self.spec = spec
+        self.python = python or sys.executable
+        self.log_path = Path(log_path)
+        self.limits = limits
+        self.process: subprocess.Popen | None = None
+        self.info: dict = {}
+        self.peak_mb = 0.0
+
+    def start(self) -> dict:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            [self.python, "-m", "harness.engines.worker", self.spec],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            start_new_session=True, text=True, bufsize=1,
+        )
+        self.info = self._receive(self.limits.timeout_s)
+        return self.info
+
+    def request(self, op: str, timeout_s: float | None = None, **payload) -> dict:
+        if self.process is None or self.process.poll() is not None:
+            raise EngineFailure("crash", f"worker for {self.spec} is not running", self.log_tail())
+        try:
+            self.process.stdin.write(json.dumps({"op": op, **payload}) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            self._kill()
+            raise EngineFailure("crash", f"worker for {self.spec} died", self.log_tail()) from None
+        return self._receive(timeout_s or self.limits.timeout_s)
+
+    def _receive(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        stdout = self.process.stdout
+        while True:
+            ready, _, _ = select.select([stdout], [], [], 0.2)
+            if ready:
+                line = stdout.readline()
+                if not line:
+                    code = self.process.wait(timeout=10)
+                    self._kill()
+                    raise EngineFailure("crash", f"worker for {self.spec} exited with status {code}", self.log_tail())
+                message = json.loads(line)
+                if not message.pop("ok"):
+                    if not self.info:  # failed before it could serve
+                        self._kill()
+                        raise EngineFailure("crash", message["error"], message.get("traceback", ""))
+                    raise EngineError(message["error"], message.get("traceback", ""), message.get("unsupported", False))
+                return message
+            memory = resident_mb(self.process.pid)
+            self.peak_mb = max(self.peak_mb, memory)
+            if memory > self.limits.memory_mb:
+                self._kill()
+                raise EngineFailure("memory", f"worker for {self.spec} used {memory:.0f} MB, over the "
+                                    f"{self.limits.memory_mb:.0f} MB limit", self.log_tail())
+            if time.monotonic() > deadline:
+                self._kill()
+                raise EngineFailure("timeout", f"worker for {self.spec} gave no answer within {timeout_s:.0f} s",
+                                    self.log_tail())
+            if self.process.poll() is not None and not select.select([stdout], [], [], 0)[0]:
+                code = self.process.returncode
+                self._kill()
+                raise EngineFailure("crash", f"worker for {self.spec} exited with status {code}", self.log_tail())
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def _kill(self) -> None:
+        if self.process and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait()
+
+    def close(self) -> None:
+        if self.process and self.process.poll() is None:
+            try:
+                self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.process.stdin.flush()
+                self.process.wait(timeout=20)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                pass
+        self._kill()
+        if hasattr(self, "_log"):
+            self._log.close()

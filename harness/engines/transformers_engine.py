@@ -1,0 +1,48 @@
+"""`transformers`: AutoModelForCausalLM.from_pretrained as users call it (checkpoint dtype, CPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.engines.base import Engine, LoadReport
+from harness.engines.hf_common import captured_warnings, held_weights, model_generate, model_logprobs
+
+
+class TransformersEngine(Engine):
+    name = "transformers"
+    package = "transformers"
+
+    def __init__(self):
+        self.model = None
+        self.fmt = self.knobs = None
+
+    def load(self, directory: str) -> LoadReport:
+        from transformers import AutoModelForCausalLM
+
+        from harness.reference import format_and_knobs
+
+        self.fmt, self.knobs = format_and_knobs(directory)
+        report = LoadReport()
+        with captured_warnings(report.warnings):
+            self.model, info = AutoModelForCausalLM.from_pretrained(
+                directory, output_loading_info=True, local_files_only=True)
+        self.model.eval()
+        report.missing = sorted(info.get("missing_keys", []))
+        report.unexpected = sorted(info.get("unexpected_keys", []))
+        report.mismatched = sorted(str(k) for k in info.get("mismatched_keys", []))
+        # compressed-tensors decompresses on the first forward: run one so weights are what it computes
+        with torch.no_grad():
+            self.model(input_ids=torch.tensor([[1, 3, 4, 5]], device=self.model.device))
+        return report
+
+    def weights(self):
+        return held_weights(self.model, self.fmt, self.knobs)
+
+    def logprobs(self, sequences):
+        return model_logprobs(self.model, sequences)
+
+    def generate(self, prompt, max_new_tokens):
+        return model_generate(self.model, prompt, max_new_tokens)
+
+    def unload(self):
+        self.model = None

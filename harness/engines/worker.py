@@ -1,0 +1,71 @@
+"""Worker process: hosts one engine, answers JSON requests line by line.
+
+`python -m harness.engines.worker SPEC` is started by `EngineProcess`, possibly under another
+Python environment (vLLM's). Requests arrive on stdin; answers leave on a private copy of
+stdout, while fd 1 itself is pointed at stderr, so that whatever a library prints can never
+corrupt the protocol. Tensors travel as safetensors files in a directory the parent names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+
+def serve(spec: str) -> int:
+    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def answer(**payload) -> None:
+        channel.write(json.dumps(payload) + "\n")
+
+    try:
+        from harness.engines import load_engine
+
+        engine = load_engine(spec)
+    except BaseException as error:  # the engine could not even be imported: say why, then stop
+        answer(ok=False, error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
+        return 1
+    answer(ok=True, name=engine.name or spec, version=engine.version(), python=sys.executable)
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request.pop("op")
+        if op == "quit":
+            break
+        try:
+            answer(ok=True, **handle(engine, op, request))
+        except BaseException as error:
+            answer(ok=False, error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc(),
+                   unsupported=type(error).__name__ == "EngineUnsupported")
+    return 0
+
+
+def handle(engine, op: str, request: dict) -> dict:
+    import torch
+    from safetensors.torch import save_file
+
+    if op == "unsupported":
+        return {"reason": engine.unsupported_reason(request["format"])}
+    if op == "load":
+        engine.unload()
+        return {"report": engine.load(request["directory"]).to_json()}
+    if op == "weights":
+        weights = {name: tensor.detach().to("cpu", torch.float32).contiguous()
+                   for name, tensor in engine.weights().items()}
+        save_file(weights, request["out"])
+        return {"count": len(weights)}
+    if op == "logprobs":
+        rows = engine.logprobs(request["sequences"])
+        save_file({f"seq{i}": r.detach().to("cpu", torch.float32).contiguous() for i, r in enumerate(rows)},
+                  request["out"])
+        return {"count": len(rows)}
+    if op == "generate":
+        return {"tokens": engine.generate(request["prompt"], request["max_new_tokens"])}
+    raise ValueError(f"unknown op {op!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(serve(sys.argv[1]))

@@ -1,0 +1,104 @@
+"""Known upstream issues are data (cases/known_issues.toml). A matching finding is reported but
+does not fail a run; each entry carries a reproducer recipe, and an entry whose reproducer no
+longer reproduces fails the suite (strict), so the list stays true."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from harness.errors import HarnessError
+from harness.findings import KINDS, Finding
+
+DEFAULT_FILE = Path(__file__).resolve().parent.parent / "cases" / "known_issues.toml"
+FIELDS = {"id", "engine", "versions", "formats", "kind", "message", "partial_blocks", "reason", "upstream",
+          "reproducer", "status"}
+REQUIRED = {"id", "engine", "versions", "formats", "kind", "reason", "reproducer"}
+
+
+@dataclass
+class KnownIssue:
+    id: str
+    engine: str
+    versions: SpecifierSet
+    formats: list[str]
+    kind: str
+    reason: str
+    reproducer: dict[str, Any]
+    message: str | None = None
+    partial_blocks: bool | None = None
+    upstream: str = ""
+    status: str = "open"
+    raw: dict = field(default_factory=dict)
+
+    def applies_to(self, engine: str, version: str) -> bool:
+        try:
+            return engine == self.engine and Version(version.split("+")[0]) in self.versions
+        except InvalidVersion:
+            return False
+
+    def matches(self, finding: Finding) -> bool:
+        if not self.applies_to(finding.engine, finding.engine_version):
+            return False
+        if finding.kind != self.kind or ("*" not in self.formats and finding.format not in self.formats):
+            return False
+        if self.message and not re.search(self.message, finding.message):
+            return False
+        if self.partial_blocks is not None:
+            shape, block = finding.metrics.get("shape"), finding.metrics.get("block")
+            partial = bool(shape and block and any(s % b for s, b in zip(shape, block)))
+            if partial != self.partial_blocks:
+                return False
+        return True
+
+
+class KnownIssues:
+    def __init__(self, issues: list[KnownIssue]):
+        self.issues = issues
+
+    @classmethod
+    def load(cls, path: Path = DEFAULT_FILE) -> "KnownIssues":
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as error:
+            raise HarnessError(f"{path}: cannot read known issues ({error})") from None
+        issues = []
+        for entry in data.get("issue", []):
+            where = f"{path}: issue {entry.get('id', '?')}"
+            if set(entry) - FIELDS:
+                raise HarnessError(f"{where}: unknown key(s) {sorted(set(entry) - FIELDS)}")
+            if REQUIRED - set(entry):
+                raise HarnessError(f"{where}: missing key(s) {sorted(REQUIRED - set(entry))}")
+            if entry["kind"] not in KINDS:
+                raise HarnessError(f"{where}: unknown kind {entry['kind']!r}")
+            try:
+                versions = SpecifierSet(entry["versions"])
+            except InvalidSpecifier:
+                raise HarnessError(f"{where}: bad version range {entry['versions']!r}") from None
+            issues.append(KnownIssue(
+                id=entry["id"], engine=entry["engine"], versions=versions, formats=list(entry["formats"]),
+                kind=entry["kind"], reason=entry["reason"], reproducer=dict(entry["reproducer"]),
+                message=entry.get("message"), partial_blocks=entry.get("partial_blocks"),
+                upstream=entry.get("upstream", ""), status=entry.get("status", "open"), raw=entry))
+        ids = [i.id for i in issues]
+        if len(ids) != len(set(ids)):
+            raise HarnessError(f"{path}: duplicate issue ids")
+        return cls(issues)
+
+    def match(self, finding: Finding, manifest: dict | None = None) -> str | None:
+        for issue in self.issues:
+            if issue.matches(finding):
+                return issue.id
+        return None
+
+    def by_id(self, issue_id: str) -> KnownIssue:
+        for issue in self.issues:
+            if issue.id == issue_id:
+                return issue
+        raise HarnessError(f"no known issue '{issue_id}'")

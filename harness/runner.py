@@ -1,0 +1,242 @@
+"""The differential loop for one checkpoint: every engine loads it, and each is judged
+against the truth (weights) and against the reference engine (log-probabilities)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from harness.compare import compare_logprobs, compare_weight
+from harness.engines import engine_spec
+from harness.engines.environments import engine_python
+from harness.engines.process import EngineError, EngineFailure, EngineProcess, Limits
+from harness.errors import CheckpointError
+from harness.findings import Finding
+from harness.formats import get_format
+from harness.known_issues import KnownIssues
+from harness.naming import canonical_name
+from harness.reference import dequantize_checkpoint, format_and_knobs
+from harness.tolerances import load_tolerances
+from harness.writer import MANIFEST_FILE
+
+PROBE_LENGTH, PROBE_COUNT, GENERATE_TOKENS = 24, 3, 8
+
+
+def probe_sequences(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Fixed token sequences (ids past the three special tokens) that every engine scores."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (PROBE_LENGTH,), generator=generator).tolist() for _ in range(PROBE_COUNT)]
+
+
+@dataclass
+class EngineOutcome:
+    engine: str
+    version: str = ""
+    status: str = "loaded"  # loaded, refused, unsupported, unavailable, failed
+    detail: str = ""
+    report: dict = field(default_factory=dict)
+    perplexity: float | None = None
+    generated: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CheckpointResult:
+    directory: str
+    format: str
+    expectation: str
+    outcomes: dict[str, EngineOutcome] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+
+
+class EngineSession:
+    """Keeps one worker per engine alive across checkpoints; restarts one after a failure."""
+
+    def __init__(self, engines: list[str], work: Path, limits: Limits | None = None):
+        self.engines = engines
+        self.work = Path(work)
+        self.limits = limits or Limits()
+        self.processes: dict[str, EngineProcess] = {}
+        self.unavailable: dict[str, str] = {}
+        self.versions: dict[str, str] = {}
+
+    def process(self, engine: str) -> EngineProcess | None:
+        if engine in self.unavailable:
+            return None
+        current = self.processes.get(engine)
+        if current and current.process and current.process.poll() is None:
+            return current
+        python, why = engine_python(engine)
+        if python is None:
+            self.unavailable[engine] = why
+            return None
+        worker = EngineProcess(engine_spec(engine), python, self.work / "logs" / f"{engine.replace(':', '_')}.log",
+                               self.limits)
+        try:
+            info = worker.start()
+        except EngineFailure as failure:
+            self.unavailable[engine] = f"cannot start ({python}): {failure}"
+            return None
+        self.versions[engine] = info.get("version", "?")
+        self.processes[engine] = worker
+        return worker
+
+    def close(self) -> None:
+        for worker in self.processes.values():
+            worker.close()
+        self.processes.clear()
+
+
+def first_line(text: str) -> str:
+    lines = [line for line in str(text).splitlines() if line.strip()]
+    return lines[0][:400] if lines else ""
+
+
+def evaluate(directory: str | Path, session: EngineSession, known: KnownIssues | None = None) -> CheckpointResult:
+    directory = Path(directory).resolve()
+    manifest_path = directory / MANIFEST_FILE
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+    fmt, knobs = format_and_knobs(directory)
+    config = json.loads((directory / "config.json").read_text())
+    dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    if manifest:
+        expectation = manifest["expectation"]
+        truth = load_file(str(directory / manifest["truth_file"]))
+    else:
+        try:
+            truth, expectation = dict(dequantize_checkpoint(directory)), "exact"
+        except CheckpointError:
+            truth, expectation = {}, "refuse"
+    truth = {canonical_name(n): t for n, t in truth.items()}
+    tol = load_tolerances(fmt.name, dtype)
+    result = CheckpointResult(str(directory), fmt.name, expectation)
+    sequences = probe_sequences(int(config.get("vocab_size", 260)))
+    logprobs: dict[str, list[torch.Tensor]] = {}
+    scratch = session.work / "scratch"
+    scratch.mkdir(parents=True, exist_ok=True)
+
+    def finding(engine: str, kind: str, message: str, **extra) -> Finding:
+        item = Finding(engine=engine, engine_version=session.versions.get(engine, "?"), kind=kind,
+                       format=fmt.name, message=message, checkpoint=str(directory), **extra)
+        result.findings.append(item)
+        return item
+
+    for engine in session.engines:
+        outcome = result.outcomes.setdefault(engine, EngineOutcome(engine))
+        worker = session.process(engine)
+        if worker is None:
+            outcome.status, outcome.detail = "unavailable", session.unavailable[engine]
+            continue
+        outcome.version = session.versions[engine]
+        try:
+            reason = worker.request("unsupported", format=fmt.name)["reason"]
+            if reason:
+                outcome.status, outcome.detail = "unsupported", reason
+                continue
+            try:
+                outcome.report = worker.request("load", directory=str(directory))["report"]
+            except EngineError as error:
+                if expectation in ("refuse", "exact-or-refuse"):
+                    outcome.status, outcome.detail = "refused", first_line(error)
+                else:
+                    outcome.status, outcome.detail = "failed", first_line(error)
+                    finding(engine, "load-error", first_line(error), metrics={"traceback_tail": error.traceback[-1500:]})
+                continue
+            if expectation == "refuse":
+                finding(engine, "accepted-invalid", "loaded a checkpoint that must be refused: "
+                        + "; ".join((manifest or {}).get("notes", []) or _module_notes(manifest)))
+                continue
+            _judge_report(engine, outcome.report, finding)
+            weights_path = scratch / f"{engine.replace(':', '_')}-weights.safetensors"
+            worker.request("weights", out=str(weights_path))
+            _judge_weights(engine, load_file(str(weights_path)), truth, dtype, tol, fmt, knobs, finding)
+            logprobs_path = scratch / f"{engine.replace(':', '_')}-logprobs.safetensors"
+            worker.request("logprobs", sequences=sequences, out=str(logprobs_path))
+            rows = load_file(str(logprobs_path))
+            logprobs[engine] = [rows[f"seq{i}"] for i in range(len(sequences))]
+            outcome.generated = worker.request("generate", prompt=sequences[0][:8],
+                                               max_new_tokens=GENERATE_TOKENS)["tokens"]
+        except EngineFailure as failure:
+            outcome.status, outcome.detail = "failed", str(failure)
+            finding(engine, f"engine-{failure.kind}", str(failure), metrics={"log_tail": failure.log_tail})
+        except EngineError as error:
+            outcome.status, outcome.detail = "failed", first_line(error)
+            finding(engine, "load-error", f"after loading: {first_line(error)}",
+                    metrics={"traceback_tail": error.traceback[-1500:]})
+
+    baseline = logprobs.get("reference")
+    for engine, rows in logprobs.items():
+        from harness.compare import perplexity
+
+        result.outcomes[engine].perplexity = perplexity(rows, sequences)
+        if baseline is None or engine == "reference":
+            continue
+        diff = compare_logprobs(rows, baseline, sequences, tol)
+        metrics = {"max_abs_delta": diff.max_abs_delta, "topk_misses": diff.topk_misses, "positions": diff.positions,
+                   "perplexity": diff.perplexity, "reference_perplexity": diff.reference_perplexity}
+        if diff.nonfinite:
+            finding(engine, "nonfinite-logits", f"{diff.nonfinite} non-finite log-probabilities", metrics=metrics)
+        elif diff.max_abs_delta > tol.logprob_max_abs_delta:
+            finding(engine, "logprobs", f"max |delta logprob| {diff.max_abs_delta:.3g} > {tol.logprob_max_abs_delta}",
+                    metrics=metrics)
+        if not diff.nonfinite and diff.topk_misses:
+            finding(engine, "topk", f"top-1 outside reference top-{tol.top_k} at {diff.topk_misses}/{diff.positions} "
+                    "positions", metrics=metrics)
+        if diff.perplexity > diff.reference_perplexity * (1 + tol.perplexity_rel):
+            finding(engine, "perplexity", f"perplexity {diff.perplexity:.4g} vs reference {diff.reference_perplexity:.4g}",
+                    metrics=metrics)
+    if known is not None:
+        for item in result.findings:
+            item.known_issue = known.match(item, manifest)
+    return result
+
+
+def _module_notes(manifest) -> list[str]:
+    notes = []
+    for module, info in (manifest or {}).get("modules", {}).items():
+        notes.extend(f"{module}: {n}" for n in info.get("notes", []) if info.get("expectation") == "refuse")
+    return notes
+
+
+def _judge_report(engine: str, report: dict, finding) -> None:
+    scale_keys = [k for k in report.get("missing", []) + report.get("unexpected", []) if "scale" in k]
+    other = [k for k in report.get("missing", []) + report.get("unexpected", []) if "scale" not in k]
+    if scale_keys:
+        finding(engine, "dropped-scale", f"{len(scale_keys)} scale key(s) missing or unexpected, e.g. {scale_keys[0]}",
+                metrics={"keys": scale_keys[:50]})
+    if other:
+        finding(engine, "load-report", f"{len(other)} other key(s) missing or unexpected, e.g. {other[0]}",
+                metrics={"missing": report.get("missing", [])[:50], "unexpected": report.get("unexpected", [])[:50]})
+
+
+def _judge_weights(engine, held, truth, dtype, tol, fmt, knobs, finding) -> None:
+    for name, want in sorted(truth.items()):
+        if name not in held:
+            finding(engine, "weight-missing", f"no weight held for {name}", module=name)
+            continue
+        got = held[name]
+        if tuple(got.shape) != tuple(want.shape):
+            finding(engine, "weight-mismatch", f"{name}: shape {list(got.shape)} vs truth {list(want.shape)}", module=name)
+            continue
+        block = fmt.scale_block(knobs, tuple(want.shape)) if want.dim() == 2 else None
+        diff = compare_weight(name, got, want, dtype, tol, block)
+        if diff.ok:
+            continue
+        kind = "weight-nonfinite" if (diff.nan or diff.inf) else "weight-mismatch"
+        message = (f"{name}: {diff.bad_elements}/{want.numel()} elements differ, max |err| {diff.max_abs:.3g}, "
+                   f"max rel {diff.max_rel:.3g}, {len(diff.bad_blocks)} scale block(s) differ")
+        item = finding(engine, kind, message, module=name,
+                       metrics={**diff.metrics(), "shape": list(want.shape), "block": list(block) if block else None})
+        item.metrics["block_ratio"] = diff.block_ratio
+
+
+def copy_reproduction(directory: str | Path, destination: Path) -> Path:
+    """A finding's checkpoint, copied into the report so it survives temporary directories."""
+    if destination.exists():
+        return destination
+    shutil.copytree(directory, destination)
+    return destination

@@ -1,0 +1,232 @@
+"""Hypothesis strategies that build valid recipes: architecture x format x layout x perturbation.
+
+Every value is built valid, never filtered: sizes are drawn after the scale block they are
+measured against, a square-only block style draws a square block, `split_scale` only comes
+with two or more shards. Choices come from the data in `harness.recipe`, the architectures'
+defaults and each format's `knobs`, so a new format or knob choice is drawn without a change
+here. tests/test_strategies.py proves that every variant below is reachable.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any, Mapping
+
+import torch
+from hypothesis import event
+from hypothesis import strategies as st
+
+from harness.architectures import ARCHITECTURES
+from harness.formats import FORMAT_NAMES, get_format
+from harness.formats.base import FormatError
+from harness.numerics import ceil_div
+from harness.recipe import LAYOUT_CHOICES, LAYOUT_DEFAULTS, PERTURB_CHOICES, PERTURB_DEFAULTS, Recipe
+
+#: block edges for block-scaled formats: two small ones keep tensors tiny, 128 is the real default
+BLOCK_EDGES = (16, 32, 128)
+#: sizes along an axis without a scale grid (per-tensor, per-row) are measured against this edge
+NOMINAL_EDGE = 16
+#: how a size sits against the block edge it is cut by; the partial edge block is where grids break
+DIMENSION_CLASSES = ("smaller-than-block", "block-plus-one", "blocks-plus-partial", "exact-multiple")
+MAX_LAYERS = 2
+MAX_SHARDS = 3
+HEAD_COUNTS = ((1, 1), (2, 1), (2, 2), (4, 2))  # (attention heads, key-value heads)
+SEEDS = st.integers(0, 2**32 - 1)
+
+
+def dimension_class(size: int, block: int) -> str:
+    """The class in DIMENSION_CLASSES that `size` falls in against `block`."""
+    if size < block:
+        return "smaller-than-block"
+    if size == block + 1:
+        return "block-plus-one"
+    if size % block == 0:
+        return "exact-multiple"
+    return "blocks-plus-partial"
+
+
+def feasible_classes(block: int, multiple_of: int = 1) -> tuple[str, ...]:
+    """The classes a size that must be a multiple of `multiple_of` can fall in against `block`."""
+    if block % multiple_of:
+        raise ValueError(f"multiple_of={multiple_of} must divide the block {block}")
+    classes = []
+    if multiple_of < block:
+        classes += ["smaller-than-block", "blocks-plus-partial"]
+    if (block + 1) % multiple_of == 0:
+        classes.append("block-plus-one")
+    classes.append("exact-multiple")
+    return tuple(c for c in DIMENSION_CLASSES if c in classes)
+
+
+@st.composite
+def dimensions(draw, block: int, multiple_of: int = 1, classes: tuple[str, ...] | None = None) -> int:
+    """A size against a block edge: smaller than one block, one over (block + 1), two or three
+    blocks plus a partial one, or an exact multiple; always a multiple of `multiple_of`, which
+    must divide the block (NVFP4 needs whole 16-column groups)."""
+    kind = draw(st.sampled_from(classes or feasible_classes(block, multiple_of)))
+    if kind == "smaller-than-block":
+        return multiple_of * draw(st.integers(1, (block - 1) // multiple_of))
+    if kind == "block-plus-one":
+        return block + 1
+    if kind == "blocks-plus-partial":
+        partial = multiple_of * draw(st.integers(1, (block - 1) // multiple_of))
+        return draw(st.integers(2, 3)) * block + partial
+    return draw(st.integers(1, 3)) * block
+
+
+@st.composite
+def block_shapes(draw, square: bool = False) -> tuple[int, int]:
+    """(rows, cols) of a scale block; non-square ones make non-square scale grids."""
+    rows = draw(st.sampled_from(BLOCK_EDGES))
+    cols = rows if square else draw(st.sampled_from(BLOCK_EDGES))
+    return rows, cols
+
+
+@st.composite
+def model_sizes(draw, block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE), column_multiple: int = 1) -> dict:
+    """hidden, intermediate and attention sizes measured against the scale block (rows, cols).
+
+    Every size that is some projection's K (hidden, intermediate, heads * head_dim) is a
+    multiple of `column_multiple`. head_dim is even (rotary embeddings split it in halves);
+    the attention width is sometimes tied to hidden_size, as in real models, which makes
+    q_proj and o_proj grids square under a square block.
+    """
+    rows, cols = block
+    hidden = draw(dimensions(cols, column_multiple))
+    intermediate = draw(dimensions(rows, column_multiple))
+    heads, kv_heads = draw(st.sampled_from(HEAD_COUNTS))
+    width_multiple = max(2 * heads, column_multiple)  # powers of two: this is their lcm
+    if hidden % width_multiple == 0 and draw(st.booleans()):
+        width = hidden
+        event("attention width tied to hidden_size")
+    else:
+        width = draw(dimensions(cols, width_multiple))
+    event(f"hidden_size: {dimension_class(hidden, cols)}")
+    event(f"intermediate_size: {dimension_class(intermediate, rows)}")
+    return {"hidden_size": hidden, "intermediate_size": intermediate, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": width // heads}
+
+
+@st.composite
+def architectures(draw, archs: tuple[str, ...] | None = None,
+                  block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE), column_multiple: int = 1):
+    """(architecture name, config overrides): sizes from `model_sizes`, 1-2 layers, tied
+    embeddings or not, and every boolean the architecture adds (llama's attention_bias and
+    mlp_bias; both set biases every projection; qwen2 always biases q/k/v)."""
+    name = draw(st.sampled_from(archs or tuple(ARCHITECTURES)))
+    config = draw(model_sizes(block, column_multiple))
+    config["num_hidden_layers"] = draw(st.integers(1, MAX_LAYERS))
+    config["tie_word_embeddings"] = draw(st.booleans())
+    for key, default in ARCHITECTURES[name].extra_defaults.items():
+        if isinstance(default, bool):
+            config[key] = draw(st.booleans())
+    event(f"arch: {name}")
+    event(f"tie_word_embeddings: {config['tie_word_embeddings']}")
+    if name == "llama":
+        event(f"llama bias: attention={config['attention_bias']} mlp={config['mlp_bias']}")
+    return name, config
+
+
+@st.composite
+def format_knobs(draw, name: str) -> dict[str, Any]:
+    """Knob overrides for a format: each knob with `choices` drawn from them, `block_rows` and
+    `block_cols` from `block_shapes` (square when `block_size_style` can only say a square
+    block); knobs without choices keep their default."""
+    knobs = get_format(name).knobs
+    values = {key: draw(st.sampled_from(knob.choices)) for key, knob in knobs.items() if knob.choices}
+    if "block_rows" in knobs and "block_cols" in knobs:
+        square = values.get("block_size_style", "list") != "list"
+        values["block_rows"], values["block_cols"] = draw(block_shapes(square=square))
+    for key, value in values.items():
+        event(f"{name} {key}={value}")
+    return values
+
+
+def size_edges(name: str, knobs: Mapping[str, Any]) -> tuple[int, int]:
+    """The (rows, cols) edges sizes are measured against: the format's scale block, or the
+    nominal edge along an axis that has no grid (one scale per tensor or per row)."""
+    fmt = get_format(name)
+    probe = (2**20, 2**20)
+    resolved = fmt.resolve_knobs(knobs)
+    rows, cols = fmt.scale_block(resolved, probe)
+    return (rows if 1 < rows < probe[0] else NOMINAL_EDGE, cols if 1 < cols < probe[1] else NOMINAL_EDGE)
+
+
+@cache
+def column_multiple(name: str) -> int:
+    """1 if the format quantizes a K with a partial last block, else its block width: asked of
+    the format itself by quantizing one row of block width + 1 (NVFP4 refuses a partial group)."""
+    fmt = get_format(name)
+    knobs = fmt.resolve_knobs({})
+    cols = fmt.scale_block(knobs, (1, 2**20))[1]
+    if cols >= 2**20:
+        return 1
+    try:
+        fmt.quantize(torch.ones(1, cols + 1), knobs, model_dtype=torch.float32, activation_amax=1.0)
+    except FormatError:
+        return cols
+    return 1
+
+
+@st.composite
+def layouts(draw) -> dict[str, Any]:
+    """1-3 shards (1 is a single model.safetensors), scales split from their weights, the text
+    or the vision-language key prefix, and the model dtype."""
+    shards = draw(st.integers(1, MAX_SHARDS))
+    layout = {
+        "shards": shards,
+        "split_scale": draw(st.booleans()) if shards >= 2 else False,
+        "key_prefix": draw(st.sampled_from(LAYOUT_CHOICES["key_prefix"])),
+        "dtype": draw(st.sampled_from(LAYOUT_CHOICES["dtype"])),
+    }
+    assert set(layout) <= set(LAYOUT_DEFAULTS)
+    event(f"shards: {shards}{' split_scale' if layout['split_scale'] else ''}")
+    event(f"key_prefix: {layout['key_prefix']}")
+    event(f"dtype: {layout['dtype']}")
+    return layout
+
+
+def _mostly(default: Any, values: tuple) -> st.SearchStrategy:
+    """`default` at least half the time, so that perturbations combine without swamping."""
+    return st.one_of(st.just(default), st.sampled_from(values))
+
+
+@st.composite
+def perturbations(draw) -> dict[str, Any]:
+    """Every perturbation in PERTURB_DEFAULTS: booleans on or off, the others from
+    PERTURB_CHOICES, each left at its default at least half the time."""
+    perturb = {}
+    for key, default in PERTURB_DEFAULTS.items():
+        values = (False, True) if isinstance(default, bool) else PERTURB_CHOICES[key]
+        perturb[key] = draw(_mostly(default, values))
+        if perturb[key] != default:
+            event(f"perturb {key}={perturb[key]}")
+    return perturb
+
+
+def scale_grids(recipe: Recipe) -> dict[str, tuple[int, int]]:
+    """[rows, cols] of each projection's scale grid (before any transposition)."""
+    resolved = recipe.resolved()
+    fmt = get_format(recipe.format)
+    grids = {}
+    for projection, shape in ARCHITECTURES[recipe.arch].projection_shapes(resolved.settings).items():
+        rows, cols = fmt.scale_block(resolved.knobs, shape)
+        grids[projection] = (ceil_div(shape[0], rows), ceil_div(shape[1], cols))
+    return grids
+
+
+@st.composite
+def recipes(draw, formats: tuple[str, ...] | None = None, archs: tuple[str, ...] | None = None) -> Recipe:
+    """A valid recipe: a format and its knobs, then sizes against that format's scale block,
+    an architecture, a layout, perturbations and a seed."""
+    name = draw(st.sampled_from(tuple(formats or FORMAT_NAMES)))
+    event(f"format: {name}")
+    knobs = draw(format_knobs(name))
+    arch, config = draw(architectures(archs, size_edges(name, knobs), column_multiple(name)))
+    recipe = Recipe(format=name, arch=arch, seed=draw(SEEDS), config=config, knobs=knobs,
+                    layout=draw(layouts()), perturb=draw(perturbations()))
+    if knobs.get("scale_layout") == "transposed":
+        grids = scale_grids(recipe).values()
+        event(f"transposed grids: {'some' if any(r != c for r, c in grids) else 'no'} non-square, "
+              f"{'some' if any(r == c > 1 for r, c in grids) else 'no'} square > 1x1")
+    return recipe

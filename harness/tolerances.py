@@ -1,0 +1,49 @@
+"""Tolerances are data (cases/tolerances.toml); this module reads and checks them."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.errors import HarnessError
+
+DEFAULT_FILE = Path(__file__).resolve().parent.parent / "cases" / "tolerances.toml"
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    weight_rel: float
+    weight_abs: float
+    logprob_max_abs_delta: float
+    top_k: int
+    perplexity_rel: float
+
+
+def _check_keys(where: str, table: dict, allowed: set[str]) -> None:
+    unknown = set(table) - allowed
+    if unknown:
+        raise HarnessError(f"tolerances: unknown key(s) {sorted(unknown)} in [{where}]")
+
+
+def load_tolerances(format_name: str, dtype: str, path: Path = DEFAULT_FILE) -> Tolerances:
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise HarnessError(f"{path}: cannot read tolerances ({error})") from None
+    _check_keys("top level", data, {"weights", "logprobs", "perplexity", "formats"})
+    if dtype not in DTYPES:
+        raise HarnessError(f"tolerances: no entry for dtype {dtype}")
+    weights = data["weights"][dtype]
+    logprobs = dict(data["logprobs"][dtype])
+    perplexity = dict(data["perplexity"])
+    _check_keys(f"weights.{dtype}", weights, {"rel", "abs"})
+    override = data.get("formats", {}).get(format_name, {})
+    _check_keys(f"formats.{format_name}", override, {"logprobs", "perplexity"})
+    logprobs.update(override.get("logprobs", {}))
+    perplexity.update(override.get("perplexity", {}))
+    _check_keys("logprobs", logprobs, {"max_abs_delta", "top_k"})
+    _check_keys("perplexity", perplexity, {"rel"})
+    return Tolerances(weights["rel"], weights["abs"], logprobs["max_abs_delta"], int(logprobs["top_k"]),
+                      perplexity["rel"])
