@@ -45,6 +45,9 @@ class Architecture:
                     "num_key_value_heads", "head_dim", "vocab_size"):
             if not isinstance(values[key], int) or isinstance(values[key], bool) or values[key] < 1:
                 raise ValueError(f"{key} must be a positive integer, got {values[key]!r}")
+        if values["hidden_size"] % values["num_attention_heads"]:
+            # transformers' LlamaConfig validation refuses it, even with an explicit head_dim
+            raise ValueError("hidden_size must be a multiple of num_attention_heads")
         if values["num_attention_heads"] % values["num_key_value_heads"]:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if values["vocab_size"] < BYTE_VOCAB_SIZE:

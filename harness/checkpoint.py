@@ -14,8 +14,9 @@ import json
 import os
 import stat
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -163,6 +164,16 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     return header
 
 
+def _in_hub_cache_blobs(directory: Path, target: Path) -> bool:
+    """A Hugging Face cache snapshot (`models--org--name/snapshots/<rev>/`) links its files to
+    `models--org--name/blobs/`: those blobs are the snapshot's own content."""
+    absolute = Path(os.path.abspath(directory))
+    if absolute.parent.name != "snapshots" or not absolute.parent.parent.name.startswith("models--"):
+        return False
+    blobs = absolute.parent.parent / "blobs"
+    return blobs.is_dir() and target.is_relative_to(blobs.resolve())
+
+
 def contained_file(directory: Path, name: Any, what: str, referrer: Path | None = None) -> Path:
     """A regular file named by the checkpoint itself, refused if the name (or a symlink on
     the way) leads outside the directory. `referrer` is the file that named it (the index
@@ -179,7 +190,7 @@ def contained_file(directory: Path, name: Any, what: str, referrer: Path | None 
         real_path = path.resolve()
     except (OSError, RuntimeError) as error:  # RuntimeError: a symlink loop (Python < 3.13)
         raise CheckpointError(path, f"{what} cannot be resolved ({error})") from None
-    if not real_path.is_relative_to(real_directory):
+    if not (real_path.is_relative_to(real_directory) or _in_hub_cache_blobs(directory, real_path)):
         raise CheckpointError(path, f"{what} {name!r} is a symlink to {real_path}, outside the checkpoint "
                                     "directory")
     _regular_file(path, what)

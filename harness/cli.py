@@ -1,4 +1,4 @@
-"""`python -m harness`: gen, dequant, sweep, compare. Every user error is one line on stderr and exit 2."""
+"""`python -m harness`: gen, dequant, sweep, compare, run. Every user error is one line on stderr and exit 2."""
 
 from __future__ import annotations
 
@@ -45,10 +45,16 @@ def command_dequant(args) -> int:
     out = Path(args.out)
     if not out.parent.is_dir():
         raise HarnessError(f"{out}: its directory does not exist")
+    if out.is_dir():
+        raise HarnessError(f"{out}: is a directory; --out names the .safetensors file to write")
     weights = {name: tensor.to(torch.float32).contiguous() for name, tensor in dequantize_checkpoint(args.directory)}
     temporary = out.with_name(out.name + ".partial")
-    save_file(weights, str(temporary))
-    os.replace(temporary, out)
+    try:
+        save_file(weights, str(temporary))
+        os.replace(temporary, out)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise HarnessError(f"{out}: cannot write it ({error.strerror or error})") from None
     print(f"wrote {out}: {len(weights)} tensors, float32")
     return EXIT_OK
 
@@ -138,6 +144,76 @@ def print_outcomes(result) -> None:
         print("  no findings: every engine that ran agrees within tolerance")
 
 
+def command_run(args) -> int:
+    import tempfile
+
+    from harness.architectures import ARCHITECTURES
+    from harness.campaign import run_campaign
+    from harness.engines.process import Limits
+    from harness.formats import FORMAT_NAMES
+    from harness.hypothesis_profiles import load_profile
+    from harness.known_issues import KnownIssues
+    from harness.report import slug, write_report
+    from harness.runner import EngineSession
+    from harness.writer import generate
+
+    engines = parse_engines(args.engines)
+    formats = tuple(f.strip() for f in args.formats.split(",")) if args.formats else FORMAT_NAMES
+    archs = tuple(a.strip() for a in args.archs.split(",")) if args.archs else tuple(ARCHITECTURES)
+    for name in formats:
+        if name not in FORMAT_NAMES:
+            raise HarnessError(f"unknown format '{name}' (known: {', '.join(FORMAT_NAMES)})")
+    for name in archs:
+        if name not in ARCHITECTURES:
+            raise HarnessError(f"unknown architecture '{name}' (known: {', '.join(ARCHITECTURES)})")
+    import hypothesis
+
+    load_profile(args.profile)
+    max_examples = args.max_examples or hypothesis.settings.default.max_examples
+    known = KnownIssues.load()
+    with tempfile.TemporaryDirectory(prefix="harness-run-") as scratch:
+        report = Path(args.report) if args.report else None
+        work = (report / "work") if report else Path(scratch)
+        session = EngineSession(engines, work, Limits(args.timeout, args.memory_mb))
+        print(f"campaign: {len(formats)} format(s) x {len(archs)} arch(s), engines {', '.join(engines)}, "
+              f"profile {args.profile}, {max_examples} examples" + ("" if args.shrink else ", no shrinking"))
+        try:
+            campaign = run_campaign(engines, formats, archs, max_examples, work, session, known, shrink=args.shrink)
+        finally:
+            session.close()
+        for engine, why in session.unavailable.items():
+            print(f"engine {engine} skipped: {why}")
+        findings = []
+        print(f"\n{'engine':<20} {'kind':<18} {'format':<16} {'seen':>5}  status")
+        for signature, count in sorted(campaign.counts.items()):
+            engine, kind, fmt = signature
+            minimal = signature in campaign.minimal
+            recipe, items = campaign.minimal[signature] if minimal else campaign.known[signature]
+            status = "NEW" if minimal else f"known: {items[0].known_issue}"
+            print(f"{engine:<20} {kind:<18} {fmt:<16} {count:>5}  {status}")
+            if minimal and report:
+                destination = report / "repro" / slug("-".join(signature))
+                if not destination.exists():
+                    generate(recipe, destination)
+                engine_list = engine if engine == "reference" else f"reference,{engine}"
+                for item in items:
+                    item.reproduction = str(destination)
+                    item.command = f"python -m harness compare {destination} --engines {engine_list}"
+                print(f"    reproduce: {items[0].command}")
+            findings.extend(items)
+        if report:
+            from harness.cli import checkpoint_json
+
+            engines_info = {e: {"version": session.versions.get(e, ""), "status": session.unavailable.get(e, "ran")}
+                            for e in engines}
+            path = write_report(report, findings, [checkpoint_json(r) for r in campaign.results[-50:]],
+                                engines_info, f"run: {campaign.examples} examples")
+            print(f"report: {path} and {path.with_suffix('.md')}")
+    new = sum(1 for s in campaign.counts if s in campaign.minimal)
+    print(f"{campaign.examples} examples, {len(campaign.counts)} finding signature(s), {new} new")
+    return EXIT_FINDING if new else EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="python -m harness", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -166,6 +242,18 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--timeout", type=float, default=600.0, help="seconds an engine may take per request")
     compare.add_argument("--memory-mb", type=float, default=16000.0, help="resident memory limit per engine worker")
     compare.set_defaults(run=command_compare)
+
+    run = commands.add_parser("run", help="property-based campaign: generate, load, compare, shrink")
+    run.add_argument("--engines", default="reference,transformers")
+    run.add_argument("--formats", help="comma-separated formats (default: all)")
+    run.add_argument("--archs", help="comma-separated architectures (default: all)")
+    run.add_argument("--profile", default="ci", choices=["dev", "ci", "nightly"])
+    run.add_argument("--max-examples", type=int, default=0, help="default: the profile's")
+    run.add_argument("--report", help="write OUTDIR/report.json, report.md and repro/ here")
+    run.add_argument("--no-shrink", dest="shrink", action="store_false", help="skip shrinking new findings")
+    run.add_argument("--timeout", type=float, default=600.0)
+    run.add_argument("--memory-mb", type=float, default=16000.0)
+    run.set_defaults(run=command_run)
 
     sweep = commands.add_parser("sweep", help="gen + dequant every format x architecture at odd sizes, "
                                 "judged against the recorded truth")

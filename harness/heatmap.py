@@ -10,7 +10,7 @@ import struct
 import zlib
 from pathlib import Path
 
-CELL = 12  # pixels per block side
+MIN_CELL, TARGET_SIDE = 4, 256  # pixels per block side; small grids are drawn larger
 
 
 def _colour(ratio: float) -> tuple[int, int, int]:
@@ -27,13 +27,14 @@ def _colour(ratio: float) -> tuple[int, int, int]:
 def write_heatmap(grid: list[list[float]], path: Path) -> Path:
     rows = len(grid)
     cols = len(grid[0]) if rows else 0
-    width, height = max(cols, 1) * CELL, max(rows, 1) * CELL
+    cell = max(MIN_CELL, TARGET_SIDE // max(rows, cols, 1))
+    width, height = max(cols, 1) * cell, max(rows, 1) * cell
     raw = bytearray()
     for r in range(height):
         raw.append(0)
         for c in range(width):
-            value = grid[r // CELL][c // CELL] if rows and cols else 0.0
-            edge = r % CELL == 0 or c % CELL == 0
+            value = grid[r // cell][c // cell] if rows and cols else 0.0
+            edge = cell > 6 and (r % cell == 0 or c % cell == 0)
             raw.extend((200, 200, 200) if edge else _colour(value))
 
     def chunk(kind: bytes, data: bytes) -> bytes:

@@ -61,3 +61,6 @@ def format_and_knobs(source: str | Path | Checkpoint) -> tuple[QuantFormat, dict
         return fmt, fmt.knobs_from_config(checkpoint.quantization_config)
     except FormatError as error:
         raise CheckpointError(checkpoint.directory / "config.json", str(error)) from None
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as error:
+        raise CheckpointError(checkpoint.directory / "config.json",
+                              f"malformed quantization_config ({type(error).__name__}: {error})") from None

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from harness.compare import compare_logprobs, compare_weight
+from harness.compare import compare_logprobs, compare_weight, perplexity
 from harness.engines import engine_spec
 from harness.engines.environments import engine_python
 from harness.engines.process import EngineError, EngineFailure, EngineProcess, Limits
@@ -96,7 +96,9 @@ def first_line(text: str) -> str:
     return lines[0][:400] if lines else ""
 
 
-def evaluate(directory: str | Path, session: EngineSession, known: KnownIssues | None = None) -> CheckpointResult:
+def evaluate(directory: str | Path, session: EngineSession, known: KnownIssues | None = None,
+             engines: list[str] | None = None) -> CheckpointResult:
+    """Load `directory` in each engine (default: all of the session's) and judge each."""
     directory = Path(directory).resolve()
     manifest_path = directory / MANIFEST_FILE
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
@@ -125,7 +127,7 @@ def evaluate(directory: str | Path, session: EngineSession, known: KnownIssues |
         result.findings.append(item)
         return item
 
-    for engine in session.engines:
+    for engine in engines or session.engines:
         outcome = result.outcomes.setdefault(engine, EngineOutcome(engine))
         worker = session.process(engine)
         if worker is None:
@@ -150,10 +152,15 @@ def evaluate(directory: str | Path, session: EngineSession, known: KnownIssues |
                 finding(engine, "accepted-invalid", "loaded a checkpoint that must be refused: "
                         + "; ".join((manifest or {}).get("notes", []) or _module_notes(manifest)))
                 continue
-            _judge_report(engine, outcome.report, finding)
+            anomalies = _judge_report(engine, outcome.report, finding)
             weights_path = scratch / f"{engine.replace(':', '_')}-weights.safetensors"
             worker.request("weights", out=str(weights_path))
-            _judge_weights(engine, load_file(str(weights_path)), truth, dtype, tol, fmt, knobs, finding)
+            # weights the load report already names as missing are that finding's consequence
+            missing = {canonical_name(k) for k in outcome.report.get("missing", [])}
+            _judge_weights(engine, load_file(str(weights_path)), {n: t for n, t in truth.items() if n not in missing},
+                           dtype, tol, fmt, knobs, finding)
+            if anomalies:
+                outcome.detail = "logits not judged: the load report already explains them"
             logprobs_path = scratch / f"{engine.replace(':', '_')}-logprobs.safetensors"
             worker.request("logprobs", sequences=sequences, out=str(logprobs_path))
             rows = load_file(str(logprobs_path))
@@ -170,10 +177,8 @@ def evaluate(directory: str | Path, session: EngineSession, known: KnownIssues |
 
     baseline = logprobs.get("reference")
     for engine, rows in logprobs.items():
-        from harness.compare import perplexity
-
         result.outcomes[engine].perplexity = perplexity(rows, sequences)
-        if baseline is None or engine == "reference":
+        if baseline is None or engine == "reference" or result.outcomes[engine].detail:
             continue
         diff = compare_logprobs(rows, baseline, sequences, tol)
         metrics = {"max_abs_delta": diff.max_abs_delta, "topk_misses": diff.topk_misses, "positions": diff.positions,
@@ -202,15 +207,21 @@ def _module_notes(manifest) -> list[str]:
     return notes
 
 
-def _judge_report(engine: str, report: dict, finding) -> None:
+def _judge_report(engine: str, report: dict, finding) -> bool:
+    """Scale keys missing or unexpected are their own kind of finding; True if any anomaly."""
     scale_keys = [k for k in report.get("missing", []) + report.get("unexpected", []) if "scale" in k]
-    other = [k for k in report.get("missing", []) + report.get("unexpected", []) if "scale" not in k]
+    missing = [k for k in report.get("missing", []) if "scale" not in k]
+    unexpected = [k for k in report.get("unexpected", []) if "scale" not in k]
+    other = missing + unexpected
     if scale_keys:
         finding(engine, "dropped-scale", f"{len(scale_keys)} scale key(s) missing or unexpected, e.g. {scale_keys[0]}",
                 metrics={"keys": scale_keys[:50]})
     if other:
-        finding(engine, "load-report", f"{len(other)} other key(s) missing or unexpected, e.g. {other[0]}",
+        examples = ", ".join(f"{what} {keys[0]}" for what, keys in (("missing", missing), ("unexpected", unexpected))
+                             if keys)
+        finding(engine, "load-report", f"{len(missing)} missing, {len(unexpected)} unexpected key(s): e.g. {examples}",
                 metrics={"missing": report.get("missing", [])[:50], "unexpected": report.get("unexpected", [])[:50]})
+    return bool(scale_keys or other)
 
 
 def _judge_weights(engine, held, truth, dtype, tol, fmt, knobs, finding) -> None:

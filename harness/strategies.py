@@ -9,8 +9,9 @@ here. tests/test_strategies.py proves that every variant below is reachable.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cache
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from hypothesis import event
@@ -58,6 +59,7 @@ def feasible_classes(block: int, multiple_of: int = 1) -> tuple[str, ...]:
     return tuple(c for c in DIMENSION_CLASSES if c in classes)
 
 
+@cache  # one strategy object per arguments: Hypothesis validates each new one
 @st.composite
 def dimensions(draw, block: int, multiple_of: int = 1, classes: tuple[str, ...] | None = None) -> int:
     """A size against a block edge: smaller than one block, one over (block + 1), two or three
@@ -74,6 +76,7 @@ def dimensions(draw, block: int, multiple_of: int = 1, classes: tuple[str, ...] 
     return draw(st.integers(1, 3)) * block
 
 
+@cache  # one strategy object per arguments: Hypothesis validates each new one
 @st.composite
 def block_shapes(draw, square: bool = False) -> tuple[int, int]:
     """(rows, cols) of a scale block; non-square ones make non-square scale grids."""
@@ -82,19 +85,21 @@ def block_shapes(draw, square: bool = False) -> tuple[int, int]:
     return rows, cols
 
 
+@cache  # one strategy object per arguments: Hypothesis validates each new one
 @st.composite
 def model_sizes(draw, block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE), column_multiple: int = 1) -> dict:
     """hidden, intermediate and attention sizes measured against the scale block (rows, cols).
 
     Every size that is some projection's K (hidden, intermediate, heads * head_dim) is a
-    multiple of `column_multiple`. head_dim is even (rotary embeddings split it in halves);
-    the attention width is sometimes tied to hidden_size, as in real models, which makes
-    q_proj and o_proj grids square under a square block.
+    multiple of `column_multiple`; the head count divides hidden_size (transformers checks it)
+    and head_dim is even (rotary embeddings split it in halves). The attention width is
+    sometimes tied to hidden_size, as in real models: q_proj and o_proj grids are then square
+    under a square block.
     """
     rows, cols = block
     hidden = draw(dimensions(cols, column_multiple))
     intermediate = draw(dimensions(rows, column_multiple))
-    heads, kv_heads = draw(st.sampled_from(HEAD_COUNTS))
+    heads, kv_heads = draw(st.sampled_from(tuple(h for h in HEAD_COUNTS if hidden % h[0] == 0)))
     width_multiple = max(2 * heads, column_multiple)  # powers of two: this is their lcm
     if hidden % width_multiple == 0 and draw(st.booleans()):
         width = hidden
@@ -107,13 +112,18 @@ def model_sizes(draw, block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE), col
             "num_key_value_heads": kv_heads, "head_dim": width // heads}
 
 
-@st.composite
-def architectures(draw, archs: tuple[str, ...] | None = None,
-                  block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE), column_multiple: int = 1):
+def architectures(archs=None, block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE),
+                  column_multiple: int = 1) -> st.SearchStrategy[tuple[str, dict]]:
     """(architecture name, config overrides): sizes from `model_sizes`, 1-2 layers, tied
     embeddings or not, and every boolean the architecture adds (llama's attention_bias and
-    mlp_bias; both set biases every projection; qwen2 always biases q/k/v)."""
-    name = draw(st.sampled_from(archs or tuple(ARCHITECTURES)))
+    mlp_bias; both set bias every projection; qwen2 always biases q/k/v)."""
+    return _architectures(tuple(archs or ARCHITECTURES), tuple(block), column_multiple)
+
+
+@cache  # one strategy object per arguments: Hypothesis validates each new one
+@st.composite
+def _architectures(draw, archs: tuple[str, ...], block: tuple[int, int], column_multiple: int):
+    name = draw(st.sampled_from(archs))
     config = draw(model_sizes(block, column_multiple))
     config["num_hidden_layers"] = draw(st.integers(1, MAX_LAYERS))
     config["tie_word_embeddings"] = draw(st.booleans())
@@ -127,6 +137,7 @@ def architectures(draw, archs: tuple[str, ...] | None = None,
     return name, config
 
 
+@cache  # one strategy object per arguments: Hypothesis validates each new one
 @st.composite
 def format_knobs(draw, name: str) -> dict[str, Any]:
     """Knob overrides for a format: each knob with `choices` drawn from them, `block_rows` and
@@ -168,6 +179,7 @@ def column_multiple(name: str) -> int:
     return 1
 
 
+@cache  # one strategy object per arguments: Hypothesis validates each new one
 @st.composite
 def layouts(draw) -> dict[str, Any]:
     """1-3 shards (1 is a single model.safetensors), scales split from their weights, the text
@@ -191,16 +203,19 @@ def _mostly(default: Any, values: tuple) -> st.SearchStrategy:
     return st.one_of(st.just(default), st.sampled_from(values))
 
 
+PERTURBATION_VALUES = {key: _mostly(default, (False, True) if isinstance(default, bool) else PERTURB_CHOICES[key])
+                       for key, default in PERTURB_DEFAULTS.items()}
+
+
+@cache  # one strategy object per arguments: Hypothesis validates each new one
 @st.composite
 def perturbations(draw) -> dict[str, Any]:
     """Every perturbation in PERTURB_DEFAULTS: booleans on or off, the others from
     PERTURB_CHOICES, each left at its default at least half the time."""
-    perturb = {}
-    for key, default in PERTURB_DEFAULTS.items():
-        values = (False, True) if isinstance(default, bool) else PERTURB_CHOICES[key]
-        perturb[key] = draw(_mostly(default, values))
-        if perturb[key] != default:
-            event(f"perturb {key}={perturb[key]}")
+    perturb = {key: draw(values) for key, values in PERTURBATION_VALUES.items()}
+    for key, value in perturb.items():
+        if value != PERTURB_DEFAULTS[key]:
+            event(f"perturb {key}={value}")
     return perturb
 
 
@@ -215,11 +230,17 @@ def scale_grids(recipe: Recipe) -> dict[str, tuple[int, int]]:
     return grids
 
 
-@st.composite
-def recipes(draw, formats: tuple[str, ...] | None = None, archs: tuple[str, ...] | None = None) -> Recipe:
+def recipes(formats=None, archs=None) -> st.SearchStrategy[Recipe]:
     """A valid recipe: a format and its knobs, then sizes against that format's scale block,
-    an architecture, a layout, perturbations and a seed."""
-    name = draw(st.sampled_from(tuple(formats or FORMAT_NAMES)))
+    an architecture, a layout, perturbations and a seed. `formats` and `archs` narrow the
+    draw (all registered ones by default)."""
+    return _recipes(tuple(formats or FORMAT_NAMES), tuple(archs or ARCHITECTURES))
+
+
+@cache  # one strategy object per arguments: Hypothesis validates each new one
+@st.composite
+def _recipes(draw, formats: tuple[str, ...], archs: tuple[str, ...]) -> Recipe:
+    name = draw(st.sampled_from(formats))
     event(f"format: {name}")
     knobs = draw(format_knobs(name))
     arch, config = draw(architectures(archs, size_edges(name, knobs), column_multiple(name)))

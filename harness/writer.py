@@ -177,8 +177,8 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
     write_tokenizer(out, resolved.settings["vocab_size"])
 
     (out / TRUTH_DIR).mkdir()
-    save_file({rename[n]: t.contiguous() for n, t in truth.items()}, str(out / TRUTH_FILE))
-    save_file({rename[n]: t.contiguous() for n, t in originals.items()}, str(out / ORIGINAL_FILE))
+    save_file({rename_key(n, prefix): t.contiguous() for n, t in truth.items()}, str(out / TRUTH_FILE))
+    save_file({rename_key(n, prefix): t.contiguous() for n, t in originals.items()}, str(out / ORIGINAL_FILE))
     manifest = {
         "harness_version": __version__,
         "recipe": recipe.to_json(),

@@ -8,6 +8,13 @@ from harness.engines.base import Engine, LoadReport
 from harness.engines.hf_common import captured_warnings, held_weights, model_generate, model_logprobs
 
 
+def explain(error: Exception, logged: list[str]) -> str:
+    """transformers logs the cause of a conversion failure and raises a generic error: join them."""
+    causes = [line for line in logged if "rror" in line or "not divisible" in line]
+    message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return message + (f" [logged: {'; '.join(dict.fromkeys(causes))[:600]}]" if causes else "")
+
+
 class TransformersEngine(Engine):
     name = "transformers"
     package = "transformers"
@@ -24,8 +31,11 @@ class TransformersEngine(Engine):
         self.fmt, self.knobs = format_and_knobs(directory)
         report = LoadReport()
         with captured_warnings(report.warnings):
-            self.model, info = AutoModelForCausalLM.from_pretrained(
-                directory, output_loading_info=True, local_files_only=True)
+            try:
+                self.model, info = AutoModelForCausalLM.from_pretrained(
+                    directory, output_loading_info=True, local_files_only=True)
+            except Exception as error:
+                raise RuntimeError(explain(error, report.warnings)) from error
         self.model.eval()
         report.missing = sorted(info.get("missing_keys", []))
         report.unexpected = sorted(info.get("unexpected_keys", []))

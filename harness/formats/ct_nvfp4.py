@@ -49,10 +49,11 @@ def quantize_ct(observed: torch.Tensor, global_scale: torch.Tensor):
     return encode_e2m1(scaled.reshape(observed.shape)), scale.to(torch.float8_e4m3fn)
 
 
-def ct_args(with_observer: bool) -> dict:
+def ct_args(activations: bool) -> dict:
+    """QuantizationArgs as ct 0.20 dumps them into config.json."""
     args = {"dynamic": False, "group_size": nv.GROUP, "num_bits": 4, "scale_dtype": "torch.float8_e4m3fn",
             "strategy": "tensor_group", "symmetric": True, "type": "float"}
-    if with_observer:
+    if activations:
         args.update(dynamic="local", observer="static_minmax")
     return args
 

@@ -42,8 +42,9 @@ def parse_block_size(value: Any) -> tuple[int, int]:
 
 
 def expand_block_grid(grid: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
-    """Repeat a [ceil(N/bn), ceil(K/bk)] grid over [N, K], cutting the partial edge blocks."""
-    bn, bk = block
+    """Repeat a [ceil(N/bn), ceil(K/bk)] grid over [N, K], cutting the partial edge blocks.
+    A block larger than the weight is one block (and must not allocate its nominal size)."""
+    bn, bk = min(block[0], rows), min(block[1], cols)
     return grid.repeat_interleave(bn, dim=0)[:rows].repeat_interleave(bk, dim=1)[:, :cols]
 
 

@@ -11,11 +11,14 @@ The convention rule: for any weight with amax <= 2688 (every real one) a correct
 wrong side of 1: it is the other convention's value. The quantizers refuse weights with
 amax > 2688 for the same reason. Activations can legitimately exceed 2688, so input scales
 are only checked for being finite and positive.
+
+Not reproduced here: both producers give the shards of a fused layer (q/k/v, gate/up) one
+shared per-tensor scale, and vLLM keeps only the max over the shards; `quantize` sees one weight.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -62,7 +65,7 @@ def observe(weight: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
 
 def groups(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [N, K/16, 16]."""
-    return weight.reshape(weight.shape[0], -1, GROUP)
+    return weight.reshape(weight.shape[0], weight.shape[1] // GROUP, GROUP)
 
 
 def truth_from_codes(codes: torch.Tensor, block_scale: torch.Tensor, per_tensor: torch.Tensor,

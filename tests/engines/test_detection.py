@@ -1,0 +1,80 @@
+"""The harness detects each bug class: proven with deliberately buggy test doubles
+(tests/doubles/buggy_engines.py), loaded by import path as a user's own loader would be."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.engines.process import Limits
+from harness.recipe import Recipe
+from harness.runner import EngineSession, evaluate
+from harness.writer import generate
+
+pytest.importorskip("transformers")
+DOUBLES = "tests.doubles.buggy_engines"
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    engines = ["reference", f"{DOUBLES}:DroppedScaleEngine", f"{DOUBLES}:ClobberedBiasEngine",
+               f"{DOUBLES}:SwappedGlobalScaleEngine"]
+    session = EngineSession(engines, tmp_path_factory.mktemp("work"), Limits(timeout_s=300))
+    yield session
+    session.close()
+
+
+def checkpoint(tmp_path, fmt, arch, **config):
+    directory = tmp_path / f"{fmt}-{arch}"
+    generate(Recipe(format=fmt, arch=arch, seed=3, config={"num_hidden_layers": 1, **config}), directory)
+    return directory
+
+
+def kinds(result, engine):
+    return {f.kind for f in result.findings if f.engine == engine}
+
+
+def test_reference_engine_agrees_with_the_truth(session, tmp_path):
+    result = evaluate(checkpoint(tmp_path, "fp8-block", "qwen2"), session, engines=["reference"])
+    assert result.outcomes["reference"].status == "loaded"
+    assert result.findings == []
+
+
+def test_dropped_scale_is_found(session, tmp_path):
+    engine = f"{DOUBLES}:DroppedScaleEngine"
+    result = evaluate(checkpoint(tmp_path, "fp8-block", "llama"), session, engines=["reference", engine])
+    assert {"dropped-scale", "weight-mismatch"} <= kinds(result, engine)
+    mismatch = [f for f in result.findings if f.engine == engine and f.kind == "weight-mismatch"]
+    assert len(mismatch) == 1 and mismatch[0].module.endswith("weight")
+    assert mismatch[0].metrics["bad_block_count"] >= 1
+    assert kinds(result, "reference") == set()
+
+
+def test_clobbered_bias_is_found(session, tmp_path):
+    engine = f"{DOUBLES}:ClobberedBiasEngine"
+    result = evaluate(checkpoint(tmp_path, "fp8-block", "qwen2"), session, engines=["reference", engine])
+    nonfinite = [f for f in result.findings if f.engine == engine and f.kind == "weight-nonfinite"]
+    assert {f.module.rsplit(".", 2)[-2] for f in nonfinite} == {"q_proj", "k_proj", "v_proj"}
+    assert "nonfinite-logits" in kinds(result, engine)
+
+
+def test_swapped_nvfp4_global_scale_is_found(session, tmp_path):
+    engine = f"{DOUBLES}:SwappedGlobalScaleEngine"
+    result = evaluate(checkpoint(tmp_path, "ct-nvfp4a16", "llama"), session, engines=["reference", engine])
+    assert "weight-mismatch" in kinds(result, engine)
+    assert kinds(result, engine) & {"logprobs", "topk", "perplexity", "nonfinite-logits"}
+
+
+@pytest.mark.parametrize("double, kind, limits", [
+    ("CrashingEngine", "engine-crash", Limits(timeout_s=120)),
+    ("HangingEngine", "engine-timeout", Limits(timeout_s=40)),
+    ("MemoryHogEngine", "engine-memory", Limits(timeout_s=120, memory_mb=2500)),
+])
+def test_worker_failures_are_findings_and_the_run_goes_on(tmp_path, double, kind, limits):
+    engine = f"{DOUBLES}:{double}"
+    session = EngineSession([engine, "reference"], tmp_path / "work", limits)
+    try:
+        result = evaluate(checkpoint(tmp_path, "ct-fp8-channel", "llama"), session)
+    finally:
+        session.close()
+    assert [f.kind for f in result.findings if f.engine == engine] == [kind]
+    assert result.outcomes["reference"].status == "loaded"

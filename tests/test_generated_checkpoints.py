@@ -1,0 +1,118 @@
+"""Every recipe the strategies build generates a well-formed, deterministic checkpoint whose
+reference dequantization matches the manifest's truth, or is refused where the manifest says so."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from safetensors.torch import load_file
+
+from harness.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
+from harness.errors import CheckpointError
+from harness.formats import get_format
+from harness.reference import dequantize_checkpoint, group_modules
+from harness.strategies import recipes
+from harness.writer import MANIFEST_FILE, TRUTH_FILE, generate
+
+
+def assert_tensors_equal(got: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> None:
+    """Same names; each tensor float64 and bit-for-bit the truth."""
+    __tracebackhide__ = True
+    assert sorted(got) == sorted(truth), (
+        f"reference yields {sorted(set(got) - set(truth))} beyond the truth and misses {sorted(set(truth) - set(got))}")
+    for name, expected in truth.items():
+        tensor = got[name]
+        assert tensor.dtype == torch.float64, f"{name}: reference gave {tensor.dtype}, expected float64"
+        assert tensor.shape == expected.shape, f"{name}: shape {list(tensor.shape)}, truth {list(expected.shape)}"
+        if not torch.equal(tensor, expected):
+            diff = (tensor - expected).abs()
+            worst = int(diff.nan_to_num(float("inf")).argmax())
+            raise AssertionError(
+                f"{name}: {int((tensor != expected).sum())} of {expected.numel()} values differ; at flat index "
+                f"{worst}: reference {tensor.flatten()[worst].item()!r}, truth {expected.flatten()[worst].item()!r}")
+
+
+def assert_refusal_is_justified(error: CheckpointError, manifest: dict) -> None:
+    """The reference only refuses a module the manifest does not call exact."""
+    __tracebackhide__ = True
+    module = error.problem.partition(":")[0]
+    assert module in manifest["modules"], f"the reference refused something other than a module: {error}"
+    expectation = manifest["modules"][module]["expectation"]
+    assert expectation != "exact", f"the reference refused {module}, whose manifest expectation is exact: {error}"
+
+
+def assert_layout(directory: Path, manifest: dict) -> None:
+    """Every manifest module is in the checkpoint with its weight and marker tensors, there are
+    no other quantized modules, the index lists exactly the shards' tensors, and split scales
+    sit in another shard than their weights."""
+    __tracebackhide__ = True
+    fmt = get_format(manifest["format"])
+    layout = manifest["resolved"]["layout"]
+    checkpoint = Checkpoint(directory)
+    names = checkpoint.names()
+    modules, plain = group_modules(names, fmt)
+    assert sorted(modules) == sorted(manifest["modules"]), (
+        f"quantized modules in the checkpoint {sorted(modules)} != manifest {sorted(manifest['modules'])}")
+    weight_suffix = fmt.suffixes[0]
+    for module, parts in modules.items():
+        assert weight_suffix in parts and fmt.marker in parts, f"{module} has only {sorted(parts)}"
+        if layout["split_scale"]:
+            scales = [s for s in parts if s != weight_suffix]
+            split = [s for s in scales if checkpoint.shard_of(parts[s]) != checkpoint.shard_of(parts[weight_suffix])]
+            assert split, f"split_scale, yet every tensor of {module} shares the weight's shard"
+    truth_names = set(load_file(str(directory / TRUTH_FILE)))
+    expected_plain = truth_names - {f"{m}.weight" for m in modules}
+    assert set(plain) == expected_plain, (
+        f"plain tensors: extra {sorted(set(plain) - expected_plain)}, missing {sorted(expected_plain - set(plain))}")
+    index = directory / INDEX_FILE
+    if layout["shards"] == 1:
+        assert not index.exists() and (directory / SINGLE_FILE).is_file(), "one shard must be a lone model.safetensors"
+        return
+    weight_map = json.loads(index.read_text())["weight_map"]
+    shards = sorted(p.name for p in directory.glob("*.safetensors"))
+    assert len(shards) == layout["shards"] and SINGLE_FILE not in shards, f"shards on disk: {shards}"
+    assert sorted(set(weight_map.values())) == shards, f"index names {sorted(set(weight_map.values()))}, disk {shards}"
+    stored = {name for header in checkpoint.headers.values() for name in header}
+    assert set(weight_map) == stored, (
+        f"index misses {sorted(stored - set(weight_map))}, lists absent {sorted(set(weight_map) - stored)}")
+
+
+def assert_same_files(first: Path, second: Path) -> None:
+    """Two generations of one recipe are byte-identical, file by file."""
+    __tracebackhide__ = True
+    files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(second) for p in second.rglob("*") if p.is_file())
+    differ = [str(f) for f in files if (first / f).read_bytes() != (second / f).read_bytes()]
+    assert not differ, f"regenerating the same recipe changed {differ}"
+
+
+@given(recipe=recipes())
+def test_reference_matches_truth_or_refuses(recipe):
+    # a fresh directory per example: function-scoped fixtures are not reset between examples
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp) / "checkpoint"
+        manifest = generate(recipe, directory)
+        assert json.loads((directory / MANIFEST_FILE).read_text()) == manifest
+        assert_layout(directory, manifest)
+        expectation = manifest["expectation"]
+        if expectation == "refuse":
+            with pytest.raises(CheckpointError) as refused:
+                list(dequantize_checkpoint(directory))
+            assert_refusal_is_justified(refused.value, manifest)
+        else:
+            assert expectation in ("exact", "exact-or-refuse"), expectation
+            try:
+                got = dict(dequantize_checkpoint(directory))
+            except CheckpointError as error:
+                assert expectation == "exact-or-refuse", f"the reference refused an exact checkpoint: {error}"
+                assert_refusal_is_justified(error, manifest)
+            else:
+                assert_tensors_equal(got, load_file(str(directory / TRUTH_FILE)))
+        again = Path(tmp) / "again"
+        generate(recipe, again)
+        assert_same_files(directory, again)

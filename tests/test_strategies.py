@@ -1,0 +1,224 @@
+"""Every variant the strategies promise is reachable (one `find` each), and what they build is valid."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import Phase, find, given, settings
+from hypothesis import strategies as st
+
+from harness.architectures import ARCHITECTURES
+from harness.formats import FORMAT_NAMES, get_format
+from harness.recipe import LAYOUT_CHOICES, PERTURB_CHOICES, PERTURB_DEFAULTS, VLM_PREFIX
+from harness.strategies import (
+    BLOCK_EDGES,
+    DIMENSION_CLASSES,
+    HEAD_COUNTS,
+    MAX_LAYERS,
+    MAX_SHARDS,
+    architectures,
+    block_shapes,
+    column_multiple,
+    dimension_class,
+    dimensions,
+    feasible_classes,
+    format_knobs,
+    layouts,
+    perturbations,
+    recipes,
+    scale_grids,
+)
+
+#: no shrinking: a found example only has to exist, and shrinking recipes is the slow part
+FIND = settings(max_examples=3000, phases=[Phase.generate], database=None)
+BLOCK_FORMATS = tuple(n for n in FORMAT_NAMES if "block_rows" in get_format(n).knobs)
+TRANSPOSABLE_FORMATS = tuple(n for n in FORMAT_NAMES if "scale_layout" in get_format(n).knobs)
+CONVENTION_FORMATS = tuple(n for n in FORMAT_NAMES if "global_scale_convention" in get_format(n).knobs)
+WHOLE_GROUP_FORMATS = tuple(n for n in FORMAT_NAMES if column_multiple(n) > 1)
+KNOB_CHOICES = [(name, knob, choice) for name in FORMAT_NAMES
+                for knob, spec in get_format(name).knobs.items() for choice in spec.choices]
+PERTURB_VALUES = [(key, value) for key, default in PERTURB_DEFAULTS.items()
+                  for value in ((False, True) if isinstance(default, bool) else PERTURB_CHOICES[key])]
+
+
+def reach(strategy, condition):
+    """An example of `strategy` meeting `condition`; fails the test when none is found."""
+    __tracebackhide__ = True
+    return find(strategy, condition, settings=FIND)
+
+
+def grids_of(recipe):
+    return list(scale_grids(recipe).values())
+
+
+def shapes_of(recipe):
+    return list(ARCHITECTURES[recipe.arch].projection_shapes(recipe.resolved().settings).values())
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_every_format(name):
+    reach(recipes(), lambda r: r.format == name)
+
+
+@pytest.mark.parametrize("arch", tuple(ARCHITECTURES))
+def test_every_architecture(arch):
+    reach(recipes(), lambda r: r.arch == arch)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_tied_and_untied_embeddings(tied):
+    reach(architectures(), lambda a: a[1]["tie_word_embeddings"] is tied)
+
+
+@pytest.mark.parametrize("layers", range(1, MAX_LAYERS + 1))
+def test_layer_counts(layers):
+    reach(architectures(), lambda a: a[1]["num_hidden_layers"] == layers)
+
+
+@pytest.mark.parametrize("attention_bias", [False, True])
+@pytest.mark.parametrize("mlp_bias", [False, True])
+def test_llama_biases(attention_bias, mlp_bias):
+    reach(architectures(("llama",)),
+          lambda a: (a[1]["attention_bias"], a[1]["mlp_bias"]) == (attention_bias, mlp_bias))
+
+
+def test_fully_biased_llama_biases_every_projection():
+    name, config = reach(architectures(("llama",)), lambda a: a[1]["attention_bias"] and a[1]["mlp_bias"])
+    arch = ARCHITECTURES[name]
+    assert arch.biased_projections(arch.settings(config)) == set(arch.projection_shapes(arch.settings(config)))
+
+
+@pytest.mark.parametrize("heads, kv_heads", HEAD_COUNTS)
+def test_every_head_count(heads, kv_heads):
+    """Multi-head and grouped-query attention."""
+    reach(architectures(), lambda a: (a[1]["num_attention_heads"], a[1]["num_key_value_heads"]) == (heads, kv_heads))
+
+
+def test_attention_width_tied_to_hidden_size():
+    reach(architectures(), lambda a: a[1]["num_attention_heads"] * a[1]["head_dim"] == a[1]["hidden_size"])
+
+
+@pytest.mark.parametrize("block", BLOCK_EDGES)
+@pytest.mark.parametrize("kind", DIMENSION_CLASSES)
+def test_every_dimension_class(block, kind):
+    size = reach(dimensions(block), lambda s: dimension_class(s, block) == kind)
+    assert {"smaller-than-block": size < block, "block-plus-one": size == block + 1,
+            "blocks-plus-partial": size > 2 * block and size % block, "exact-multiple": size % block == 0}[kind]
+
+
+@given(block=st.sampled_from(BLOCK_EDGES), multiple_of=st.sampled_from((1, 2, 4, 8, 16)), data=st.data())
+def test_dimensions_are_multiples_in_a_feasible_class(block, multiple_of, data):
+    size = data.draw(dimensions(block, multiple_of))
+    assert size >= 1 and size % multiple_of == 0
+    assert dimension_class(size, block) in feasible_classes(block, multiple_of)
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+@pytest.mark.parametrize("size", ["hidden_size", "intermediate_size"])
+@pytest.mark.parametrize("kind", DIMENSION_CLASSES)
+def test_sizes_of_every_class_against_the_format_block(name, size, kind):
+    edge = "block_cols" if size == "hidden_size" else "block_rows"
+    reach(recipes((name,)), lambda r: dimension_class(r.config[size], r.knobs[edge]) == kind)
+
+
+@pytest.mark.parametrize("name", WHOLE_GROUP_FORMATS)
+@pytest.mark.parametrize("groups", ["one", "several"])
+def test_whole_group_formats_get_one_and_several_groups(name, groups):
+    """Where K must be whole groups (NVFP4), both a single group and several are drawn."""
+    multiple = column_multiple(name)
+    reach(recipes((name,)), lambda r: (r.config["hidden_size"] == multiple) == (groups == "one"))
+
+
+@pytest.mark.parametrize("name", WHOLE_GROUP_FORMATS)
+def test_whole_group_formats_still_get_rows_of_any_count(name):
+    """Only K must be whole groups: some projection's N (k_proj, v_proj) is not a multiple."""
+    multiple = column_multiple(name)
+    reach(recipes((name,)), lambda r: any(rows % multiple for rows, _ in shapes_of(r)))
+
+
+def test_nvfp4_needs_whole_groups():
+    assert {"ct-nvfp4", "ct-nvfp4a16", "modelopt-nvfp4"} <= set(WHOLE_GROUP_FORMATS)
+
+
+@pytest.mark.parametrize("name, knob, choice", KNOB_CHOICES, ids=[f"{n}-{k}-{c}" for n, k, c in KNOB_CHOICES])
+def test_every_knob_choice(name, knob, choice):
+    reach(format_knobs(name), lambda k: k[knob] == choice)
+
+
+@pytest.mark.parametrize("name", CONVENTION_FORMATS)
+def test_swapped_nvfp4_global_scale_convention(name):
+    reach(recipes((name,)), lambda r: r.knobs["global_scale_convention"] == "swapped")
+
+
+def test_every_nvfp4_format_can_swap_its_convention():
+    assert {"ct-nvfp4", "ct-nvfp4a16", "modelopt-nvfp4"} <= set(CONVENTION_FORMATS)
+
+
+@pytest.mark.parametrize("square", [False, True])
+def test_square_and_non_square_blocks(square):
+    reach(block_shapes(), lambda b: (b[0] == b[1]) is square)
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMATS)
+def test_default_block_128(name):
+    reach(format_knobs(name), lambda k: k["block_rows"] == k["block_cols"] == 128)
+
+
+@given(knobs=format_knobs("fp8-block"))
+def test_scalar_and_one_element_block_styles_get_square_blocks(knobs):
+    assert knobs["block_size_style"] == "list" or knobs["block_rows"] == knobs["block_cols"]
+
+
+@pytest.mark.parametrize("name", TRANSPOSABLE_FORMATS)
+@pytest.mark.parametrize("grid", ["square > 1x1", "non-square", "all square, some > 1x1"])
+def test_transposed_square_and_non_square_grids(name, grid):
+    """Transposing a non-square grid makes it misfit (refuse or recover); a square one > 1x1
+    moves scales undetectably; with every grid square the whole checkpoint stays exact."""
+    condition = {
+        "square > 1x1": lambda grids: any(r == c > 1 for r, c in grids),
+        "non-square": lambda grids: any(r != c for r, c in grids),
+        "all square, some > 1x1": lambda grids: all(r == c for r, c in grids) and any(r > 1 for r, _ in grids),
+    }[grid]
+    reach(recipes((name,)), lambda r: r.knobs["scale_layout"] == "transposed" and condition(grids_of(r)))
+
+
+SHARDINGS = [(1, False)] + [(shards, split) for shards in range(2, MAX_SHARDS + 1) for split in (False, True)]
+
+
+@pytest.mark.parametrize("shards, split_scale", SHARDINGS, ids=[f"{n}{'-split' if s else ''}" for n, s in SHARDINGS])
+def test_shards_and_split_scales(shards, split_scale):
+    """1 shard is a single model.safetensors; a split puts scales in another shard than their weights."""
+    reach(layouts(), lambda layout: (layout["shards"], layout["split_scale"]) == (shards, split_scale))
+
+
+LAYOUT_VALUES = [(key, value) for key in ("key_prefix", "dtype") for value in LAYOUT_CHOICES[key]]
+
+
+@pytest.mark.parametrize("key, value", LAYOUT_VALUES, ids=[f"{k}-{v}" for k, v in LAYOUT_VALUES])
+def test_every_layout_choice(key, value):
+    reach(layouts(), lambda layout: layout[key] == value)
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_vlm_prefix_with_every_format(name):
+    reach(recipes((name,)), lambda r: r.layout["key_prefix"] == VLM_PREFIX)
+
+
+@pytest.mark.parametrize("key, value", PERTURB_VALUES, ids=[f"{k}-{v}" for k, v in PERTURB_VALUES])
+def test_every_perturbation(key, value):
+    reach(perturbations(), lambda p: p[key] == value)
+
+
+def test_unperturbed_recipes():
+    reach(perturbations(), lambda p: p == PERTURB_DEFAULTS)
+
+
+@given(recipe=recipes())
+def test_recipes_are_valid(recipe):
+    """Built valid: resolves, every K a multiple the format accepts, head_dim even, split only with shards."""
+    resolved = recipe.resolved()
+    multiple = column_multiple(recipe.format)
+    for rows, cols in shapes_of(recipe):
+        assert rows >= 1 and cols % multiple == 0, (rows, cols)
+    assert resolved.settings["head_dim"] % 2 == 0
+    assert resolved.layout["shards"] >= 2 or not resolved.layout["split_scale"]
+    assert all(r >= 1 and c >= 1 for r, c in grids_of(recipe))
