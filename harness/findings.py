@@ -30,6 +30,7 @@ class Finding:
     kind: str
     format: str
     message: str
+    arch: str | None = None  # the checkpoint's model_type
     module: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     checkpoint: str = ""

@@ -17,8 +17,9 @@ from harness.errors import HarnessError
 from harness.findings import KINDS, Finding
 
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "cases" / "known_issues.toml"
-FIELDS = {"id", "engine", "versions", "formats", "kind", "message", "partial_blocks", "reason", "upstream",
-          "reproducer", "status"}
+FIELDS = {"id", "engine", "versions", "formats", "archs", "kind", "message", "partial_blocks", "reason",
+          "upstream", "reproducer", "status"}
+CONSEQUENCES = {"logprobs", "topk", "perplexity", "nonfinite-logits"}
 REQUIRED = {"id", "engine", "versions", "formats", "kind", "reason", "reproducer"}
 
 
@@ -28,11 +29,12 @@ class KnownIssue:
     engine: str
     versions: SpecifierSet
     formats: list[str]
-    kind: str
+    kinds: list[str]
     reason: str
     reproducer: dict[str, Any]
     message: str | None = None
     partial_blocks: bool | None = None
+    archs: list[str] | None = None
     upstream: str = ""
     status: str = "open"
     raw: dict = field(default_factory=dict)
@@ -46,7 +48,9 @@ class KnownIssue:
     def matches(self, finding: Finding) -> bool:
         if not self.applies_to(finding.engine, finding.engine_version):
             return False
-        if finding.kind != self.kind or ("*" not in self.formats and finding.format not in self.formats):
+        if finding.kind not in self.kinds or ("*" not in self.formats and finding.format not in self.formats):
+            return False
+        if self.archs is not None and finding.arch not in self.archs:
             return False
         if self.message and not re.search(self.message, finding.message):
             return False
@@ -75,16 +79,17 @@ class KnownIssues:
                 raise HarnessError(f"{where}: unknown key(s) {sorted(set(entry) - FIELDS)}")
             if REQUIRED - set(entry):
                 raise HarnessError(f"{where}: missing key(s) {sorted(REQUIRED - set(entry))}")
-            if entry["kind"] not in KINDS:
-                raise HarnessError(f"{where}: unknown kind {entry['kind']!r}")
+            kinds = [entry["kind"]] if isinstance(entry["kind"], str) else list(entry["kind"])
+            if set(kinds) - set(KINDS):
+                raise HarnessError(f"{where}: unknown kind(s) {sorted(set(kinds) - set(KINDS))}")
             try:
                 versions = SpecifierSet(entry["versions"])
             except InvalidSpecifier:
                 raise HarnessError(f"{where}: bad version range {entry['versions']!r}") from None
             issues.append(KnownIssue(
                 id=entry["id"], engine=entry["engine"], versions=versions, formats=list(entry["formats"]),
-                kind=entry["kind"], reason=entry["reason"], reproducer=dict(entry["reproducer"]),
-                message=entry.get("message"), partial_blocks=entry.get("partial_blocks"),
+                kinds=kinds, reason=entry["reason"], reproducer=dict(entry["reproducer"]),
+                message=entry.get("message"), partial_blocks=entry.get("partial_blocks"), archs=entry.get("archs"),
                 upstream=entry.get("upstream", ""), status=entry.get("status", "open"), raw=entry))
         ids = [i.id for i in issues]
         if len(ids) != len(set(ids)):
@@ -96,6 +101,20 @@ class KnownIssues:
             if issue.matches(finding):
                 return issue.id
         return None
+
+    def annotate(self, findings: list[Finding]) -> None:
+        """Mark each finding with the known issue that explains it. An engine's logit-level
+        findings (logprobs, top-k, perplexity) are consequences of its weight or load findings:
+        when all of those are known, the logit ones carry the same issue."""
+        for item in findings:
+            item.known_issue = self.match(item)
+        for engine in {f.engine for f in findings}:
+            causes = [f for f in findings if f.engine == engine and f.kind not in CONSEQUENCES]
+            ids = {f.known_issue for f in causes}
+            if causes and None not in ids:
+                for item in findings:
+                    if item.engine == engine and item.kind in CONSEQUENCES and item.known_issue is None:
+                        item.known_issue = sorted(ids)[0]
 
     def by_id(self, issue_id: str) -> KnownIssue:
         for issue in self.issues:

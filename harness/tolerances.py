@@ -18,6 +18,7 @@ class Tolerances:
     weight_abs: float
     logprob_max_abs_delta: float
     top_k: int
+    max_topk_miss_fraction: float
     perplexity_rel: float
 
 
@@ -43,7 +44,7 @@ def load_tolerances(format_name: str, dtype: str, path: Path = DEFAULT_FILE) -> 
     _check_keys(f"formats.{format_name}", override, {"logprobs", "perplexity"})
     logprobs.update(override.get("logprobs", {}))
     perplexity.update(override.get("perplexity", {}))
-    _check_keys("logprobs", logprobs, {"max_abs_delta", "top_k"})
+    _check_keys("logprobs", logprobs, {"max_abs_delta", "top_k", "max_topk_miss_fraction"})
     _check_keys("perplexity", perplexity, {"rel"})
     return Tolerances(weights["rel"], weights["abs"], logprobs["max_abs_delta"], int(logprobs["top_k"]),
-                      perplexity["rel"])
+                      float(logprobs["max_topk_miss_fraction"]), perplexity["rel"])

@@ -88,7 +88,10 @@ def inject_nonfinite(quantized: QuantizedWeight, kind: str) -> str:
             continue
         flat = tensor.to(torch.float32).flatten()
         flat[0] = math.nan if kind == "nan" else math.inf
-        quantized.tensors[suffix] = flat.reshape(tensor.shape).to(tensor.dtype)
+        stored = flat.reshape(tensor.shape).to(tensor.dtype)
+        if torch.isfinite(stored.flatten()[0].float()):
+            continue  # e4m3 has no infinity (inf saturates to 448): use a float32 scale instead
+        quantized.tensors[suffix] = stored
         quantized.expectation = "refuse"
         note = f"{suffix}[0] set to {kind}: a loader must refuse it"
         quantized.notes.append(note)
@@ -151,7 +154,9 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
         for suffix, tensor in quantized.tensors.items():
             tensors[f"{module}.{suffix}"] = tensor
         if resolved.layout["split_scale"]:
-            split_pairs[f"{module}.{fmt.marker}"] = f"{module}.{fmt.suffixes[0]}"
+            weight_name = fmt.suffixes[0]
+            scale = next(s for s in quantized.tensors if s != weight_name)
+            split_pairs[f"{module}.{scale}"] = f"{module}.{weight_name}"
         truth[name] = quantized.truth
         modules[module] = {"shape": list(weight.shape), "expectation": quantized.expectation,
                            "notes": quantized.notes}

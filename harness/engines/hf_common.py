@@ -53,18 +53,23 @@ def held_weights(model, fmt=None, knobs=None) -> dict[str, torch.Tensor]:
 
 
 class _Collect(logging.Handler):
-    def __init__(self, sink: list[str]):
+    def __init__(self, sink: list[str], full: list[str] | None):
         super().__init__(logging.WARNING)
-        self.sink = sink
+        self.sink, self.full = sink, full
 
     def emit(self, record):
-        self.sink.append(record.getMessage().splitlines()[0][:300] if record.getMessage() else "")
+        message = record.getMessage()
+        self.sink.append(message.splitlines()[0][:300] if message else "")
+        if self.full is not None:
+            self.full.append(message[:20000])
 
 
 @contextmanager
-def captured_warnings(sink: list[str], loggers=("transformers", "compressed_tensors", "vllm")):
-    """Collect warnings and WARNING log records raised while loading (first line of each)."""
-    handler = _Collect(sink)
+def captured_warnings(sink: list[str], loggers=("transformers", "compressed_tensors", "vllm"),
+                      full: list[str] | None = None):
+    """Collect warnings and WARNING log records raised while loading: the first line of each
+    into `sink`, and whole messages (multi-line load reports) into `full` when given."""
+    handler = _Collect(sink, full)
     for name in loggers:
         logging.getLogger(name).addHandler(handler)
     with warnings.catch_warnings(record=True) as caught:

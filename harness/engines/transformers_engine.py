@@ -10,8 +10,9 @@ from harness.engines.hf_common import captured_warnings, held_weights, model_gen
 
 def explain(error: Exception, logged: list[str]) -> str:
     """transformers logs the cause of a conversion failure and raises a generic error: join them."""
-    causes = [line for line in logged if "rror" in line or "not divisible" in line]
-    message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    lines = [line.strip() for message in logged for line in message.splitlines()]
+    causes = [line for line in lines if line.startswith(("ValueError", "RuntimeError", "TypeError", "Error:"))]
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
     return message + (f" [logged: {'; '.join(dict.fromkeys(causes))[:600]}]" if causes else "")
 
 
@@ -30,12 +31,13 @@ class TransformersEngine(Engine):
 
         self.fmt, self.knobs = format_and_knobs(directory)
         report = LoadReport()
-        with captured_warnings(report.warnings):
+        logged: list[str] = []
+        with captured_warnings(report.warnings, full=logged):
             try:
                 self.model, info = AutoModelForCausalLM.from_pretrained(
                     directory, output_loading_info=True, local_files_only=True)
             except Exception as error:
-                raise RuntimeError(explain(error, report.warnings)) from error
+                raise RuntimeError(explain(error, logged)) from error
         self.model.eval()
         report.missing = sorted(info.get("missing_keys", []))
         report.unexpected = sorted(info.get("unexpected_keys", []))

