@@ -6,8 +6,9 @@ intermediate sizes need not be multiples of anything, which is where block grids
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from harness.tokenizer import BYTE_VOCAB_SIZE
 

@@ -85,6 +85,6 @@ def run_campaign(engines: list[str], formats: tuple[str, ...] | None, archs: tup
     except BaseExceptionGroup as group:  # several distinct findings; anything else is a harness bug
         rest = group.subgroup(lambda e: not isinstance(e, (FindingFailure, BaseExceptionGroup)))
         if rest is not None:
-            raise rest
+            raise rest from None
     print(file=progress)
     return campaign

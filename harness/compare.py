@@ -81,14 +81,14 @@ class LogprobDiff:
 
 def perplexity(rows: list[torch.Tensor], sequences: list[list[int]]) -> float:
     """exp(mean negative log-likelihood) of each sequence's own next tokens."""
-    picked = [row[torch.arange(len(seq) - 1), torch.tensor(seq[1:])] for row, seq in zip(rows, sequences)]
+    picked = [row[torch.arange(len(seq) - 1), torch.tensor(seq[1:])] for row, seq in zip(rows, sequences, strict=True)]
     return float(torch.exp(-torch.cat(picked).double().mean()))
 
 
 def compare_logprobs(got: list[torch.Tensor], reference: list[torch.Tensor], sequences: list[list[int]],
                      tol: Tolerances) -> LogprobDiff:
     worst, misses, positions, nonfinite = 0.0, 0, 0, 0
-    for g, r in zip(got, reference):
+    for g, r in zip(got, reference, strict=True):
         nonfinite += int((~torch.isfinite(g)).sum())
         top = r.topk(tol.top_k, dim=-1).indices
         delta = (g.gather(-1, top) - r.gather(-1, top)).abs()

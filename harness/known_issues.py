@@ -56,7 +56,7 @@ class KnownIssue:
             return False
         if self.partial_blocks is not None:
             shape, block = finding.metrics.get("shape"), finding.metrics.get("block")
-            partial = bool(shape and block and any(s % b for s, b in zip(shape, block)))
+            partial = bool(shape and block and any(s % b for s, b in zip(shape, block, strict=False)))
             if partial != self.partial_blocks:
                 return False
         return True
@@ -67,7 +67,7 @@ class KnownIssues:
         self.issues = issues
 
     @classmethod
-    def load(cls, path: Path = DEFAULT_FILE) -> "KnownIssues":
+    def load(cls, path: Path = DEFAULT_FILE) -> KnownIssues:
         try:
             data = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as error:

@@ -5,13 +5,13 @@ be regenerated bit for bit from it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from harness.architectures import ARCHITECTURES
 from harness.errors import HarnessError
 from harness.formats import FORMAT_NAMES, get_format
-
 from harness.naming import VLM_PREFIX
 
 LAYOUT_DEFAULTS: dict[str, Any] = {
@@ -52,13 +52,13 @@ class Recipe:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Mapping) -> "Recipe":
+    def from_json(cls, data: Mapping) -> Recipe:
         unknown = set(data) - {"format", "arch", "seed", "config", "knobs", "layout", "perturb"}
         if unknown:
             raise HarnessError(f"recipe has unknown keys: {sorted(unknown)}")
         return cls(**data)
 
-    def resolved(self) -> "ResolvedRecipe":
+    def resolved(self) -> ResolvedRecipe:
         """Check every value and fill in the defaults; a bad value is a one-line HarnessError."""
         if self.format not in FORMAT_NAMES:
             raise HarnessError(f"unknown format '{self.format}' (known: {', '.join(FORMAT_NAMES)})")

@@ -6,8 +6,8 @@ checkpoint: files are checked by `Checkpoint`, tensors by the format's `dequanti
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 

@@ -17,7 +17,6 @@ from harness.engines.environments import engine_python
 from harness.engines.process import EngineError, EngineFailure, EngineProcess, Limits
 from harness.errors import CheckpointError
 from harness.findings import Finding
-from harness.formats import get_format
 from harness.known_issues import KnownIssues
 from harness.naming import canonical_name
 from harness.reference import dequantize_checkpoint, format_and_knobs
@@ -114,6 +113,7 @@ def evaluate(directory: str | Path, session: EngineSession, known: KnownIssues |
         except CheckpointError:
             truth, expectation = {}, "refuse"
     truth = {canonical_name(n): t for n, t in truth.items()}
+    module_notes = {canonical_name(m): info.get("notes", []) for m, info in (manifest or {}).get("modules", {}).items()}
     tol = load_tolerances(fmt.name, dtype)
     result = CheckpointResult(str(directory), fmt.name, expectation)
     sequences = probe_sequences(int(config.get("vocab_size", 260)))
@@ -159,7 +159,7 @@ def evaluate(directory: str | Path, session: EngineSession, known: KnownIssues |
             # weights the load report already names as missing are that finding's consequence
             missing = {canonical_name(k) for k in outcome.report.get("missing", [])}
             _judge_weights(engine, load_file(str(weights_path)), {n: t for n, t in truth.items() if n not in missing},
-                           dtype, tol, fmt, knobs, finding)
+                           dtype, tol, fmt, knobs, finding, module_notes)
             if anomalies:
                 outcome.detail = "logits not judged: the load report already explains them"
             logprobs_path = scratch / f"{engine.replace(':', '_')}-logprobs.safetensors"
@@ -227,7 +227,9 @@ def _judge_report(engine: str, report: dict, finding) -> bool:
     return bool(scale_keys or other)
 
 
-def _judge_weights(engine, held, truth, dtype, tol, fmt, knobs, finding) -> None:
+def _judge_weights(engine, held, truth, dtype, tol, fmt, knobs, finding, module_notes) -> None:
+    """Every truth tensor against what the engine holds; a finding names what the generator did
+    to that module (its manifest notes), so a reader sees the perturbation behind it."""
     for name, want in sorted(truth.items()):
         if name not in held:
             finding(engine, "weight-missing", f"no weight held for {name}", module=name)
@@ -243,6 +245,9 @@ def _judge_weights(engine, held, truth, dtype, tol, fmt, knobs, finding) -> None
         kind = "weight-nonfinite" if (diff.nan or diff.inf) else "weight-mismatch"
         message = (f"{name}: {diff.bad_elements}/{want.numel()} elements differ, max |err| {diff.max_abs:.3g}, "
                    f"max rel {diff.max_rel:.3g}, {len(diff.bad_blocks)} scale block(s) differ")
+        notes = module_notes.get(name.removesuffix(".weight"), [])
+        if notes:
+            message += f" [checkpoint: {'; '.join(notes)}]"
         item = finding(engine, kind, message, module=name,
                        metrics={**diff.metrics(), "shape": list(want.shape), "block": list(block) if block else None})
         item.metrics["block_ratio"] = diff.block_ratio

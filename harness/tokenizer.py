@@ -25,7 +25,7 @@ def byte_symbols() -> list[str]:
             printable.append(byte)
             codes.append(256 + extra)
             extra += 1
-    table = dict(zip(printable, codes))
+    table = dict(zip(printable, codes, strict=True))
     return [chr(table[byte]) for byte in range(256)]
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Mapping
+from collections.abc import Mapping
 
 from harness.formats.base import FormatError, QuantFormat
 

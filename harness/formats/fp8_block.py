@@ -8,7 +8,7 @@ block, edge blocks partial. Config: `quant_method: fp8`, `weight_block_size` [bn
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
