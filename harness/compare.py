@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harness.dtypes import MODEL_DTYPES as DTYPES
 from harness.tolerances import Tolerances
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass

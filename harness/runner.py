@@ -90,8 +90,11 @@ class EngineSession:
         self.processes.clear()
 
 
-def first_line(text: str) -> str:
-    lines = [line for line in str(text).splitlines() if line.strip()]
+def first_line(text) -> str:
+    """The gist of an error: its first line, and the next one too when the first only announces it."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    if len(lines) > 1 and (lines[0].endswith(":") or len(lines[0]) < 24):
+        return f"{lines[0]} {lines[1]}"[:400]
     return lines[0][:400] if lines else ""
 
 

@@ -6,10 +6,10 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.dtypes import MODEL_DTYPES
 from harness.errors import HarnessError
 
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "cases" / "tolerances.toml"
-DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ def load_tolerances(format_name: str, dtype: str, path: Path = DEFAULT_FILE) -> 
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise HarnessError(f"{path}: cannot read tolerances ({error})") from None
     _check_keys("top level", data, {"weights", "logprobs", "perplexity", "formats"})
-    if dtype not in DTYPES:
+    if dtype not in MODEL_DTYPES:
         raise HarnessError(f"tolerances: no entry for dtype {dtype}")
     weights = data["weights"][dtype]
     logprobs = dict(data["logprobs"][dtype])

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from harness import __version__
 from harness.architectures import ARCHITECTURES
 from harness.checkpoint import INDEX_FILE, SINGLE_FILE
+from harness.dtypes import MODEL_DTYPES as DTYPES
 from harness.errors import HarnessError
 from harness.formats import get_format
 from harness.formats.base import EXPECTATIONS, FormatError, QuantizedWeight
@@ -30,7 +31,6 @@ TRUTH_DIR = "harness_truth"
 TRUTH_FILE = f"{TRUTH_DIR}/truth.safetensors"
 ORIGINAL_FILE = f"{TRUTH_DIR}/original.safetensors"
 IGNORED_MODULES = ["lm_head"]
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 EXTREME_FACTORS = {"none": 1.0, "tiny": 1e-4, "huge": 1e3}
 
 
@@ -52,8 +52,8 @@ def float_weights(resolved: ResolvedRecipe) -> dict[str, torch.Tensor]:
             value = torch.where(normal < 0, -magnitude, magnitude)
         elif role == "norm":
             value = 1.0 + 0.1 * normal
-        else:
-            value = normal
+        else:  # embedding: scaled like lm_head, so tied embeddings give moderate logits
+            value = normal / math.sqrt(shape[1])
         weights[name] = value.to(dtype)
     return weights
 

@@ -2,13 +2,58 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
+from harness.dtypes import MODEL_DTYPES as DTYPES
+from harness.engines.base import Engine
 from harness.naming import canonical_name
+
+
+def checkpoint_dtype(directory: str | Path) -> torch.dtype:
+    """The dtype the checkpoint declares (config.json `dtype`, or the older `torch_dtype`)."""
+    raw = json.loads((Path(directory) / "config.json").read_text())
+    return DTYPES.get(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16", torch.bfloat16)
+
+
+def unquantized_model(directory: str | Path):
+    """The checkpoint's transformers model class, randomly initialised in the checkpoint's dtype,
+    with no quantizer attached: the caller fills in the weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=checkpoint_dtype(directory)).eval()
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    return model, tied
+
+
+class HFModelEngine(Engine):
+    """An engine whose loaded model is a transformers module: forward, generation and weights
+    are read the same way; subclasses implement `load` and set `model` (and `fmt`/`knobs` when
+    the model may keep packed weights)."""
+
+    def __init__(self):
+        self.model = None
+        self.fmt = self.knobs = None
+
+    def weights(self):
+        return held_weights(self.model, self.fmt, self.knobs)
+
+    def logprobs(self, sequences):
+        return model_logprobs(self.model, sequences)
+
+    def generate(self, prompt, max_new_tokens):
+        return model_generate(self.model, prompt, max_new_tokens)
+
+    def unload(self):
+        self.model = None
 
 
 @torch.no_grad()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from harness.engines.base import Engine, LoadReport
-from harness.engines.hf_common import captured_warnings, held_weights, model_generate, model_logprobs
+from harness.engines.base import LoadReport
+from harness.engines.hf_common import HFModelEngine, captured_warnings
 
 
 def explain(error: Exception, logged: list[str]) -> str:
@@ -16,13 +16,9 @@ def explain(error: Exception, logged: list[str]) -> str:
     return message + (f" [logged: {'; '.join(dict.fromkeys(causes))[:600]}]" if causes else "")
 
 
-class TransformersEngine(Engine):
+class TransformersEngine(HFModelEngine):
     name = "transformers"
     package = "transformers"
-
-    def __init__(self):
-        self.model = None
-        self.fmt = self.knobs = None
 
     def load(self, directory: str) -> LoadReport:
         from transformers import AutoModelForCausalLM
@@ -46,15 +42,3 @@ class TransformersEngine(Engine):
         with torch.no_grad():
             self.model(input_ids=torch.tensor([[1, 3, 4, 5]], device=self.model.device))
         return report
-
-    def weights(self):
-        return held_weights(self.model, self.fmt, self.knobs)
-
-    def logprobs(self, sequences):
-        return model_logprobs(self.model, sequences)
-
-    def generate(self, prompt, max_new_tokens):
-        return model_generate(self.model, prompt, max_new_tokens)
-
-    def unload(self):
-        self.model = None

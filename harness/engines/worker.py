@@ -53,7 +53,7 @@ def handle(engine, op: str, request: dict) -> dict:
         engine.unload()
         return {"report": engine.load(request["directory"]).to_json()}
     if op == "weights":
-        weights = {name: tensor.detach().to("cpu", torch.float32).contiguous()
+        weights = {name: tensor.detach().to("cpu", torch.float32, copy=True).contiguous()
                    for name, tensor in engine.weights().items()}
         save_file(weights, request["out"])
         return {"count": len(weights)}

@@ -1,0 +1,485 @@
+"""Examples per second of the differential harness, per engine, next to the engine's bare cost.
+
+Not a test: it asserts nothing about speed. In one run, on the same N generated checkpoints
+(`--format`, `--arch`, seeds 0..N-1, the architecture's default tiny sizes):
+
+(a) harness: `harness.runner.evaluate` with one persistent `EngineSession` (a worker
+    subprocess per engine, as `quant-load-harness` and the pytest plugin run it), once with
+    `engines=[engine]` and once with `engines=["reference", engine]` (the pair the harness
+    really runs: logits are judged against the reference). Checkpoint 0 is the warm-up (worker
+    start and the engine's lazy imports; reported as startup seconds); examples/s counts
+    checkpoints 1..N-1. Each request to a worker and the parent-side steps of `evaluate`
+    (truth read, weight comparisons, log-prob comparison) are timed by wrapping them in this
+    process, so the per-example seconds split into where they went.
+(b) bare: in a fresh subprocess under the interpreter that engine's worker uses, only the
+    engine's own load plus one forward over the same probe sequences (no harness, no weights
+    read back, no comparisons, no generation); checkpoint 0 is the warm-up, 1..N-1 are timed
+    inside that subprocess.
+
+overhead = harness seconds per example / bare seconds per example.
+
+    .venv/bin/python benchmarks/bench_engines.py                    # all four engines, 5 checkpoints
+    .venv/bin/python benchmarks/bench_engines.py --engines reference,transformers --examples 3
+
+Results go to a JSON file (default benchmarks/results/engines-<host>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DEFAULT_ENGINES = "reference,transformers,compressed-tensors,vllm"
+#: the worker ops evaluate() sends, in the order it sends them
+OPS = ("unsupported", "load", "weights", "logprobs", "generate")
+
+
+# ---------------------------------------------------------------- machine
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", platform.node() or platform.machine() or "unknown")
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def source_state() -> dict:
+    """The commit, and which harness files differ from it (the harness is measured as it is on disk)."""
+    def git(*words):
+        try:
+            return subprocess.run(["git", *words], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return {"commit": git("rev-parse", "HEAD"),
+            "uncommitted": git("status", "--short", "--", "harness", "benchmarks").splitlines()}
+
+
+def machine_info() -> dict:
+    import torch
+
+    info = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    try:
+        info["memory_gib"] = round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1024**3, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
+    return info
+
+
+def summary(values: list[float]) -> dict:
+    if not values:
+        return {}
+    return {"mean": round(statistics.fmean(values), 4), "median": round(statistics.median(values), 4),
+            "min": round(min(values), 4), "max": round(max(values), 4), "n": len(values),
+            "each": [round(v, 4) for v in values]}
+
+
+# ---------------------------------------------------------------- (b) bare engine, in a child process
+
+
+def bare_child(spec_path: str) -> int:
+    """Runs under the engine's interpreter: import, then load + one forward per checkpoint."""
+    spec = json.loads(Path(spec_path).read_text())
+    engine, directories, sequences = spec["engine"], spec["directories"], spec["sequences"]
+    t0 = time.perf_counter()
+    import gc
+
+    import torch
+
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if engine == "vllm":
+        # as harness/engines/vllm_engine.py: the engine core in this process
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM, SamplingParams
+    else:
+        from transformers import AutoConfig, AutoModelForCausalLM
+        if engine == "compressed-tensors":
+            from compressed_tensors.compressors import ModelCompressor
+            from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+            from safetensors.torch import load_file
+        elif engine == "reference":
+            from harness.reference import dequantize_checkpoint
+    import_s = time.perf_counter() - t0
+
+    def config_of(directory):
+        raw = json.loads((Path(directory) / "config.json").read_text())
+        return raw, raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+
+    def hf_config(directory):
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        return config
+
+    def load(directory):
+        raw, dtype_name = config_of(directory)
+        dtype = dtypes[dtype_name]
+        if engine == "transformers":
+            return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True).eval()
+        if engine == "reference":
+            weights = {name: tensor.to(dtype) for name, tensor in dequantize_checkpoint(directory)}
+            model = AutoModelForCausalLM.from_config(hf_config(directory), dtype=dtype).eval()
+            model.load_state_dict(weights, strict=False)
+            return model
+        if engine == "compressed-tensors":  # ct_engine.py's load, minus the harness
+            quantization = QuantizationConfig.model_validate(raw["quantization_config"])
+            model = AutoModelForCausalLM.from_config(hf_config(directory), dtype=dtype).eval()
+            apply_quantization_config(model, quantization)
+            compressor = ModelCompressor(quantization_config=quantization)
+            compressor.compress_model(model)
+            state = {}
+            for shard in sorted(Path(directory).glob("*.safetensors")):
+                state.update(load_file(str(shard)))
+            model.load_state_dict(state, strict=False)
+            compressor.decompress_model(model)
+            return model
+        if engine == "vllm":  # the same LLM(...) arguments as vllm_engine.py
+            return LLM(model=directory, tokenizer=directory, dtype=dtype_name, enforce_eager=True,
+                       max_model_len=min(256, raw.get("max_position_embeddings", 256)),
+                       kv_cache_memory_bytes=32 * 2**20, max_logprobs=raw["vocab_size"], seed=0,
+                       trust_remote_code=False)
+        raise ValueError(f"no bare path for engine {engine!r}")
+
+    def forward(model, directory):
+        if engine == "vllm":  # log-probs of the whole vocabulary at every prompt position, as the harness asks
+            vocab = config_of(directory)[0]["vocab_size"]
+            params = SamplingParams(max_tokens=1, prompt_logprobs=vocab, detokenize=False)
+            outputs = model.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+            return len(outputs)
+        with torch.no_grad():  # one batched forward over the probe sequences
+            return model(input_ids=torch.tensor(sequences)).logits.shape[0]
+
+    rows = []
+    for directory in directories:
+        t0 = time.perf_counter()
+        model = load(directory)
+        t1 = time.perf_counter()
+        forward(model, directory)
+        t2 = time.perf_counter()
+        del model
+        gc.collect()
+        rows.append({"checkpoint": Path(directory).name, "load_s": t1 - t0, "forward_s": t2 - t1, "total_s": t2 - t0})
+    Path(spec["out"]).write_text(json.dumps({"import_s": import_s, "python": sys.executable,
+                                             "torch": torch.__version__, "torch_num_threads": torch.get_num_threads(),
+                                             "rows": rows}))
+    return 0
+
+
+def run_bare(engine: str, python: str, directories: list[Path], sequences, work: Path) -> dict:
+    spec_path, out = work / f"bare-{engine}.json", work / f"bare-{engine}-result.json"
+    spec_path.write_text(json.dumps({"engine": engine, "directories": [str(d) for d in directories],
+                                     "sequences": sequences, "out": str(out)}))
+    log = work / f"bare-{engine}.log"
+    t0 = time.perf_counter()
+    with log.open("wb") as sink:
+        code = subprocess.call([python, str(Path(__file__).resolve()), "--bare-child", str(spec_path)],
+                               stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT, timeout=900)
+    wall = time.perf_counter() - t0
+    if code != 0 or not out.is_file():
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        return {"python": python, "error": f"exit status {code}", "log_tail": tail, "process_wall_s": round(wall, 2)}
+    result = json.loads(out.read_text())
+    warmup, timed = result["rows"][0], result["rows"][1:]
+    return {
+        "python": python, "torch": result["torch"], "torch_num_threads": result["torch_num_threads"],
+        "process_wall_s": round(wall, 2), "import_s": round(result["import_s"], 3),
+        "warmup_s": round(warmup["total_s"], 3),
+        "load_s": summary([r["load_s"] for r in timed]), "forward_s": summary([r["forward_s"] for r in timed]),
+        "seconds_per_example": summary([r["total_s"] for r in timed]),
+        "examples_per_s": round(len(timed) / sum(r["total_s"] for r in timed), 3) if timed else None,
+    }
+
+
+# ---------------------------------------------------------------- (a) the harness, instrumented
+
+
+class Clock:
+    """Accumulates seconds per (engine, step) for the example being evaluated."""
+
+    def __init__(self):
+        self.current: dict[tuple[str, str], float] = defaultdict(float)
+
+    def reset(self) -> dict[tuple[str, str], float]:
+        taken, self.current = self.current, defaultdict(float)
+        return taken
+
+
+def instrument(clock: Clock) -> None:
+    """Wrap EngineProcess.request and the parent-side steps of evaluate() (in this process only)."""
+    from harness import runner
+    from harness.engines import REGISTRY
+    from harness.engines.process import EngineProcess
+
+    names = {spec: name for name, spec in REGISTRY.items()}
+    request = EngineProcess.request
+
+    def timed_request(self, op, timeout_s=None, **payload):
+        t0 = time.perf_counter()
+        try:
+            return request(self, op, timeout_s, **payload)
+        finally:
+            clock.current[(names.get(self.spec, self.spec), f"worker:{op}")] += time.perf_counter() - t0
+
+    EngineProcess.request = timed_request
+
+    def wrap(function, step, engine_of):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                clock.current[(engine_of(args), step)] += time.perf_counter() - t0
+        return timed
+
+    load_file = runner.load_file
+
+    def timed_load_file(path, *args, **kwargs):
+        name = Path(str(path)).name  # scratch files are <engine>-weights.safetensors, <engine>-logprobs...
+        if "-weights" in name or "-logprobs" in name:
+            step = "read:weights" if "-weights" in name else "read:logprobs"
+            owner = name.split("-weights")[0].split("-logprobs")[0]
+        else:
+            step, owner = "read:truth", "(parent)"
+        t0 = time.perf_counter()
+        try:
+            return load_file(path, *args, **kwargs)
+        finally:
+            clock.current[(owner, step)] += time.perf_counter() - t0
+
+    runner.load_file = timed_load_file
+    runner._judge_weights = wrap(runner._judge_weights, "compare:weights", lambda a: a[0])
+    runner.compare_logprobs = wrap(runner.compare_logprobs, "compare:logprobs", lambda a: "(parent)")
+    runner.perplexity = wrap(runner.perplexity, "compare:perplexity", lambda a: "(parent)")
+
+
+def harness_row(label: str, engines: list[str], directories: list[Path], session, clock: Clock) -> dict:
+    from harness.runner import evaluate
+
+    examples = []
+    for directory in directories:
+        clock.reset()
+        t0 = time.perf_counter()
+        result = evaluate(directory, session, engines=engines)
+        wall = time.perf_counter() - t0
+        steps = clock.reset()
+        statuses = {e: o.status + (f" ({o.detail[:120]})" if o.detail else "") for e, o in result.outcomes.items()}
+        examples.append({"checkpoint": directory.name, "wall_s": wall, "steps": steps, "statuses": statuses,
+                         "findings": [f"{f.engine}: {f.kind}: {f.message[:160]}" for f in result.findings]})
+    walls = [e["wall_s"] for e in examples]
+    keys = sorted({k for e in examples for k in e["steps"]})
+    breakdown = {}
+    for key in keys:
+        breakdown[" ".join(key)] = round(statistics.fmean(e["steps"].get(key, 0.0) for e in examples), 4)
+    attributed = statistics.fmean(sum(e["steps"].values()) for e in examples)
+    breakdown["(parent) other"] = round(statistics.fmean(walls) - attributed, 4)
+    return {
+        "row": label, "engines": engines,
+        "seconds_per_example": summary(walls),
+        "examples_per_s": round(len(walls) / sum(walls), 3),
+        "breakdown_mean_s": breakdown,
+        "statuses": examples[-1]["statuses"],
+        "findings": sorted({f for e in examples for f in e["findings"]}),
+        "loadavg_after": loadavg(),
+    }
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", default=DEFAULT_ENGINES)
+    parser.add_argument("--format", default="ct-fp8-channel", help="every engine supports it on this CPU")
+    parser.add_argument("--arch", default="llama")
+    parser.add_argument("--examples", type=int, default=5, help="checkpoints (seeds 0..N-1); the first is the warm-up")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/engines-<host>.json")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoints and worker logs")
+    parser.add_argument("--bare-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.bare_child:
+        return bare_child(args.bare_child)
+    if args.examples < 2:
+        parser.error("--examples must be at least 2 (the first is the warm-up)")
+
+    from harness.engines.environments import engine_python
+    from harness.engines.process import Limits
+    from harness.recipe import Recipe
+    from harness.runner import EngineSession, probe_sequences
+    from harness.writer import generate
+
+    started = time.perf_counter()
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"engines-{machine_tag()}.json"
+    report = {
+        "benchmark": "bench_engines",
+        "command": " ".join([Path(sys.executable).name, "benchmarks/bench_engines.py", *(argv or sys.argv[1:])]),
+        "settings": {"engines": engines, "format": args.format, "arch": args.arch, "examples": args.examples,
+                     "seeds": list(range(args.examples)), "timed_examples": args.examples - 1},
+        "machine": machine_info(),
+        "source": source_state(),
+        "loadavg_start": loadavg(),
+    }
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if report["loadavg_start"][0] > 0.5 * cores:
+        print(f"warning: load average {report['loadavg_start']} on {cores} cores: figures will be inflated",
+              file=sys.stderr)
+
+    temporary = tempfile.TemporaryDirectory(prefix="bench-engines-")
+    work = Path(temporary.name)
+    t0 = time.perf_counter()
+    directories = []
+    for seed in range(args.examples):
+        directory = work / f"{args.format}-{args.arch}-seed{seed}"
+        manifest = generate(Recipe(format=args.format, arch=args.arch, seed=seed), directory)
+        directories.append(directory)
+    config = json.loads((directories[0] / "config.json").read_text())
+    sequences = probe_sequences(int(config.get("vocab_size", 260)))
+    report["checkpoints"] = {
+        "generate_s_total": round(time.perf_counter() - t0, 3),
+        "expectation": manifest["expectation"],
+        "config": {k: config.get(k) for k in ("model_type", "hidden_size", "num_attention_heads", "head_dim",
+                                              "intermediate_size", "num_hidden_layers", "vocab_size", "dtype")},
+        "bytes_each": sum(f.stat().st_size for f in directories[0].glob("*.safetensors")),
+        "probe": {"sequences": len(sequences), "tokens": len(sequences[0])},
+    }
+    print(f"{args.examples} checkpoints ({args.format}, {args.arch}) in {report['checkpoints']['generate_s_total']} s",
+          flush=True)
+
+    clock = Clock()
+    instrument(clock)
+    session = EngineSession(engines if "reference" in engines else ["reference", *engines], work / "session",
+                            Limits(timeout_s=600))
+    warmup, timed = directories[0], directories[1:]
+    report["startup"], report["harness"], report["bare"] = {}, [], {}
+
+    def start(engine: str) -> bool:
+        """Worker start plus the first evaluate (the engine's lazy imports): the warm-up."""
+        from harness.runner import evaluate
+
+        t0 = time.perf_counter()
+        worker = session.process(engine)
+        worker_s = time.perf_counter() - t0
+        if worker is None:
+            report["startup"][engine] = {"unavailable": session.unavailable[engine]}
+            print(f"{engine}: unavailable: {session.unavailable[engine]}", flush=True)
+            return False
+        t1 = time.perf_counter()
+        result = evaluate(warmup, session, engines=[engine])
+        clock.reset()
+        first_s = time.perf_counter() - t1
+        outcome = result.outcomes[engine]
+        report["startup"][engine] = {"python": worker.python, "version": session.versions.get(engine),
+                                     "worker_start_s": round(worker_s, 3), "first_example_s": round(first_s, 3),
+                                     "startup_s": round(worker_s + first_s, 3), "status": outcome.status,
+                                     "detail": outcome.detail}
+        print(f"{engine}: worker start {worker_s:.1f} s, first example {first_s:.1f} s ({outcome.status})", flush=True)
+        return outcome.status == "loaded"
+
+    try:
+        usable = {engine: start(engine) for engine in (["reference"] + [e for e in engines if e != "reference"])}
+        for engine in engines:
+            if not usable.get(engine):
+                continue
+            rows = [(engine, [engine])]
+            if engine != "reference" and usable.get("reference"):
+                rows.append((f"reference+{engine}", ["reference", engine]))
+            for label, row_engines in rows:
+                row = harness_row(label, row_engines, timed, session, clock)
+                report["harness"].append(row)
+                print(f"harness [{label}]: {row['seconds_per_example']['mean']:.3f} s/example, "
+                      f"{row['examples_per_s']} examples/s", flush=True)
+    finally:
+        session.close()
+    for engine in engines:
+        if not usable.get(engine):
+            continue
+        python, how = engine_python(engine)
+        bare = run_bare(engine, python, directories, sequences, work)
+        bare["interpreter_chosen_by"] = how
+        report["bare"][engine] = bare
+        if "error" in bare:
+            print(f"bare {engine}: {bare['error']}\n{bare['log_tail']}", flush=True)
+        else:
+            print(f"bare {engine}: import {bare['import_s']:.1f} s, {bare['seconds_per_example']['mean']:.3f} "
+                  f"s/example (load {bare['load_s']['mean']:.3f} + forward {bare['forward_s']['mean']:.3f})",
+                  flush=True)
+
+    def bare_mean(engine):
+        bare = report["bare"].get(engine, {})
+        return bare.get("seconds_per_example", {}).get("mean")
+
+    overhead = []
+    for row in report["harness"]:
+        engine = row["engines"][-1]
+        bare_engine = bare_mean(engine)
+        entry = {"row": row["row"], "harness_s_per_example": row["seconds_per_example"]["mean"],
+                 "harness_examples_per_s": row["examples_per_s"],
+                 "startup_s": report["startup"][engine]["startup_s"], "bare_s_per_example": bare_engine}
+        if bare_engine:
+            entry["overhead_vs_bare_engine"] = round(row["seconds_per_example"]["mean"] / bare_engine, 2)
+        if len(row["engines"]) == 2 and bare_engine and bare_mean("reference"):
+            both = bare_engine + bare_mean("reference")
+            entry["bare_s_per_example_reference_plus_engine"] = round(both, 4)
+            entry["overhead_vs_bare_reference_plus_engine"] = round(row["seconds_per_example"]["mean"] / both, 2)
+        overhead.append(entry)
+    report["overhead"] = overhead
+    report["loadavg_end"] = loadavg()
+    report["total_s"] = round(time.perf_counter() - started, 1)
+    if args.keep:
+        report["work"] = str(work)
+        temporary._finalizer.detach()
+    else:
+        temporary.cleanup()
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print()
+    print(f"{'row':32} {'harness s/ex':>12} {'ex/s':>7} {'bare s/ex':>10} {'overhead':>9} {'startup s':>10}")
+    for entry in overhead:
+        ratio = entry.get("overhead_vs_bare_reference_plus_engine", entry.get("overhead_vs_bare_engine"))
+        print(f"{entry['row']:32} {entry['harness_s_per_example']:12.3f} {entry['harness_examples_per_s']:7.3f} "
+              f"{entry['bare_s_per_example'] or float('nan'):10.3f} {ratio or float('nan'):8.2f}x "
+              f"{entry['startup_s']:10.1f}")
+    print(f"load average {report['loadavg_start']} -> {report['loadavg_end']}; total {report['total_s']} s; "
+          f"written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

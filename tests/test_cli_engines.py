@@ -1,0 +1,84 @@
+"""compare / run / sweep end to end through the real CLI: exit codes, reports, reproductions."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+DROPPED = "tests.doubles.buggy_engines:DroppedScaleEngine"
+
+
+def cli(*args, timeout=900):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "harness", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ckpt") / "fp8"
+    result = cli("gen", "--format", "fp8-block", "--arch", "llama", "--out", directory,
+                 "--set", "num_hidden_layers=1", "--set", "intermediate_size=256")
+    assert result.returncode == 0, result.stderr
+    return directory
+
+
+def test_compare_clean_checkpoint_exits_0_with_an_empty_findings_list(checkpoint, tmp_path):
+    result = cli("compare", checkpoint, "--engines", "reference,transformers", "--report", tmp_path / "r")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["findings"] == []
+    assert {"reference", "transformers"} <= set(report["checkpoints"][0]["outcomes"])
+    assert (tmp_path / "r" / "report.md").is_file()
+
+
+def test_compare_finding_exits_1_with_heatmap_and_a_command_that_reproduces_it(checkpoint, tmp_path):
+    result = cli("compare", checkpoint, "--engines", f"reference,{DROPPED}", "--report", tmp_path / "r")
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    kinds = {f["kind"] for f in report["findings"]}
+    assert {"dropped-scale", "weight-mismatch"} <= kinds
+    mismatch = next(f for f in report["findings"] if f["kind"] == "weight-mismatch")
+    assert mismatch["module"] and mismatch["format"] == "fp8-block" and mismatch["engine"] == DROPPED
+    assert (tmp_path / "r" / mismatch["heatmap"]).read_bytes().startswith(b"\x89PNG")
+    command = shlex.split(mismatch["command"])
+    assert command[:4] == ["python", "-m", "harness", "compare"]
+    again = cli(*command[3:])
+    assert again.returncode == 1 and "weight-mismatch" in again.stdout
+
+
+def test_compare_refuses_bad_engine_names_in_one_line(checkpoint):
+    result = cli("compare", checkpoint, "--engines", "nope")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_run_campaign_shrinks_a_new_finding_and_leaves_its_reproduction(tmp_path):
+    result = cli("run", "--engines", f"reference,{DROPPED}", "--formats", "fp8-block", "--archs", "llama",
+                 "--max-examples", "3", "--report", tmp_path / "r")
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    repro = {f["reproduction"] for f in report["findings"] if f["kind"] == "dropped-scale"}
+    assert len(repro) == 1
+    manifest = json.loads((tmp_path / "r" / "repro").joinpath(
+        next(iter(repro)).rsplit("/", 1)[-1], "harness_manifest.json").read_text())
+    assert manifest["recipe"]["format"] == "fp8-block"
+    assert "reproduce: python -m harness compare" in result.stdout
+
+
+def test_run_with_agreeing_engines_exits_0(tmp_path):
+    result = cli("run", "--engines", "reference", "--formats", "ct-fp8-channel", "--max-examples", "2",
+                 "--no-shrink")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 new" in result.stdout
+
+
+def test_sweep_gen_then_dequant_every_format_and_arch_at_odd_sizes(tmp_path):
+    result = cli("sweep", "--out", tmp_path / "sweep")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "14 passed, 0 failed" in result.stdout
