@@ -45,8 +45,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 DEFAULT_ENGINES = "reference,transformers,compressed-tensors,vllm"
-#: the worker ops evaluate() sends, in the order it sends them
-OPS = ("unsupported", "load", "weights", "logprobs", "generate")
+#: the steps of one evaluate() (worker requests, timed as the parent waits on them; parent-side
+#: reads and comparisons) -> what they are for
+LOAD, WEIGHTS, COMPARE = "load", "weights out (engine -> safetensors -> parent)", "weights compared with the truth"
+LOGPROBS, GENERATE, OTHER = "logprobs 3x24 (+ transfer, comparison)", "generate 8 tokens", "other"
+GROUPS = {
+    "worker:load": LOAD, "worker:weights": WEIGHTS, "read:weights": WEIGHTS, "compare:weights": COMPARE,
+    "worker:logprobs": LOGPROBS, "read:logprobs": LOGPROBS, "compare:logprobs": LOGPROBS,
+    "compare:perplexity": LOGPROBS, "worker:generate": GENERATE, "worker:unsupported": OTHER, "read:truth": OTHER,
+}
 
 
 # ---------------------------------------------------------------- machine
@@ -308,11 +315,16 @@ def harness_row(label: str, engines: list[str], directories: list[Path], session
         breakdown[" ".join(key)] = round(statistics.fmean(e["steps"].get(key, 0.0) for e in examples), 4)
     attributed = statistics.fmean(sum(e["steps"].values()) for e in examples)
     breakdown["(parent) other"] = round(statistics.fmean(walls) - attributed, 4)
+    grouped = defaultdict(float)
+    for (_, step), seconds in ((k, v) for e in examples for k, v in e["steps"].items()):
+        grouped[GROUPS.get(step, OTHER)] += seconds / len(examples)
+    grouped[OTHER] += breakdown["(parent) other"]
     return {
         "row": label, "engines": engines,
         "seconds_per_example": summary(walls),
         "examples_per_s": round(len(walls) / sum(walls), 3),
         "breakdown_mean_s": breakdown,
+        "grouped_mean_s": {group: round(grouped.get(group, 0.0), 4) for group in dict.fromkeys(GROUPS.values())},
         "statuses": examples[-1]["statuses"],
         "findings": sorted({f for e in examples for f in e["findings"]}),
         "loadavg_after": loadavg(),
@@ -453,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
                  "startup_s": report["startup"][engine]["startup_s"], "bare_s_per_example": bare_engine}
         if bare_engine:
             entry["overhead_vs_bare_engine"] = round(row["seconds_per_example"]["mean"] / bare_engine, 2)
+            entry["overhead_vs_bare_engine_medians"] = round(
+                row["seconds_per_example"]["median"] / report["bare"][engine]["seconds_per_example"]["median"], 2)
         if len(row["engines"]) == 2 and bare_engine and bare_mean("reference"):
             both = bare_engine + bare_mean("reference")
             entry["bare_s_per_example_reference_plus_engine"] = round(both, 4)
