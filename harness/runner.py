@@ -153,8 +153,8 @@ def evaluate(directory: str | Path, session: EngineSession, known: KnownIssues |
                     finding(engine, "load-error", first_line(error), metrics={"traceback_tail": error.traceback[-1500:]})
                 continue
             if expectation == "refuse":
-                finding(engine, "accepted-invalid", "loaded a checkpoint that must be refused: "
-                        + "; ".join((manifest or {}).get("notes", []) or _module_notes(manifest)))
+                reasons = _module_notes(manifest) + (manifest or {}).get("notes", [])
+                finding(engine, "accepted-invalid", "loaded a checkpoint that must be refused: " + "; ".join(reasons))
                 continue
             anomalies = _judge_report(engine, outcome.report, finding)
             weights_path = scratch / f"{engine.replace(':', '_')}-weights.safetensors"
