@@ -31,6 +31,7 @@ class Finding:
     format: str
     message: str
     arch: str | None = None  # the checkpoint's model_type
+    dtype: str | None = None  # the checkpoint's dtype, the one weights are compared in
     module: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     checkpoint: str = ""

@@ -17,7 +17,7 @@ from harness.errors import HarnessError
 from harness.findings import KINDS, Finding
 
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "cases" / "known_issues.toml"
-FIELDS = {"id", "engine", "versions", "formats", "archs", "kind", "message", "partial_blocks", "reason",
+FIELDS = {"id", "engine", "versions", "formats", "archs", "dtypes", "kind", "message", "partial_blocks", "reason",
           "upstream", "reproducer", "status"}
 CONSEQUENCES = {"logprobs", "topk", "perplexity", "nonfinite-logits"}
 REQUIRED = {"id", "engine", "versions", "formats", "kind", "reason", "reproducer"}
@@ -35,6 +35,7 @@ class KnownIssue:
     message: str | None = None
     partial_blocks: bool | None = None
     archs: list[str] | None = None
+    dtypes: list[str] | None = None
     upstream: str = ""
     status: str = "open"
     raw: dict = field(default_factory=dict)
@@ -51,6 +52,8 @@ class KnownIssue:
         if finding.kind not in self.kinds or ("*" not in self.formats and finding.format not in self.formats):
             return False
         if self.archs is not None and finding.arch not in self.archs:
+            return False
+        if self.dtypes is not None and finding.dtype not in self.dtypes:
             return False
         if self.message and not re.search(self.message, finding.message):
             return False
@@ -90,6 +93,7 @@ class KnownIssues:
                 id=entry["id"], engine=entry["engine"], versions=versions, formats=list(entry["formats"]),
                 kinds=kinds, reason=entry["reason"], reproducer=dict(entry["reproducer"]),
                 message=entry.get("message"), partial_blocks=entry.get("partial_blocks"), archs=entry.get("archs"),
+                dtypes=entry.get("dtypes"),
                 upstream=entry.get("upstream", ""), status=entry.get("status", "open"), raw=entry))
         ids = [i.id for i in issues]
         if len(ids) != len(set(ids)):

@@ -126,7 +126,8 @@ def evaluate(directory: str | Path, session: EngineSession, known: KnownIssues |
 
     def finding(engine: str, kind: str, message: str, **extra) -> Finding:
         item = Finding(engine=engine, engine_version=session.versions.get(engine, "?"), kind=kind,
-                       format=fmt.name, message=message, arch=config.get("model_type"), checkpoint=str(directory),
+                       format=fmt.name, message=message, arch=config.get("model_type"), dtype=dtype,
+                       checkpoint=str(directory),
                        **extra)
         result.findings.append(item)
         return item
