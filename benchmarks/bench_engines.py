@@ -16,9 +16,18 @@ Not a test: it asserts nothing about speed. In one run, on the same N generated 
     read back, no comparisons, no generation); checkpoint 0 is the warm-up, 1..N-1 are timed
     inside that subprocess.
 
-overhead = harness seconds per example / bare seconds per example.
+overhead = harness seconds per example / bare seconds per example (for the pair row, also over
+the sum of the two bare costs).
+
+Engines run one after another (reference first), each as: warm-up, harness row(s), bare run, so
+that the two sides of a ratio are measured minutes, not a whole run, apart. The machine may be
+shared: each phase records the load average and the CPU cores busy with other processes
+(/proc/stat minus this run's own processes). `--threads N` sets OMP_NUM_THREADS for the run,
+its workers and its bare runs (torch otherwise uses one thread per core, which a busy machine
+punishes hard on a model this small).
 
     .venv/bin/python benchmarks/bench_engines.py                    # all four engines, 5 checkpoints
+    .venv/bin/python benchmarks/bench_engines.py --threads 1 --out benchmarks/results/engines-vm-threads1.json
     .venv/bin/python benchmarks/bench_engines.py --engines reference,transformers --examples 3
 
 Results go to a JSON file (default benchmarks/results/engines-<host>.json).
@@ -117,6 +126,39 @@ def summary(values: list[float]) -> dict:
             "each": [round(v, 4) for v in values]}
 
 
+class CpuMeter:
+    """Who used the CPUs during a phase: the machine's busy time (/proc/stat) against this run's
+    own (this process, its finished children, its live workers); the rest is other users."""
+
+    def __init__(self, live_pids=lambda: []):
+        self.live_pids = live_pids
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def sample(self) -> tuple[float, float, float] | None:
+        try:
+            values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+            busy = sum(values) - values[3] - values[4]  # all but idle and iowait
+            times = os.times()
+            mine = times.user + times.system + times.children_user + times.children_system
+            for pid in self.live_pids():
+                try:
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                    mine += sum(int(v) for v in fields[11:15]) / self.tick  # utime stime cutime cstime
+                except OSError:
+                    pass
+            return time.perf_counter(), busy / self.tick, mine
+        except (OSError, ValueError, IndexError):
+            return None
+
+    @staticmethod
+    def between(start, end) -> dict:
+        if start is None or end is None or end[0] <= start[0]:
+            return {}
+        wall, busy, mine = end[0] - start[0], end[1] - start[1], end[2] - start[2]
+        return {"machine_busy_cores": round(busy / wall, 2), "this_run_cores": round(mine / wall, 2),
+                "others_cores": round(max(0.0, busy - mine) / wall, 2)}
+
+
 # ---------------------------------------------------------------- (b) bare engine, in a child process
 
 
@@ -213,11 +255,14 @@ def run_bare(engine: str, python: str, directories: list[Path], sequences, work:
     spec_path.write_text(json.dumps({"engine": engine, "directories": [str(d) for d in directories],
                                      "sequences": sequences, "out": str(out)}))
     log = work / f"bare-{engine}.log"
+    meter = CpuMeter()
+    before = meter.sample()
     t0 = time.perf_counter()
     with log.open("wb") as sink:
         code = subprocess.call([python, str(Path(__file__).resolve()), "--bare-child", str(spec_path)],
                                stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT, timeout=900)
     wall = time.perf_counter() - t0
+    cpu = CpuMeter.between(before, meter.sample())
     if code != 0 or not out.is_file():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
         return {"python": python, "error": f"exit status {code}", "log_tail": tail, "process_wall_s": round(wall, 2)}
@@ -230,6 +275,7 @@ def run_bare(engine: str, python: str, directories: list[Path], sequences, work:
         "load_s": summary([r["load_s"] for r in timed]), "forward_s": summary([r["forward_s"] for r in timed]),
         "seconds_per_example": summary([r["total_s"] for r in timed]),
         "examples_per_s": round(len(timed) / sum(r["total_s"] for r in timed), 3) if timed else None,
+        "cpu": cpu, "loadavg_after": loadavg(),
     }
 
 
@@ -295,9 +341,15 @@ def instrument(clock: Clock) -> None:
     runner.perplexity = wrap(runner.perplexity, "compare:perplexity", lambda a: "(parent)")
 
 
+def live_workers(session):
+    return lambda: [w.process.pid for w in session.processes.values() if w.process and w.process.poll() is None]
+
+
 def harness_row(label: str, engines: list[str], directories: list[Path], session, clock: Clock) -> dict:
     from harness.runner import evaluate
 
+    meter = CpuMeter(live_workers(session))
+    before = meter.sample()
     examples = []
     for directory in directories:
         clock.reset()
@@ -308,6 +360,7 @@ def harness_row(label: str, engines: list[str], directories: list[Path], session
         statuses = {e: o.status + (f" ({o.detail[:120]})" if o.detail else "") for e, o in result.outcomes.items()}
         examples.append({"checkpoint": directory.name, "wall_s": wall, "steps": steps, "statuses": statuses,
                          "findings": [f"{f.engine}: {f.kind}: {f.message[:160]}" for f in result.findings]})
+    cpu = CpuMeter.between(before, meter.sample())
     walls = [e["wall_s"] for e in examples]
     keys = sorted({k for e in examples for k in e["steps"]})
     breakdown = {}
@@ -327,7 +380,7 @@ def harness_row(label: str, engines: list[str], directories: list[Path], session
         "grouped_mean_s": {group: round(grouped.get(group, 0.0), 4) for group in dict.fromkeys(GROUPS.values())},
         "statuses": examples[-1]["statuses"],
         "findings": sorted({f for e in examples for f in e["findings"]}),
-        "loadavg_after": loadavg(),
+        "cpu": cpu, "loadavg_after": loadavg(),
     }
 
 
@@ -341,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", default="llama")
     parser.add_argument("--examples", type=int, default=5, help="checkpoints (seeds 0..N-1); the first is the warm-up")
     parser.add_argument("--out", default=None, help="default benchmarks/results/engines-<host>.json")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="set OMP_NUM_THREADS for this run, its workers and bare runs (default: leave as is)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints and worker logs")
     parser.add_argument("--bare-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -348,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         return bare_child(args.bare_child)
     if args.examples < 2:
         parser.error("--examples must be at least 2 (the first is the warm-up)")
+    if args.threads:  # before torch is imported here; workers and bare runs inherit the environment
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
 
     from harness.engines.environments import engine_python
     from harness.engines.process import Limits
@@ -362,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "bench_engines",
         "command": " ".join([Path(sys.executable).name, "benchmarks/bench_engines.py", *(argv or sys.argv[1:])]),
         "settings": {"engines": engines, "format": args.format, "arch": args.arch, "examples": args.examples,
-                     "seeds": list(range(args.examples)), "timed_examples": args.examples - 1},
+                     "seeds": list(range(args.examples)), "timed_examples": args.examples - 1,
+                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
         "machine": machine_info(),
         "source": source_state(),
         "loadavg_start": loadavg(),
@@ -411,46 +469,50 @@ def main(argv: list[str] | None = None) -> int:
             report["startup"][engine] = {"unavailable": session.unavailable[engine]}
             print(f"{engine}: unavailable: {session.unavailable[engine]}", flush=True)
             return False
+        meter = CpuMeter(live_workers(session))
+        before = meter.sample()
         t1 = time.perf_counter()
         result = evaluate(warmup, session, engines=[engine])
         clock.reset()
         first_s = time.perf_counter() - t1
+        cpu = CpuMeter.between(before, meter.sample())
         outcome = result.outcomes[engine]
         report["startup"][engine] = {"python": worker.python, "version": session.versions.get(engine),
                                      "worker_start_s": round(worker_s, 3), "first_example_s": round(first_s, 3),
                                      "startup_s": round(worker_s + first_s, 3), "status": outcome.status,
-                                     "detail": outcome.detail}
+                                     "detail": outcome.detail, "first_example_cpu": cpu}
         print(f"{engine}: worker start {worker_s:.1f} s, first example {first_s:.1f} s ({outcome.status})", flush=True)
         return outcome.status == "loaded"
 
+    # per engine, adjacent in time: warm-up, its harness row(s), then its bare run
+    order = ["reference"] + [e for e in engines if e != "reference"]
+    usable = {}
     try:
-        usable = {engine: start(engine) for engine in (["reference"] + [e for e in engines if e != "reference"])}
-        for engine in engines:
-            if not usable.get(engine):
+        for engine in order:
+            usable[engine] = start(engine)
+            if not usable[engine]:
                 continue
-            rows = [(engine, [engine])]
+            rows = [(engine, [engine])] if engine in engines else []
             if engine != "reference" and usable.get("reference"):
                 rows.append((f"reference+{engine}", ["reference", engine]))
             for label, row_engines in rows:
                 row = harness_row(label, row_engines, timed, session, clock)
                 report["harness"].append(row)
                 print(f"harness [{label}]: {row['seconds_per_example']['mean']:.3f} s/example, "
-                      f"{row['examples_per_s']} examples/s", flush=True)
+                      f"{row['examples_per_s']} examples/s; cores used by others {row['cpu'].get('others_cores')}",
+                      flush=True)
+            python, how = engine_python(engine)
+            bare = run_bare(engine, python, directories, sequences, work)
+            bare["interpreter_chosen_by"] = how
+            report["bare"][engine] = bare
+            if "error" in bare:
+                print(f"bare {engine}: {bare['error']}\n{bare['log_tail']}", flush=True)
+            else:
+                print(f"bare {engine}: import {bare['import_s']:.1f} s, {bare['seconds_per_example']['mean']:.3f} "
+                      f"s/example (load {bare['load_s']['mean']:.3f} + forward {bare['forward_s']['mean']:.3f}); "
+                      f"cores used by others {bare['cpu'].get('others_cores')}", flush=True)
     finally:
         session.close()
-    for engine in engines:
-        if not usable.get(engine):
-            continue
-        python, how = engine_python(engine)
-        bare = run_bare(engine, python, directories, sequences, work)
-        bare["interpreter_chosen_by"] = how
-        report["bare"][engine] = bare
-        if "error" in bare:
-            print(f"bare {engine}: {bare['error']}\n{bare['log_tail']}", flush=True)
-        else:
-            print(f"bare {engine}: import {bare['import_s']:.1f} s, {bare['seconds_per_example']['mean']:.3f} "
-                  f"s/example (load {bare['load_s']['mean']:.3f} + forward {bare['forward_s']['mean']:.3f})",
-                  flush=True)
 
     def bare_mean(engine):
         bare = report["bare"].get(engine, {})
@@ -465,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
                  "startup_s": report["startup"][engine]["startup_s"], "bare_s_per_example": bare_engine}
         if bare_engine:
             entry["overhead_vs_bare_engine"] = round(row["seconds_per_example"]["mean"] / bare_engine, 2)
+            entry["overhead_vs_bare_engine_best"] = round(
+                row["seconds_per_example"]["min"] / report["bare"][engine]["seconds_per_example"]["min"], 2)
             entry["overhead_vs_bare_engine_medians"] = round(
                 row["seconds_per_example"]["median"] / report["bare"][engine]["seconds_per_example"]["median"], 2)
         if len(row["engines"]) == 2 and bare_engine and bare_mean("reference"):
