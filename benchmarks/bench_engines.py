@@ -12,9 +12,9 @@ Not a test: it asserts nothing about speed. In one run, on the same N generated 
     (truth read, weight comparisons, log-prob comparison) are timed by wrapping them in this
     process, so the per-example seconds split into where they went.
 (b) bare: in a fresh subprocess under the interpreter that engine's worker uses, only the
-    engine's own load plus one forward over the same probe sequences (no harness, no weights
-    read back, no comparisons, no generation); checkpoint 0 is the warm-up, 1..N-1 are timed
-    inside that subprocess.
+    engine's own load plus one forward over the same probe sequences, then freeing the model
+    (no harness, no weights read back, no comparisons, no generation); checkpoint 0 is the
+    warm-up, 1..N-1 are timed inside that subprocess.
 
 overhead = harness seconds per example / bare seconds per example (for the pair row, also over
 the sum of the two bare costs).
@@ -56,7 +56,7 @@ if str(ROOT) not in sys.path:
 DEFAULT_ENGINES = "reference,transformers,compressed-tensors,vllm"
 #: the steps of one evaluate() (worker requests, timed as the parent waits on them; parent-side
 #: reads and comparisons) -> what they are for
-LOAD, WEIGHTS, COMPARE = "load", "weights out (engine -> safetensors -> parent)", "weights compared with the truth"
+LOAD, WEIGHTS, COMPARE = "load (frees the previous model first)", "weights out (engine -> safetensors -> parent)", "weights compared with the truth"
 LOGPROBS, GENERATE, OTHER = "logprobs 3x24 (+ transfer, comparison)", "generate 8 tokens", "other"
 GROUPS = {
     "worker:load": LOAD, "worker:weights": WEIGHTS, "read:weights": WEIGHTS, "compare:weights": COMPARE,
@@ -241,9 +241,11 @@ def bare_child(spec_path: str) -> int:
         t1 = time.perf_counter()
         forward(model, directory)
         t2 = time.perf_counter()
-        del model
+        del model  # timed too: the harness's load request frees the previous model first
         gc.collect()
-        rows.append({"checkpoint": Path(directory).name, "load_s": t1 - t0, "forward_s": t2 - t1, "total_s": t2 - t0})
+        t3 = time.perf_counter()
+        rows.append({"checkpoint": Path(directory).name, "load_s": t1 - t0, "forward_s": t2 - t1,
+                     "unload_s": t3 - t2, "total_s": t3 - t0})
     Path(spec["out"]).write_text(json.dumps({"import_s": import_s, "python": sys.executable,
                                              "torch": torch.__version__, "torch_num_threads": torch.get_num_threads(),
                                              "rows": rows}))
@@ -273,6 +275,7 @@ def run_bare(engine: str, python: str, directories: list[Path], sequences, work:
         "process_wall_s": round(wall, 2), "import_s": round(result["import_s"], 3),
         "warmup_s": round(warmup["total_s"], 3),
         "load_s": summary([r["load_s"] for r in timed]), "forward_s": summary([r["forward_s"] for r in timed]),
+        "unload_s": summary([r["unload_s"] for r in timed]),
         "seconds_per_example": summary([r["total_s"] for r in timed]),
         "examples_per_s": round(len(timed) / sum(r["total_s"] for r in timed), 3) if timed else None,
         "cpu": cpu, "loadavg_after": loadavg(),
@@ -509,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bare {engine}: {bare['error']}\n{bare['log_tail']}", flush=True)
             else:
                 print(f"bare {engine}: import {bare['import_s']:.1f} s, {bare['seconds_per_example']['mean']:.3f} "
-                      f"s/example (load {bare['load_s']['mean']:.3f} + forward {bare['forward_s']['mean']:.3f}); "
+                      f"s/example (load {bare['load_s']['mean']:.3f} + forward {bare['forward_s']['mean']:.3f} + unload "
+                      f"{bare['unload_s']['mean']:.3f}); "
                       f"cores used by others {bare['cpu'].get('others_cores')}", flush=True)
     finally:
         session.close()

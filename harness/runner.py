@@ -160,10 +160,10 @@ def evaluate(directory: str | Path, session: EngineSession, known: KnownIssues |
             anomalies = _judge_report(engine, outcome.report, finding)
             weights_path = scratch / f"{engine.replace(':', '_')}-weights.safetensors"
             worker.request("weights", out=str(weights_path))
-            # weights the load report already names as missing are that finding's consequence
-            missing = {canonical_name(k) for k in outcome.report.get("missing", [])}
-            _judge_weights(engine, load_file(str(weights_path)), {n: t for n, t in truth.items() if n not in missing},
-                           dtype, tol, fmt, knobs, finding, module_notes)
+            # a module whose tensors the load report names as missing is that finding's consequence
+            missing = {canonical_name(k).rpartition(".")[0] for k in outcome.report.get("missing", [])}
+            judged = {n: t for n, t in truth.items() if n.rpartition(".")[0] not in missing}
+            _judge_weights(engine, load_file(str(weights_path)), judged, dtype, tol, fmt, knobs, finding, module_notes)
             if anomalies:
                 outcome.detail = "logits not judged: the load report already explains them"
             logprobs_path = scratch / f"{engine.replace(':', '_')}-logprobs.safetensors"
@@ -216,19 +216,23 @@ def _module_notes(manifest) -> list[str]:
 
 def _judge_report(engine: str, report: dict, finding) -> bool:
     """Scale keys missing or unexpected are their own kind of finding; True if any anomaly."""
-    scale_keys = [k for k in report.get("missing", []) + report.get("unexpected", []) if "scale" in k]
-    missing = [k for k in report.get("missing", []) if "scale" not in k]
-    unexpected = [k for k in report.get("unexpected", []) if "scale" not in k]
-    other = missing + unexpected
-    if scale_keys:
-        finding(engine, "dropped-scale", f"{len(scale_keys)} scale key(s) missing or unexpected, e.g. {scale_keys[0]}",
-                metrics={"keys": scale_keys[:50]})
-    if other:
+    def describe(missing: list[str], unexpected: list[str]) -> str:
         examples = ", ".join(f"{what} {keys[0]}" for what, keys in (("missing", missing), ("unexpected", unexpected))
                              if keys)
-        finding(engine, "load-report", f"{len(missing)} missing, {len(unexpected)} unexpected key(s): e.g. {examples}",
-                metrics={"missing": report.get("missing", [])[:50], "unexpected": report.get("unexpected", [])[:50]})
-    return bool(scale_keys or other)
+        return f"{len(missing)} missing, {len(unexpected)} unexpected key(s): e.g. {examples}"
+
+    missing, unexpected = report.get("missing", []), report.get("unexpected", [])
+    scale_missing = [k for k in missing if "scale" in k]
+    scale_unexpected = [k for k in unexpected if "scale" in k]
+    other_missing = [k for k in missing if "scale" not in k]
+    other_unexpected = [k for k in unexpected if "scale" not in k]
+    if scale_missing or scale_unexpected:
+        finding(engine, "dropped-scale", "scale " + describe(scale_missing, scale_unexpected),
+                metrics={"missing": scale_missing[:50], "unexpected": scale_unexpected[:50]})
+    if other_missing or other_unexpected:
+        finding(engine, "load-report", describe(other_missing, other_unexpected),
+                metrics={"missing": missing[:50], "unexpected": unexpected[:50]})
+    return bool(missing or unexpected)
 
 
 def _judge_weights(engine, held, truth, dtype, tol, fmt, knobs, finding, module_notes) -> None:

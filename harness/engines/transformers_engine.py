@@ -20,6 +20,17 @@ class TransformersEngine(HFModelEngine):
     name = "transformers"
     package = "transformers"
 
+    def unsupported_reason(self, format_name):
+        from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+
+        from harness.formats import get_format
+
+        fmt = get_format(format_name)
+        method = fmt.quantization_config(fmt.resolve_knobs({}), [])["quant_method"]
+        if method not in AUTO_QUANTIZER_MAPPING:
+            return f"transformers {self.version()} has no quantizer for quant_method '{method}'"
+        return None
+
     def load(self, directory: str) -> LoadReport:
         from transformers import AutoModelForCausalLM
 
