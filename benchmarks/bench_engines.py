@@ -241,8 +241,9 @@ def bare_child(spec_path: str) -> int:
         t1 = time.perf_counter()
         forward(model, directory)
         t2 = time.perf_counter()
-        del model  # timed too: the harness's load request frees the previous model first
-        gc.collect()
+        del model  # timed too: the harness's load request frees the previous model first,
+        if engine == "vllm":  # vllm_engine.py's unload also runs the collector (HF engines drop the reference)
+            gc.collect()
         t3 = time.perf_counter()
         rows.append({"checkpoint": Path(directory).name, "load_s": t1 - t0, "forward_s": t2 - t1,
                      "unload_s": t3 - t2, "total_s": t3 - t0})
