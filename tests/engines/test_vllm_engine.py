@@ -61,9 +61,8 @@ def engine(tmp_path_factory):
 
 @needs_vllm
 @pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: NVFP4 belongs to this machine's GPU lane")
 def test_nvfp4_is_unsupported_on_cpu(engine):
-    if torch.cuda.is_available():
-        pytest.skip("CUDA is present: NVFP4 belongs to this machine's GPU lane")
     for fmt in NVFP4_FORMATS:
         reason = engine.request("unsupported", format=fmt)["reason"]
         assert reason and "NVFP4" in reason, f"{fmt}: {reason!r}"
