@@ -23,7 +23,6 @@ import gc
 import json
 import os
 import platform
-import re
 import resource
 import statistics
 import sys
@@ -32,6 +31,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from machine import cpu_model, machine_tag  # noqa: E402  (benchmarks/ is the script directory)
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -42,21 +42,6 @@ MIB = 1024 * 1024
 
 
 # ---------------------------------------------------------------- machine and memory
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def machine_tag() -> str:
-    tag = platform.node() or platform.machine() or "unknown"
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", tag)
 
 
 def machine_info(device: torch.device) -> dict:

@@ -40,7 +40,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,8 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from machine import cpu_model, machine_tag  # noqa: E402  (benchmarks/ is the script directory)
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -66,20 +67,6 @@ GROUPS = {
 
 
 # ---------------------------------------------------------------- machine
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def machine_tag() -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", platform.node() or platform.machine() or "unknown")
 
 
 def loadavg() -> list[float]:

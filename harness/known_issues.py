@@ -100,7 +100,7 @@ class KnownIssues:
             raise HarnessError(f"{path}: duplicate issue ids")
         return cls(issues)
 
-    def match(self, finding: Finding, manifest: dict | None = None) -> str | None:
+    def match(self, finding: Finding) -> str | None:
         for issue in self.issues:
             if issue.matches(finding):
                 return issue.id

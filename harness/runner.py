@@ -4,7 +4,6 @@ against the truth (weights) and against the reference engine (log-probabilities)
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -263,11 +262,3 @@ def _judge_weights(engine, held, truth, dtype, tol, fmt, knobs, finding, module_
         item = finding(engine, kind, message, module=name,
                        metrics={**diff.metrics(), "shape": list(want.shape), "block": list(block) if block else None})
         item.metrics["block_ratio"] = diff.block_ratio
-
-
-def copy_reproduction(directory: str | Path, destination: Path) -> Path:
-    """A finding's checkpoint, copied into the report so it survives temporary directories."""
-    if destination.exists():
-        return destination
-    shutil.copytree(directory, destination)
-    return destination
