@@ -39,11 +39,13 @@ CASES = [pytest.param(s, shape, k, id=f"{s}-{shape[0]}x{shape[1]}-{'x'.join(map(
 
 
 def ct_reference(strategy, weight, knobs, scale_dtype, activation_amax):
-    """Calibrate with ct's calculate_qparams, compress and decompress with ModelCompressor."""
+    """Calibrate with ct's calculate_qparams (the producer's `calibrate_module`), compress and
+    decompress with ModelCompressor."""
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
-    from compressed_tensors.quantization.utils import calculate_qparams, maybe_pad_tensor_for_block_quant
+
+    from harness.lm.ct_producer import calibrate_module
 
     fmt = FORMATS[strategy]
     config = QuantizationConfig.model_validate(fmt.quantization_config(knobs, []))
@@ -51,23 +53,8 @@ def ct_reference(strategy, weight, knobs, scale_dtype, activation_amax):
     with torch.no_grad():
         model[0].weight.copy_(weight)
     apply_quantization_config(model, config)
-    module, args = model[0], model[0].quantization_scheme.weights
-    observed = weight.to(scale_dtype)  # the min/max an observer would see, in the qparam dtype
-    if strategy == "tensor":
-        low, high = torch.aminmax(observed)
-    elif strategy == "channel":
-        low, high = observed.amin(1, keepdim=True), observed.amax(1, keepdim=True)
-    else:
-        rows, cols = args.block_structure
-        padded = maybe_pad_tensor_for_block_quant(observed, (rows, cols))
-        blocks = padded.reshape(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
-        low, high = blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
-    scale, _ = calculate_qparams(low, high, args)
-    with torch.no_grad():
-        module.weight_scale.data = scale.reshape(module.weight_scale.shape)  # keeps scale_dtype
-        if knobs.get("input_scale"):
-            amax = torch.tensor(activation_amax, dtype=weight.dtype).to(scale_dtype)
-            module.input_scale.data = calculate_qparams(-amax, amax, module.quantization_scheme.input_activations)[0]
+    module = model[0]
+    calibrate_module(module, activation_amax if knobs.get("input_scale") else None, scale_dtype)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     compressed = {k: v.clone() for k, v in module.state_dict().items()}

@@ -57,11 +57,13 @@ def assert_same_tensors(ours, theirs):
 # ---- compressed-tensors: the real producer path -------------------------------------------
 
 def ct_compress(weight, activations: bool, activation_amax=ACT_AMAX):
-    """What llm-compressor does with a min-max observer, then ct's own compressor."""
+    """What llm-compressor does with a min-max observer (the producer's `calibrate_module`), then
+    ct's own compressor."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
     from compressed_tensors.quantization.quant_scheme import NVFP4, NVFP4A16
-    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    from harness.lm.ct_producer import calibrate_module
 
     rows, columns = weight.shape
     linear = torch.nn.Linear(columns, rows, bias=False, dtype=weight.dtype)
@@ -69,15 +71,7 @@ def ct_compress(weight, activations: bool, activation_amax=ACT_AMAX):
     model = torch.nn.Sequential(linear)
     scheme = QuantizationScheme(targets=["Linear"], **(NVFP4 if activations else NVFP4A16))
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}))
-    global_scale = generate_gparam(weight.amin(), weight.amax())
-    linear.weight_global_scale.data.copy_(global_scale)
-    grouped = weight.reshape(rows, -1, 16)
-    scale, _ = calculate_qparams(grouped.amin(-1), grouped.amax(-1), linear.quantization_scheme.weights,
-                                 global_scale=global_scale)
-    linear.weight_scale.data.copy_(scale)
-    if activations:
-        amax = torch.tensor(activation_amax, dtype=weight.dtype)
-        linear.input_global_scale.data.copy_(generate_gparam(-amax, amax))
+    calibrate_module(linear, activation_amax if activations else None)
     ModelCompressor.from_pretrained_model(model, "nvfp4-pack-quantized").compress_model(model)
     return {name: tensor.detach().clone() for name, tensor in linear.state_dict().items()}, scheme
 
