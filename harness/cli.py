@@ -1,4 +1,4 @@
-"""`python -m harness`: gen, dequant, sweep, compare, run. Every user error is one line on stderr and exit 2."""
+"""`python -m harness`: gen, dequant, sweep, compare, run, check, bisect, quantize, ppl, gate, golden, fixes. Every user error is one line on stderr and exit 2."""
 
 from __future__ import annotations
 
@@ -214,6 +214,22 @@ def command_run(args) -> int:
     return EXIT_FINDING if new else EXIT_OK
 
 
+def command_fixes(args) -> int:
+    from harness.fixes import all_fixes
+
+    fixes = all_fixes()
+    for fix in fixes:
+        print(f"{fix.name}: {fix.repairs}")
+        print(f"  applies to: {', '.join(fix.engines)} {fix.versions}; formats {', '.join(fix.formats)}")
+        print(f"  detection: {fix.detection}")
+        print(f"  apply: {fix.apply.__module__}.{fix.apply.__name__}(model, checkpoint_dir)"
+              + (f"; hook: {fix.hook.__module__}.{fix.hook.__name__}" if fix.hook else ""))
+        if fix.known_issues or fix.seed:
+            print(f"  repairs: {', '.join([*fix.known_issues, *([f'seed {fix.seed}'] if fix.seed else [])])}")
+    print(f"{len(fixes)} fix module(s)")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="python -m harness", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -260,6 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--out", required=True, help="output directory (created; must be empty)")
     sweep.add_argument("--seed", type=int, default=0)
     sweep.set_defaults(run=command_sweep)
+
+    from harness import bisect, check, gate_commands
+
+    check.add_parser(commands)
+    bisect.add_parser(commands)
+    gate_commands.add_parsers(commands)
+    fixes = commands.add_parser("fixes", help="list the fix modules: what each repairs and when it applies")
+    fixes.set_defaults(run=command_fixes)
     return parser
 
 

@@ -18,6 +18,8 @@ def pytest_addoption(parser):
     group.addoption("--harness-engines", default=DEFAULT_ENGINES,
                     help=f"engines the differential suite runs (default {DEFAULT_ENGINES})")
     group.addoption("--harness-timeout", type=float, default=600.0, help="seconds per engine request")
+    group.addoption("--update-golden", action="store_true",
+                    help="rewrite the goldens the gates read (each rewritten gate fails once, for review)")
 
 
 def pytest_configure(config):
@@ -39,6 +41,11 @@ def engine_session(harness_engines, tmp_path_factory, pytestconfig):
                             Limits(timeout_s=pytestconfig.getoption("--harness-timeout")))
     yield session
     session.close()
+
+
+@pytest.fixture(scope="session")
+def update_golden(pytestconfig) -> bool:
+    return bool(pytestconfig.getoption("--update-golden"))
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,14 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")[:80]
 
 
+def repairing_fix(finding: Finding) -> str | None:
+    """The name of the fix module that repairs this finding after load, if one does."""
+    from harness.fixes import fix_for_finding
+
+    fix = fix_for_finding(finding)
+    return fix.name if fix else None
+
+
 def write_report(out: Path, findings: list[Finding], checkpoints: list[dict], engines: dict, title: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for index, item in enumerate(findings):
@@ -25,7 +33,7 @@ def write_report(out: Path, findings: list[Finding], checkpoints: list[dict], en
             item.heatmap = name
     payload = {
         "title": title,
-        "findings": [f.to_json() for f in findings],
+        "findings": [{**f.to_json(), "fix": repairing_fix(f)} for f in findings],
         "checkpoints": checkpoints,
         "engines": engines,
         "summary": {
@@ -68,6 +76,8 @@ def render_markdown(payload: dict) -> str:
             lines.append(f"- module: `{item['module']}`")
         if item.get("command"):
             lines.append(f"- reproduce: `{item['command']}`")
+        if item.get("fix"):
+            lines.append(f"- repair after load: fix `{item['fix']}` (`python -m harness fixes`)")
         if item.get("heatmap"):
             lines += ["", f"![per-block error]({item['heatmap']})",
                       "", "(one cell per scale block: white exact, yellow within tolerance, red over, black NaN/inf)"]

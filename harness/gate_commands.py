@@ -1,0 +1,175 @@
+"""`quantize`, `ppl`, `gate` and `golden`: the tiny models' quantized variants and their golden gates.
+
+Exit codes of `gate` and `golden`: 0 every gate passed, 1 a gate failed (or a golden was just
+written, or is missing), 2 an error (bad input, engine unavailable for a single `gate`).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from harness.errors import HarnessError
+
+EXIT_OK, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+GOLDEN_FORMATS = ("fp8-block", "ct-fp8-tensor", "ct-fp8-channel", "ct-fp8-block", "ct-nvfp4", "ct-nvfp4a16",
+                  "modelopt-nvfp4")
+
+
+def loaded_scorer(session, engine: str, directory: Path, fmt: str):
+    """(scorer, None) for `directory` loaded in `engine`, or (None, why not)."""
+    from harness.engines.process import EngineError, EngineFailure
+    from harness.gates import WorkerScorer
+
+    worker = session.process(engine)
+    if worker is None:
+        return None, f"unavailable: {session.unavailable[engine]}"
+    try:
+        reason = worker.request("unsupported", format=fmt)["reason"] if fmt != "bf16" else None
+        if reason:
+            return None, f"unsupported: {reason}"
+        worker.request("load", directory=str(directory))
+    except (EngineError, EngineFailure) as error:
+        if getattr(error, "unsupported", False):
+            return None, f"unsupported: {str(error).splitlines()[0]}"
+        raise HarnessError(f"{engine} cannot load {directory}: {str(error).splitlines()[0][:300]}") from None
+    return WorkerScorer(worker, session.work / "scratch"), None
+
+
+def provenance(session, engine: str, fmt: str, producer: str, command: str) -> dict:
+    return {"engine_version": session.versions.get(engine, ""), "dtype": "bfloat16", "producer": producer,
+            "command": command}
+
+
+def command_quantize(args) -> int:
+    from harness.lm import quantize_model
+
+    out = quantize_model(args.model, args.format, args.out, producer=args.producer)
+    print(f"wrote {out}: {args.model} in {args.format} (producer {args.producer})")
+    return EXIT_OK
+
+
+def command_ppl(args) -> int:
+    from harness.engines.process import Limits
+    from harness.gates import measure
+    from harness.lm.corpus import PROMPTS, decode
+    from harness.reference import format_and_knobs
+    from harness.runner import EngineSession
+
+    directory = Path(args.directory)
+    if not directory.is_dir():
+        raise HarnessError(f"{directory}: not a directory")
+    fmt = format_and_knobs(directory)[0].name
+    with tempfile.TemporaryDirectory(prefix="harness-ppl-") as scratch:
+        session = EngineSession([args.engine], Path(scratch), Limits(args.timeout, args.memory_mb))
+        try:
+            scorer, why = loaded_scorer(session, args.engine, directory, fmt)
+            if scorer is None:
+                raise HarnessError(f"{args.engine} {why}")
+            measured = measure(scorer)
+        finally:
+            session.close()
+    print(f"{directory} ({fmt}) in {args.engine} {session.versions.get(args.engine, '')}")
+    print(f"perplexity {measured.perplexity:.5g} on the held-out slice")
+    for prompt, tokens in zip(PROMPTS, measured.continuations, strict=True):
+        print(f"  {prompt!r} -> {decode(tokens)!r}")
+    return EXIT_OK
+
+
+def command_gate(args) -> int:
+    from harness.engines.process import Limits
+    from harness.gates import gate
+    from harness.lm.quantize import model_and_format
+    from harness.runner import EngineSession
+
+    directory = Path(args.directory)
+    if not directory.is_dir():
+        raise HarnessError(f"{directory}: not a directory")
+    model, fmt = model_and_format(directory)
+    with tempfile.TemporaryDirectory(prefix="harness-gate-") as scratch:
+        session = EngineSession([args.engine], Path(scratch), Limits(args.timeout, args.memory_mb))
+        try:
+            scorer, why = loaded_scorer(session, args.engine, directory, fmt)
+            if scorer is None:
+                raise HarnessError(f"{args.engine} {why}")
+            command = f"python -m harness gate {directory} --engine {args.engine} --update-golden"
+            verdict = gate(scorer, model, fmt, args.engine, update=args.update_golden,
+                           provenance=provenance(session, args.engine, fmt, "harness", command))
+        finally:
+            session.close()
+    print(f"{model} / {fmt} / {args.engine}")
+    print(verdict)
+    return EXIT_OK if verdict.ok else EXIT_FAIL
+
+
+def command_golden(args) -> int:
+    """Gate (or with --update, regenerate) every model x format x engine."""
+    from harness.engines.process import Limits
+    from harness.gates import gate
+    from harness.golden import orphaned_goldens
+    from harness.lm import MODEL_NAMES, quantize_model
+    from harness.runner import EngineSession
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    models = [m.strip() for m in args.models.split(",")] if args.models else list(MODEL_NAMES)
+    formats = [f.strip() for f in args.formats.split(",")] if args.formats else list(GOLDEN_FORMATS)
+    failed, expected = 0, set()
+    with tempfile.TemporaryDirectory(prefix="harness-golden-") as scratch:
+        session = EngineSession(engines, Path(scratch) / "work", Limits(args.timeout, args.memory_mb))
+        try:
+            for model in models:
+                for fmt in formats:
+                    directory = quantize_model(model, fmt, Path(scratch) / f"{model}-{fmt}")
+                    for engine in engines:
+                        scorer, why = loaded_scorer(session, engine, directory, fmt)
+                        if scorer is None:
+                            print(f"{model:<11} {fmt:<15} {engine:<19} skipped ({why[:90]})")
+                            continue
+                        expected.add((model, fmt, engine))
+                        command = (f"python -m harness golden --update --models {model} --formats {fmt} "
+                                   f"--engines {engine}")
+                        verdict = gate(scorer, model, fmt, engine, update=args.update,
+                                       provenance=provenance(session, engine, fmt, "harness", command))
+                        failed += not verdict.ok
+                        print(f"{model:<11} {fmt:<15} {engine:<19} {'PASS' if verdict.ok else 'FAIL'}: "
+                              f"{verdict.lines[0]}")
+                        if not verdict.ok:
+                            print("\n".join("    " + line for line in verdict.lines[1:]))
+        finally:
+            session.close()
+    if not args.models and not args.formats:
+        for path in orphaned_goldens(expected):
+            print(f"orphaned golden (no gate reads it here): {path}")
+    print(f"{len(expected) - failed} passed, {failed} failed")
+    return EXIT_FAIL if failed else EXIT_OK
+
+
+def add_parsers(commands) -> None:
+    quantize = commands.add_parser("quantize", help="quantize a tiny trained model into a format")
+    quantize.add_argument("model", help="tiny-qwen2 or tiny-llama")
+    quantize.add_argument("--format", required=True)
+    quantize.add_argument("--out", required=True, help="output directory (created; must be empty)")
+    quantize.add_argument("--producer", default="harness", choices=["harness", "compressed-tensors"])
+    quantize.set_defaults(run=command_quantize)
+
+    for name, function, text in (("ppl", command_ppl, "perplexity on the held-out slice and greedy continuations"),
+                                 ("gate", command_gate, "judge a tiny model's variant against its goldens "
+                                  "(exit 0 pass, 1 fail, 2 error)")):
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument("directory")
+        sub.add_argument("--engine", default="reference")
+        sub.add_argument("--timeout", type=float, default=600.0)
+        sub.add_argument("--memory-mb", type=float, default=16000.0)
+        if name == "gate":
+            sub.add_argument("--update-golden", action="store_true",
+                             help="rewrite the golden from this run (the gate still fails once)")
+        sub.set_defaults(run=function)
+
+    golden = commands.add_parser("golden", help="gate every tiny model x format x engine; report orphaned goldens")
+    golden.add_argument("--engines", default="reference,transformers,compressed-tensors,vllm")
+    golden.add_argument("--models")
+    golden.add_argument("--formats")
+    golden.add_argument("--update", action="store_true", help="regenerate the goldens (every gate fails once)")
+    golden.add_argument("--timeout", type=float, default=600.0)
+    golden.add_argument("--memory-mb", type=float, default=16000.0)
+    golden.set_defaults(run=command_golden)
