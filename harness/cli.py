@@ -1,4 +1,6 @@
-"""`python -m harness`: gen, dequant, sweep, compare, run, check, bisect, quantize, ppl, gate, golden, fixes. Every user error is one line on stderr and exit 2."""
+"""`python -m harness`: gen, dequant, sweep, compare, run, check, bisect, quantize, ppl, gate, golden, fixes.
+
+Every user error is one line on stderr and exit 2, except `check` (125, for `git bisect run`)."""
 
 from __future__ import annotations
 

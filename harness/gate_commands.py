@@ -15,6 +15,10 @@ EXIT_OK, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 GOLDEN_FORMATS = ("fp8-block", "ct-fp8-tensor", "ct-fp8-channel", "ct-fp8-block", "ct-nvfp4", "ct-nvfp4a16",
                   "modelopt-nvfp4")
 
+#: goldens read outside the model x format x engine matrix, and by what
+OTHER_READERS = {("tiny-qwen2", "bf16", "vllm"): "tests/fixes/test_materialize_meta_only.py (online FP8 loads "
+                                                  "of the bf16 model, clobbered and repaired)"}
+
 
 def loaded_scorer(session, engine: str, directory: Path, fmt: str):
     """(scorer, None) for `directory` loaded in `engine`, or (None, why not)."""
@@ -138,7 +142,7 @@ def command_golden(args) -> int:
         finally:
             session.close()
     if not args.models and not args.formats:
-        for path in orphaned_goldens(expected):
+        for path in orphaned_goldens(expected | set(OTHER_READERS)):
             print(f"orphaned golden (no gate reads it here): {path}")
     print(f"{len(expected) - failed} passed, {failed} failed")
     return EXIT_FAIL if failed else EXIT_OK

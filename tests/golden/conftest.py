@@ -1,0 +1,42 @@
+"""Fixtures of the golden-gate tests: quantized variants made once per session, and a gate runner."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.gate_commands import loaded_scorer, provenance
+from harness.gates import gate
+from harness.pytest_plugin import require_engine
+
+
+@pytest.fixture(scope="session")
+def variant(tmp_path_factory):
+    """A quantized variant per (model, format, producer), made once per test session."""
+    from harness.lm import quantize_model
+
+    made = {}
+
+    def get(model, fmt, producer="harness"):
+        key = (model, fmt, producer)
+        if key not in made:
+            made[key] = quantize_model(model, fmt, tmp_path_factory.mktemp(f"{model}-{fmt}-{producer}"),
+                                       producer=producer)
+        return made[key]
+
+    return get
+
+
+def _run_gate(engine_session, engine, directory, model, fmt, update, producer="harness"):
+    require_engine(engine_session, engine)
+    scorer, why = loaded_scorer(engine_session, engine, directory, fmt)
+    if scorer is None:
+        pytest.skip(f"{engine}: {why}")
+    return gate(scorer, model, fmt, engine, update=update,
+                provenance=provenance(engine_session, engine, fmt, producer,
+                                      f"pytest tests/golden --update-golden -k '{model} and {fmt} and {engine}'"))
+
+
+@pytest.fixture(scope="session")
+def run_gate():
+    """Load a checkpoint in an engine (skip with the reason when it cannot) and gate it."""
+    return _run_gate
