@@ -1,0 +1,147 @@
+"""Shared by the fixes that rewrite a loaded weight from the checkpoint: read the checkpoint's
+quantized modules, dequantize one with the harness's float64 reference, compare a live weight with
+a candidate reading under the per-dtype weight tolerance (cases/tolerances.toml), write the
+reference rounded once into the live dtype, and defer a repair until compressed-tensors has
+decompressed the model at its first forward."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from harness.checkpoint import Checkpoint
+from harness.errors import CheckpointError
+from harness.fixes.base import FixReport
+from harness.fixes.restore_fp8_scales import FP8_DTYPES, SkipTensor, live_module_name, offload_problem
+from harness.formats.base import FormatError, QuantFormat
+from harness.reference import format_and_knobs, group_modules
+from harness.tolerances import load_tolerances
+
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@dataclass
+class QuantizedCheckpoint:
+    """A checkpoint's format, its dequantizer's knobs, and its quantized modules (checkpoint module
+    name -> suffix -> tensor name) and plain tensors."""
+
+    checkpoint: Checkpoint
+    fmt: QuantFormat
+    knobs: dict
+    modules: dict[str, dict[str, str]]
+    plain: list[str]
+
+    @classmethod
+    def open(cls, directory: str | Path) -> QuantizedCheckpoint:
+        checkpoint = Checkpoint(directory)
+        fmt, knobs = format_and_knobs(checkpoint)
+        modules, plain = group_modules(checkpoint.names(), fmt)
+        return cls(checkpoint, fmt, knobs, modules, plain)
+
+    def tensors(self, module: str) -> dict[str, torch.Tensor]:
+        return {suffix: self.checkpoint.tensor(name) for suffix, name in self.modules[module].items()}
+
+    def reference(self, module: str, tensors: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The module's weight as the format defines it, float64; a refusal skips the tensor."""
+        try:
+            return self.fmt.dequantize(dict(tensors if tensors is not None else self.tensors(module)), self.knobs)
+        except (FormatError, CheckpointError) as error:
+            raise SkipTensor(f"the reference refuses the checkpoint's tensors: {error}") from None
+
+
+def weight_tolerance(dtype: torch.dtype, format_name: str) -> tuple[float, float]:
+    """(rel, abs) of cases/tolerances.toml for weights held in `dtype` (float64 judged as float32)."""
+    tolerances = load_tolerances(format_name, DTYPE_NAMES.get(dtype, "float32"))
+    return tolerances.weight_rel, tolerances.weight_abs
+
+
+def mismatches(live: torch.Tensor, want: torch.Tensor, rel: float, abs_: float) -> int:
+    """Elements where |live - want_rounded| > abs + rel * |want_rounded|, want rounded once to the
+    live dtype (the comparison rule of cases/tolerances.toml); NaN counts as a mismatch."""
+    rounded = want.to(live.dtype).to(torch.float64)
+    delta = (live.detach().to(torch.float64) - rounded).abs()
+    return int((~(delta <= abs_ + rel * rounded.abs())).sum())
+
+
+def live_weight(model_modules: Mapping[str, torch.nn.Module], checkpoint_module: str,
+                key_mapping: Mapping[str, str] | None = None) -> tuple[str, torch.nn.Module, torch.Tensor]:
+    """(live module name, module, weight) for a checkpoint module, or SkipTensor with the reason:
+    not found, no weight, an FP8 weight (a converted module that applies its scales itself),
+    meta or offloaded, not 2-D."""
+    name = live_module_name(checkpoint_module, model_modules, key_mapping)
+    module = model_modules[name]
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise SkipTensor(f"module {type(module).__name__} has no weight tensor")
+    problem = offload_problem(module, weight)
+    if problem:
+        raise SkipTensor(problem.replace("its dropped scale was NOT applied", "NOT repaired"))
+    if weight.dtype in FP8_DTYPES or weight.dtype == torch.uint8:
+        raise SkipTensor(f"live weight is {weight.dtype}: still quantized (not dequantized by the engine yet, or "
+                         "a converted module that applies its scales itself)")
+    if not weight.is_floating_point() or weight.dim() != 2:
+        raise SkipTensor(f"live weight is {weight.dtype} with {weight.dim()} dimensions, not a dense 2-D weight")
+    return name, module, weight
+
+
+@torch.no_grad()
+def write_rounded_once(weight: torch.Tensor, value: torch.Tensor) -> None:
+    """weight <- value (float64) rounded once to the weight's dtype, in place (the Parameter object,
+    and so any tie or optimizer reference to it, is kept)."""
+    if tuple(weight.shape) != tuple(value.shape):
+        raise SkipTensor(f"the checkpoint's weight is {list(value.shape)}, the live one {list(weight.shape)}")
+    weight.data.copy_(value.to(device=weight.device, dtype=weight.dtype))
+
+
+def decompression_pending(model: torch.nn.Module) -> bool:
+    """compressed-tensors (also through transformers, run_compressed) decompresses on the model's
+    first forward, from a pre-hook it keeps in `model.ct_decompress_hook` and removes once run."""
+    handle = getattr(model, "ct_decompress_hook", None)
+    hooks_dict = getattr(handle, "hooks_dict_ref", None)
+    hooks = hooks_dict() if callable(hooks_dict) else None
+    return handle is not None and hooks is not None and getattr(handle, "id", None) in hooks
+
+
+DEFERRED = ("deferred: compressed-tensors decompresses this model at its first forward; the repair runs then, "
+            "from a one-shot forward pre-hook right after the decompression, and this report fills in")
+
+
+@dataclass
+class DeferredRepair:
+    """A repair that runs once, right after compressed-tensors' decompression, into `report`.
+    `ran` says whether it has; `remove()` cancels it."""
+
+    report: FixReport
+    ran: bool = False
+    handle: torch.utils.hooks.RemovableHandle | None = None
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+def after_decompression(model: torch.nn.Module, report: FixReport,
+                        repair: Callable[[FixReport], None]) -> DeferredRepair:
+    """Run `repair(report)` now when the model holds its final weights. When compressed-tensors'
+    decompression is still pending, run it from a one-shot forward pre-hook registered after
+    compressed-tensors' own: pre-hooks run in registration order, so it sees the decompressed
+    weights and repairs them before the first forward computes anything (`report` says so until then)."""
+    deferred = DeferredRepair(report)
+    if not decompression_pending(model):
+        repair(report)
+        deferred.ran = True
+        return deferred
+    report.warnings.append(DEFERRED)
+
+    def repair_after_decompression(module, args):
+        deferred.remove()
+        report.warnings.remove(DEFERRED)
+        repair(report)
+        deferred.ran = True
+
+    deferred.handle = model.register_forward_pre_hook(repair_after_decompression)
+    return deferred
