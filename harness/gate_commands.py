@@ -7,6 +7,7 @@ written, or is missing), 2 an error (bad input, engine unavailable for a single 
 from __future__ import annotations
 
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from harness.errors import HarnessError
@@ -53,27 +54,41 @@ def command_quantize(args) -> int:
     return EXIT_OK
 
 
-def command_ppl(args) -> int:
+@contextmanager
+def scorer_for(args, directory: Path, fmt: str):
+    """`directory` loaded in `args.engine`'s worker, as a Scorer; the session, for its version."""
     from harness.engines.process import Limits
-    from harness.gates import measure
-    from harness.lm.corpus import PROMPTS, decode
-    from harness.reference import format_and_knobs
     from harness.runner import EngineSession
 
-    directory = Path(args.directory)
-    if not directory.is_dir():
-        raise HarnessError(f"{directory}: not a directory")
-    fmt = format_and_knobs(directory)[0].name
-    with tempfile.TemporaryDirectory(prefix="harness-ppl-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="harness-gate-") as scratch:
         session = EngineSession([args.engine], Path(scratch), Limits(args.timeout, args.memory_mb))
         try:
             scorer, why = loaded_scorer(session, args.engine, directory, fmt)
             if scorer is None:
                 raise HarnessError(f"{args.engine} {why}")
-            measured = measure(scorer)
+            yield scorer, session
         finally:
             session.close()
-    print(f"{directory} ({fmt}) in {args.engine} {session.versions.get(args.engine, '')}")
+
+
+def existing_directory(text: str) -> Path:
+    directory = Path(text)
+    if not directory.is_dir():
+        raise HarnessError(f"{directory}: not a directory")
+    return directory
+
+
+def command_ppl(args) -> int:
+    from harness.gates import measure
+    from harness.lm.corpus import PROMPTS, decode
+    from harness.reference import format_and_knobs
+
+    directory = existing_directory(args.directory)
+    fmt = format_and_knobs(directory)[0].name
+    with scorer_for(args, directory, fmt) as (scorer, session):
+        measured = measure(scorer)
+        version = session.versions.get(args.engine, "")
+    print(f"{directory} ({fmt}) in {args.engine} {version}")
     print(f"perplexity {measured.perplexity:.5g} on the held-out slice")
     for prompt, tokens in zip(PROMPTS, measured.continuations, strict=True):
         print(f"  {prompt!r} -> {decode(tokens)!r}")
@@ -81,26 +96,15 @@ def command_ppl(args) -> int:
 
 
 def command_gate(args) -> int:
-    from harness.engines.process import Limits
     from harness.gates import gate
     from harness.lm.quantize import model_and_format
-    from harness.runner import EngineSession
 
-    directory = Path(args.directory)
-    if not directory.is_dir():
-        raise HarnessError(f"{directory}: not a directory")
+    directory = existing_directory(args.directory)
     model, fmt = model_and_format(directory)
-    with tempfile.TemporaryDirectory(prefix="harness-gate-") as scratch:
-        session = EngineSession([args.engine], Path(scratch), Limits(args.timeout, args.memory_mb))
-        try:
-            scorer, why = loaded_scorer(session, args.engine, directory, fmt)
-            if scorer is None:
-                raise HarnessError(f"{args.engine} {why}")
-            command = f"python -m harness gate {directory} --engine {args.engine} --update-golden"
-            verdict = gate(scorer, model, fmt, args.engine, update=args.update_golden,
-                           provenance=provenance(session, args.engine, fmt, "harness", command))
-        finally:
-            session.close()
+    with scorer_for(args, directory, fmt) as (scorer, session):
+        command = f"python -m harness gate {directory} --engine {args.engine} --update-golden"
+        verdict = gate(scorer, model, fmt, args.engine, update=args.update_golden,
+                       provenance=provenance(session, args.engine, fmt, "harness", command))
     print(f"{model} / {fmt} / {args.engine}")
     print(verdict)
     return EXIT_OK if verdict.ok else EXIT_FAIL

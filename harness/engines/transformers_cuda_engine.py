@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.engines.base import LoadReport
-from harness.engines.hf_common import captured_warnings
-from harness.engines.transformers_engine import TransformersEngine, explain
+from harness.engines.transformers_engine import TransformersEngine
 
 
 def fp8_kernel_missing() -> str | None:
@@ -32,6 +30,7 @@ def fp8_kernel_missing() -> str | None:
 
 class TransformersCudaEngine(TransformersEngine):
     name = "transformers-cuda"
+    load_options = {"device_map": "cuda"}
 
     def unsupported_reason(self, format_name):
         if not torch.cuda.is_available():
@@ -40,25 +39,3 @@ class TransformersCudaEngine(TransformersEngine):
         if reason is None and format_name == "fp8-block":
             reason = fp8_kernel_missing()
         return reason
-
-    def load(self, directory: str) -> LoadReport:
-        from transformers import AutoModelForCausalLM
-
-        from harness.reference import format_and_knobs
-
-        self.fmt, self.knobs = format_and_knobs(directory)
-        report = LoadReport()
-        logged: list[str] = []
-        with captured_warnings(report.warnings, full=logged):
-            try:
-                self.model, info = AutoModelForCausalLM.from_pretrained(
-                    directory, output_loading_info=True, local_files_only=True, device_map="cuda")
-            except Exception as error:
-                raise RuntimeError(explain(error, logged)) from error
-        self.model.eval()
-        report.missing = sorted(info.get("missing_keys", []))
-        report.unexpected = sorted(info.get("unexpected_keys", []))
-        report.mismatched = sorted(str(k) for k in info.get("mismatched_keys", []))
-        with torch.no_grad():
-            self.model(input_ids=torch.tensor([[1, 3, 4, 5]], device=self.model.device))
-        return report

@@ -19,6 +19,8 @@ def explain(error: Exception, logged: list[str]) -> str:
 class TransformersEngine(HFModelEngine):
     name = "transformers"
     package = "transformers"
+    #: extra from_pretrained arguments (the CUDA variant places the model on the GPU)
+    load_options: dict = {}
 
     def unsupported_reason(self, format_name):
         from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
@@ -42,7 +44,7 @@ class TransformersEngine(HFModelEngine):
         with captured_warnings(report.warnings, full=logged):
             try:
                 self.model, info = AutoModelForCausalLM.from_pretrained(
-                    directory, output_loading_info=True, local_files_only=True)
+                    directory, output_loading_info=True, local_files_only=True, **self.load_options)
             except Exception as error:
                 raise RuntimeError(explain(error, logged)) from error
         self.model.eval()

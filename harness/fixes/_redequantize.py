@@ -145,3 +145,15 @@ def after_decompression(model: torch.nn.Module, report: FixReport,
 
     deferred.handle = model.register_forward_pre_hook(repair_after_decompression)
     return deferred
+
+
+def install_deferred_repair(model: torch.nn.Module, checkpoint_dir: str | Path, name: str, formats: tuple[str, ...],
+                            repair_modules: Callable, key_mapping: Mapping[str, str] | None = None) -> DeferredRepair:
+    """Open the checkpoint and run `repair_modules(model, source, report, key_mapping)` now when the
+    model is decompressed, else right after compressed-tensors' decompression at the first forward."""
+    report = FixReport(name)
+    source = QuantizedCheckpoint.open(checkpoint_dir)
+    if source.fmt.name not in formats:
+        report.warnings.append(f"not a {' / '.join(formats)} checkpoint ({source.fmt.name}): nothing to repair")
+        return DeferredRepair(report, ran=True)
+    return after_decompression(model, report, lambda into: repair_modules(model, source, into, key_mapping))

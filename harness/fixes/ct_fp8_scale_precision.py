@@ -48,7 +48,7 @@ import torch
 from harness.fixes._redequantize import (
     DeferredRepair,
     QuantizedCheckpoint,
-    after_decompression,
+    install_deferred_repair,
     live_weight,
     mismatches,
     weight_tolerance,
@@ -109,12 +109,7 @@ def install_scale_precision_repair(model: torch.nn.Module, checkpoint_dir: str |
                                    key_mapping: Mapping[str, str] | None = None) -> DeferredRepair:
     """Repair now if the model is decompressed, else right after compressed-tensors' decompression
     at the first forward (module docstring); the returned object's `report` fills in then."""
-    report = FixReport(NAME)
-    source = QuantizedCheckpoint.open(checkpoint_dir)
-    if source.fmt.name not in FORMATS:
-        report.warnings.append(f"not a compressed-tensors FP8 checkpoint ({source.fmt.name}): nothing to repair")
-        return DeferredRepair(report, ran=True)
-    return after_decompression(model, report, lambda into: repair_modules(model, source, into, key_mapping))
+    return install_deferred_repair(model, checkpoint_dir, NAME, FORMATS, repair_modules, key_mapping)
 
 
 def repair_ct_fp8_scale_precision(model: torch.nn.Module, checkpoint_dir: str | Path, *,
