@@ -79,12 +79,14 @@ def existing_directory(text: str) -> Path:
 
 
 def command_ppl(args) -> int:
+    from harness.checkpoint import Checkpoint
     from harness.gates import measure
     from harness.lm.corpus import PROMPTS, decode
     from harness.reference import format_and_knobs
 
     directory = existing_directory(args.directory)
-    fmt = format_and_knobs(directory)[0].name
+    unquantized = "quantization_config" not in Checkpoint(directory).config
+    fmt = "bf16" if unquantized else format_and_knobs(directory)[0].name
     with scorer_for(args, directory, fmt) as (scorer, session):
         measured = measure(scorer)
         version = session.versions.get(args.engine, "")

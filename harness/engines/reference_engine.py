@@ -17,10 +17,16 @@ class ReferenceEngine(HFModelEngine):
     package = "quant-load-harness"
 
     def load(self, directory: str) -> LoadReport:
+        from harness.checkpoint import Checkpoint
         from harness.reference import dequantize_checkpoint
 
         dtype = checkpoint_dtype(directory)
-        state = {canonical_name(n): t.to(dtype) for n, t in dequantize_checkpoint(directory)}
+        checkpoint = Checkpoint(directory)
+        if "quantization_config" in checkpoint.config:  # quantized: the oracle's dequantization
+            tensors = dequantize_checkpoint(directory)
+        else:  # an unquantized model (e.g. the tiny models' bf16 originals): its tensors as stored
+            tensors = ((name, checkpoint.tensor(name)) for name in checkpoint.names())
+        state = {canonical_name(n): t.to(dtype) for n, t in tensors}
         self.model, tied = unquantized_model(directory)
         result = self.model.load_state_dict(state, strict=False)
         return LoadReport(missing=sorted(set(result.missing_keys) - tied), unexpected=sorted(result.unexpected_keys))

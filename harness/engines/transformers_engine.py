@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from harness.engines.base import LoadReport
@@ -38,7 +41,8 @@ class TransformersEngine(HFModelEngine):
 
         from harness.reference import format_and_knobs
 
-        self.fmt, self.knobs = format_and_knobs(directory)
+        config = json.loads((Path(directory) / "config.json").read_text())
+        self.fmt, self.knobs = format_and_knobs(directory) if "quantization_config" in config else (None, None)
         report = LoadReport()
         logged: list[str] = []
         with captured_warnings(report.warnings, full=logged):
