@@ -114,15 +114,23 @@ def command_gate(args) -> int:
 
 def command_golden(args) -> int:
     """Gate (or with --update, regenerate) every model x format x engine."""
+    from harness.engines import engine_spec
     from harness.engines.process import Limits
     from harness.gates import gate
     from harness.golden import orphaned_goldens
-    from harness.lm import MODEL_NAMES, quantize_model
+    from harness.lm import MODEL_NAMES, model_spec, quantize_model
     from harness.runner import EngineSession
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    for engine in engines:
+        engine_spec(engine)
     models = [m.strip() for m in args.models.split(",")] if args.models else list(MODEL_NAMES)
     formats = [f.strip() for f in args.formats.split(",")] if args.formats else list(GOLDEN_FORMATS)
+    for model in models:
+        model_spec(model)
+    for fmt in formats:
+        if fmt not in GOLDEN_FORMATS:
+            raise HarnessError(f"unknown format '{fmt}' (known: {', '.join(GOLDEN_FORMATS)})")
     failed, expected = 0, set()
     with tempfile.TemporaryDirectory(prefix="harness-golden-") as scratch:
         session = EngineSession(engines, Path(scratch) / "work", Limits(args.timeout, args.memory_mb))

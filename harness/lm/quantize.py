@@ -25,7 +25,9 @@ def calibrate(directory: Path) -> dict[str, float]:
     """Max |input| per Linear module (module name -> amax) over calibration text, in float32."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True).eval()
     amax: dict[str, float] = {}
 
@@ -61,13 +63,16 @@ def quantize_model(name: str, fmt_name: str, out: str | Path, producer: str = "h
         raise HarnessError(f"unknown producer '{producer}' (known: {', '.join(PRODUCERS)})")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise HarnessError(f"{out}: output directory exists and is not empty")
+    if producer == "compressed-tensors" and not fmt_name.startswith("ct-"):
+        raise HarnessError(f"compressed-tensors does not produce {fmt_name}")
     fmt = get_format(fmt_name)
-    resolved = fmt.resolve_knobs(knobs or {})
+    try:
+        resolved = fmt.resolve_knobs(knobs or {})
+    except (KeyError, ValueError) as error:
+        raise HarnessError(f"{fmt_name}: bad knob ({error})") from None
     amax = calibrate(source)
     out.mkdir(parents=True, exist_ok=True)
     if producer == "compressed-tensors":
-        if not fmt_name.startswith("ct-"):
-            raise HarnessError(f"compressed-tensors does not produce {fmt_name}")
         from harness.lm.ct_producer import produce_with_compressed_tensors
 
         produce_with_compressed_tensors(source, fmt_name, out, amax, knobs or {})

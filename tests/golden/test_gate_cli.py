@@ -58,3 +58,14 @@ def test_bad_input_is_one_line_and_exit_2(args, tmp_path):
 def test_gate_of_a_directory_not_made_from_a_tiny_model_is_an_error(tmp_path):
     done = harness("gate", tmp_path, "--engine", "reference")
     assert done.returncode == 2 and "not made from a tiny model" in done.stderr
+
+
+@pytest.mark.parametrize("args", [("golden", "--engines", "nope"), ("golden", "--formats", "int3"),
+                                  ("golden", "--models", "tiny-gpt"),
+                                  ("quantize", "tiny-qwen2", "--format", "fp8-block", "--producer",
+                                   "compressed-tensors", "--out", "x")])
+def test_golden_and_quantize_refuse_bad_input_before_any_work(args, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not any(tmp_path.iterdir()), "nothing written"
