@@ -157,3 +157,23 @@ def install_deferred_repair(model: torch.nn.Module, checkpoint_dir: str | Path, 
         report.warnings.append(f"not a {' / '.join(formats)} checkpoint ({source.fmt.name}): nothing to repair")
         return DeferredRepair(report, ran=True)
     return after_decompression(model, report, lambda into: repair_modules(model, source, into, key_mapping))
+
+
+def repair_misread(weight: torch.Tensor, correct: torch.Tensor, misread: torch.Tensor, format_name: str,
+                   correct_label: str, misread_label: str, misread_dtype: torch.dtype | None = None) -> int:
+    """The rule the re-dequantizing fixes share: write `correct` (rounded once) into `weight` only when
+    the weight differs from it and equals `misread`, the reading the bug produces (compared at the
+    tolerance of `misread_dtype`, default the weight's); otherwise raise SkipTensor saying which.
+    Returns how many elements were off."""
+    rel, abs_ = weight_tolerance(weight.dtype, format_name)
+    wrong_now = mismatches(weight, correct, rel, abs_)
+    if not wrong_now:
+        raise SkipTensor(f"already equals the {correct_label}")
+    if misread_dtype is not None:
+        rel, abs_ = weight_tolerance(misread_dtype, format_name)
+    off_misread = mismatches(weight, misread, rel, abs_)
+    if off_misread:
+        raise SkipTensor(f"differs from the {correct_label} ({wrong_now} elements) and from the {misread_label} "
+                         f"({off_misread}): changed by something else; left as is")
+    write_rounded_once(weight, correct)
+    return wrong_now

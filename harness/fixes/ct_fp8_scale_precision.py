@@ -50,9 +50,7 @@ from harness.fixes._redequantize import (
     QuantizedCheckpoint,
     install_deferred_repair,
     live_weight,
-    mismatches,
-    weight_tolerance,
-    write_rounded_once,
+    repair_misread,
 )
 from harness.fixes.base import Fix, FixReport
 from harness.fixes.restore_fp8_scales import SkipTensor
@@ -86,16 +84,9 @@ def repair_modules(model: torch.nn.Module, source: QuantizedCheckpoint, report: 
             scale = tensors["weight_scale"]
             if torch.equal(scale.to(weight.dtype).to(scale.dtype), scale):
                 raise SkipTensor(f"its {scale.dtype} weight_scale is exact in {weight.dtype}: not affected")
-            correct = source.reference(module, tensors)
-            rel, abs_ = weight_tolerance(weight.dtype, source.fmt.name)
-            wrong_now = mismatches(weight, correct, rel, abs_)
-            if not wrong_now:
-                raise SkipTensor("already equals the reference dequantization")
-            off_cast = mismatches(weight, cast_first_reading(source, tensors, weight.dtype), rel, abs_)
-            if off_cast:
-                raise SkipTensor(f"differs from the reference ({wrong_now} elements) and from the scale-cast-first "
-                                 f"reading ({off_cast}): changed by something else; left as is")
-            write_rounded_once(weight, correct)
+            wrong_now = repair_misread(weight, source.reference(module, tensors),
+                                       cast_first_reading(source, tensors, weight.dtype), source.fmt.name,
+                                       "reference dequantization", "scale-cast-first reading")
         except SkipTensor as reason:
             report.skipped[key] = str(reason)
             continue

@@ -43,9 +43,7 @@ import torch
 from harness.fixes._redequantize import (
     QuantizedCheckpoint,
     live_weight,
-    mismatches,
-    weight_tolerance,
-    write_rounded_once,
+    repair_misread,
 )
 from harness.fixes.base import Fix, FixReport
 from harness.fixes.restore_fp8_scales import SkipTensor
@@ -91,18 +89,10 @@ def repair_fp8_block_grid(model: torch.nn.Module, checkpoint_dir: str | Path, *,
             if tuple(tensors["weight_scale_inv"].shape) != grid:
                 raise SkipTensor(f"weight_scale_inv is {list(tensors['weight_scale_inv'].shape)}, not the grid "
                                  f"{list(grid)} of block {list(block)}: not this bug's layout")
-            correct = source.reference(module, tensors)
-            rel, abs_ = weight_tolerance(weight.dtype, source.fmt.name)
-            wrong_now = mismatches(weight, correct, rel, abs_)
-            if not wrong_now:
-                raise SkipTensor("already equals the declared-grid dequantization")
             codes = tensors["weight"].to(torch.float64)  # every e4m3 value is exact in float64
             misread = codes * expand_block_grid(tensors["weight_scale_inv"].to(torch.float64), rows, cols, inferred)
-            off_misread = mismatches(weight, misread, rel, abs_)
-            if off_misread:
-                raise SkipTensor(f"differs from the declared-grid reading ({wrong_now} elements) and from the "
-                                 f"inferred-grid one ({off_misread}): changed by something else; left as is")
-            write_rounded_once(weight, correct)
+            wrong_now = repair_misread(weight, source.reference(module, tensors), misread, source.fmt.name,
+                                       "declared-grid dequantization", "inferred-grid reading")
         except SkipTensor as reason:
             report.skipped[key] = str(reason)
             continue

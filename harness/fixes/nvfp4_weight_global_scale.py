@@ -49,9 +49,7 @@ from harness.fixes._redequantize import (
     QuantizedCheckpoint,
     install_deferred_repair,
     live_weight,
-    mismatches,
-    weight_tolerance,
-    write_rounded_once,
+    repair_misread,
 )
 from harness.fixes.base import Fix, FixReport
 from harness.fixes.restore_fp8_scales import SkipTensor
@@ -92,16 +90,9 @@ def repair_modules(model: torch.nn.Module, source: QuantizedCheckpoint, report: 
             key = f"{name}.weight"
             intended = nv.dequantize_nvfp4(tensors, "weight_packed", "weight_scale", "weight_global_scale",
                                            nv.MULTIPLY, None)
-            rel, abs_ = weight_tolerance(weight.dtype, source.fmt.name)
-            if not mismatches(weight, intended, rel, abs_):
-                raise SkipTensor("already equals the multiplier reading")
-            loose_rel, loose_abs = weight_tolerance(torch.bfloat16, source.fmt.name)
             misread = intended / stored / stored  # the divisor reading: product / g, and intended = product x g
-            off_misread = mismatches(weight, misread, loose_rel, loose_abs)
-            if off_misread:
-                raise SkipTensor(f"matches neither the divisor reading ({off_misread} elements off) nor the "
-                                 "multiplier one: changed by something else; left as is")
-            write_rounded_once(weight, intended)
+            repair_misread(weight, intended, misread, source.fmt.name, "multiplier reading", "divisor reading",
+                           misread_dtype=torch.bfloat16)
             live_scale = getattr(live_module, "weight_global_scale", None)
             if isinstance(live_scale, torch.Tensor) and live_scale.numel() == 1 and float(live_scale) < 1:
                 with torch.no_grad():  # still the stored multiplier: put the divisor it stands for
