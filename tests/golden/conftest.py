@@ -32,7 +32,7 @@ def _run_gate(engine_session, engine, directory, model, fmt, update, producer="h
     if scorer is None:
         pytest.skip(f"{engine}: {why}")
     return gate(scorer, model, fmt, engine, update=update,
-                provenance=provenance(engine_session, engine, fmt, producer,
+                provenance=provenance(engine_session, engine, producer,
                                       f"pytest tests/golden --update-golden -k '{model} and {fmt} and {engine}'"))
 
 

@@ -98,3 +98,10 @@ def test_every_golden_format_has_a_policy():
     for fmt in GOLDEN_FORMATS:
         policy = load_policy(fmt)
         assert policy.perplexity_rel > 0 and policy.reason
+
+
+def test_golden_formats_are_every_format():
+    from harness.formats import FORMAT_NAMES
+    from harness.gate_commands import GOLDEN_FORMATS
+
+    assert tuple(GOLDEN_FORMATS) == tuple(FORMAT_NAMES)
