@@ -12,3 +12,14 @@ class CheckpointError(HarnessError):
         self.path = str(path)
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
+
+
+ERROR_LINE_LIMIT = 2000  # bounds a runaway message, never a real one: paths alone can take 300 characters
+
+
+def first_line(text) -> str:
+    """The gist of an error: its first line, and the next one too when the first only announces it."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    if len(lines) > 1 and (lines[0].endswith(":") or len(lines[0]) < 24):
+        return f"{lines[0]} {lines[1]}"[:ERROR_LINE_LIMIT]
+    return lines[0][:ERROR_LINE_LIMIT] if lines else ""

@@ -10,7 +10,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness.errors import HarnessError
+from harness.errors import HarnessError, first_line
 
 EXIT_OK, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 #: every format (harness.formats.FORMAT_NAMES, spelled out so that building the CLI parser imports no torch)
@@ -38,7 +38,7 @@ def loaded_scorer(session, engine: str, directory: Path, fmt: str):
     except (EngineError, EngineFailure) as error:
         if getattr(error, "unsupported", False):
             return None, f"unsupported: {str(error).splitlines()[0]}"
-        raise HarnessError(f"{engine} cannot load {directory}: {str(error).splitlines()[0][:300]}") from None
+        raise HarnessError(f"{engine} cannot load {directory}: {first_line(error)}") from None
     return WorkerScorer(worker, session.work / "scratch"), None
 
 

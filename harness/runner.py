@@ -14,7 +14,7 @@ from harness.compare import compare_logprobs, compare_weight, perplexity
 from harness.engines import engine_spec
 from harness.engines.environments import engine_python
 from harness.engines.process import EngineError, EngineFailure, EngineProcess, Limits
-from harness.errors import CheckpointError
+from harness.errors import CheckpointError, first_line
 from harness.findings import Finding
 from harness.known_issues import KnownIssues
 from harness.naming import canonical_name
@@ -87,14 +87,6 @@ class EngineSession:
         for worker in self.processes.values():
             worker.close()
         self.processes.clear()
-
-
-def first_line(text) -> str:
-    """The gist of an error: its first line, and the next one too when the first only announces it."""
-    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
-    if len(lines) > 1 and (lines[0].endswith(":") or len(lines[0]) < 24):
-        return f"{lines[0]} {lines[1]}"[:400]
-    return lines[0][:400] if lines else ""
 
 
 def evaluate(directory: str | Path, session: EngineSession, known: KnownIssues | None = None,

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from harness.errors import first_line
 from harness.fixes._redequantize import (
     DeferredRepair,
     QuantizedCheckpoint,
@@ -101,7 +102,7 @@ def repair_modules(model: torch.nn.Module, source: QuantizedCheckpoint, report: 
             report.skipped[key] = str(reason)
             continue
         except Exception as error:  # a malformed module (the reference refuses it): skip only it
-            report.skipped[key] = f"cannot check it: {type(error).__name__}: {' '.join(str(error).split())[:300]}"
+            report.skipped[key] = f"cannot check it: {type(error).__name__}: {first_line(error)}"
             continue
         report.repaired.append(key)
         report.warnings.append(f"{key}: weight_global_scale {stored:.6g} is a multiplier (divisor reading implies "

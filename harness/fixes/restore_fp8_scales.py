@@ -51,7 +51,7 @@ import torch
 from safetensors import safe_open
 
 from harness.checkpoint import CONFIG_FILE, contained_file, read_json, read_safetensors_header
-from harness.errors import CheckpointError
+from harness.errors import CheckpointError, first_line
 from harness.fixes.base import Fix, FixReport
 from harness.formats.base import FormatError
 from harness.formats.fp8_block import parse_block_size
@@ -334,7 +334,7 @@ def restore_dropped_fp8_scales(model: torch.nn.Module, checkpoint_dir: str | Pat
                 report.skipped[key] = str(reason)
                 continue
             except Exception as error:  # nothing was written yet: an unreadable tensor skips only itself
-                report.skipped[key] = f"cannot check it: {type(error).__name__}: {' '.join(str(error).split())[:300]}"
+                report.skipped[key] = f"cannot check it: {type(error).__name__}: {first_line(error)}"
                 continue
             try:
                 multiply_block_rows(data, grid, tensor_block)
