@@ -38,26 +38,36 @@ def command_gen(args) -> int:
     return EXIT_OK
 
 
-def command_dequant(args) -> int:
-    import torch
-    from safetensors.torch import save_file
+#: --dtype choices of `dequant`
+DEQUANT_DTYPES = ("float32", "float64", "bfloat16")
 
-    from harness.reference import dequantize_checkpoint
+
+def command_dequant(args) -> int:
+    """Stream the reference's dequantized weights into one .safetensors file: memory holds one
+    tensor at a time; the file appears under its name only when complete."""
+    import torch
+
+    from harness.reference import dequantize_checkpoint, dequantized_names
+    from harness.safetensors_stream import StreamingSafetensorsWriter
 
     out = Path(args.out)
     if not out.parent.is_dir():
         raise HarnessError(f"{out}: its directory does not exist")
     if out.is_dir():
         raise HarnessError(f"{out}: is a directory; --out names the .safetensors file to write")
-    weights = {name: tensor.to(torch.float32).contiguous() for name, tensor in dequantize_checkpoint(args.directory)}
+    dtype = getattr(torch, args.dtype)
+    names = dequantized_names(args.directory)
     temporary = out.with_name(out.name + ".partial")
     try:
-        save_file(weights, str(temporary))
+        with StreamingSafetensorsWriter(temporary, names, {"format": "pt", "producer": "harness dequant"}) as writer:
+            for name, tensor in dequantize_checkpoint(args.directory):
+                writer.add(name, tensor.to(dtype))
         os.replace(temporary, out)
     except OSError as error:
-        temporary.unlink(missing_ok=True)
         raise HarnessError(f"{out}: cannot write it ({error.strerror or error})") from None
-    print(f"wrote {out}: {len(weights)} tensors, float32")
+    finally:
+        temporary.unlink(missing_ok=True)
+    print(f"wrote {out}: {len(names)} tensors, {args.dtype}")
     return EXIT_OK
 
 
@@ -247,9 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "or perturbation (zero_block=true); repeatable")
     gen.set_defaults(run=command_gen)
 
-    dequant = commands.add_parser("dequant", help="reference-dequantize a checkpoint to float32 safetensors")
+    dequant = commands.add_parser("dequant", help="reference-dequantize a checkpoint to safetensors (float32 by default), one tensor in memory at a time")
     dequant.add_argument("directory", help="checkpoint directory (format detected from config.json)")
     dequant.add_argument("--out", required=True, help="output .safetensors file")
+    dequant.add_argument("--dtype", choices=DEQUANT_DTYPES, default="float32",
+                         help="dtype written (default float32; float64 keeps the reference's exact values)")
     dequant.set_defaults(run=command_dequant)
 
     compare = commands.add_parser("compare", help="load one checkpoint in several engines and judge each")

@@ -41,7 +41,7 @@ def dequantize_checkpoint(directory: str | Path, device: str | torch.device = "c
     checkpoint = Checkpoint(directory)
     fmt, knobs = format_and_knobs(checkpoint)
     modules, plain = group_modules(checkpoint.names(), fmt)
-    for module, parts in sorted(modules.items()):
+    for module, parts in sorted(modules.items()):  # the order dequantized_names gives
         tensors = {suffix: checkpoint.tensor(name).to(device) for suffix, name in parts.items()}
         try:
             weight = fmt.dequantize(tensors, knobs)
@@ -51,6 +51,13 @@ def dequantize_checkpoint(directory: str | Path, device: str | torch.device = "c
         yield f"{module}.weight", weight
     for name in plain:
         yield name, checkpoint.tensor(name).to(device=device, dtype=torch.float64)
+
+
+def dequantized_names(directory: str | Path) -> list[str]:
+    """The names dequantize_checkpoint yields, in its order, without computing anything."""
+    checkpoint = Checkpoint(directory)
+    modules, plain = group_modules(checkpoint.names(), format_and_knobs(checkpoint)[0])
+    return [f"{module}.weight" for module in sorted(modules)] + plain
 
 
 def format_and_knobs(source: str | Path | Checkpoint) -> tuple[QuantFormat, dict]:

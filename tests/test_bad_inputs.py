@@ -3,7 +3,8 @@
 Every case copies a checkpoint written by the real `gen`, damages it, and runs
 `python -m harness dequant` (or `gen`) in a subprocess with a timeout. Each case lives in
 its own sandbox directory, which is listed before and after the run: a refused input must
-leave it exactly as it was (no output, no `.partial`, nothing written into the checkpoint),
+leave it exactly as it was (no output, no `.partial`, nothing written into the checkpoint; only
+the output directory's mtime may move, as dequant streams into a `.partial` it then removes),
 and nothing may appear beside the sandboxes either. Inputs that point outside the
 checkpoint point at a *valid* copy of the file, so only the containment check can refuse
 them, or at a FIFO, so that reading it would hang.
@@ -91,6 +92,11 @@ def run_main(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
 
 
+#: dequant streams into out/w.safetensors.partial and removes it when a later tensor is refused, so
+#: the output directory's own mtime may move; what it holds may not (nor anything else's mtime)
+TRANSIENT_WRITES_ALLOWED = "out"
+
+
 def snapshot(root: Path) -> dict[str, tuple]:
     """Every entry under root (symlinks not followed): kind, size and mtime of each."""
     found = {}
@@ -99,7 +105,9 @@ def snapshot(root: Path) -> dict[str, tuple]:
             path = Path(folder, name)
             info = path.lstat()
             kind = "link" if path.is_symlink() else "dir" if path.is_dir() else "file" if path.is_file() else "other"
-            found[str(path.relative_to(root))] = (kind, info.st_size if kind == "file" else 0, info.st_mtime_ns)
+            relative = str(path.relative_to(root))
+            mtime = None if kind == "dir" and relative == TRANSIENT_WRITES_ALLOWED else info.st_mtime_ns
+            found[relative] = (kind, info.st_size if kind == "file" else 0, mtime)
     return found
 
 
