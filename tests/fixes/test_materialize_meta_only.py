@@ -39,8 +39,17 @@ GARBAGE_FACTOR = 2.0
 def test_declaration():
     fix = get_fix("materialize-meta-only")
     assert fix.engines == ("vllm",) and set(fix.engines) <= set(REGISTRY)
-    assert "0.20.2" in SpecifierSet(fix.versions) and "0.32.0" not in SpecifierSet(fix.versions)
     assert fix.hook is not None and fix.seed == "000-vllm-fp8-bias-materialize"
+
+
+def test_version_range_is_what_the_releases_measured():
+    """Every release loaded by scripts/measure-vllm-materialize lies inside the fix's range
+    exactly when its own online-FP8 load failed the bf16 golden gate."""
+    affected = SpecifierSet(get_fix("materialize-meta-only").versions)
+    releases = json.loads((ROOT / "docs" / "measurements" / "vllm-materialize-releases.json").read_text())
+    measured = {r["release"]: r["online"]["gate_ok"] for r in releases if r.get("online", {}).get("loaded")}
+    assert {"0.19.0", "0.21.0"} <= set(measured)  # the first bad and the first fixed
+    assert {release: release in affected for release in measured} == {r: not ok for r, ok in measured.items()}
 
 
 def empty_like_vllm(tensor: torch.Tensor) -> torch.Tensor:
