@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from harness.checkpoint import Checkpoint
-from harness.errors import CheckpointError
+from harness.errors import CheckpointError, first_line
 from harness.fixes.base import FixReport
 from harness.fixes.restore_fp8_scales import FP8_DTYPES, SkipTensor, live_module_name, offload_problem
 from harness.formats.base import FormatError, QuantFormat
@@ -50,6 +50,44 @@ class QuantizedCheckpoint:
             return self.fmt.dequantize(dict(tensors if tensors is not None else self.tensors(module)), self.knobs)
         except (FormatError, CheckpointError) as error:
             raise SkipTensor(f"the reference refuses the checkpoint's tensors: {error}") from None
+
+
+class ModuleTarget:
+    """One checkpoint module under repair; `key` is what the report calls it: the checkpoint's
+    weight name until the live module is found, the live weight's name after."""
+
+    def __init__(self, live_modules: Mapping[str, torch.nn.Module], module: str,
+                 key_mapping: Mapping[str, str] | None):
+        self.live_modules, self.module, self.key_mapping = live_modules, module, key_mapping
+        self.key = f"{module}.weight"
+
+    def live_weight(self) -> tuple[str, torch.nn.Module, torch.Tensor]:
+        name, module, weight = live_weight(self.live_modules, self.module, self.key_mapping)
+        self.key = f"{name}.weight"
+        return name, module, weight
+
+
+def repair_each_module(model: torch.nn.Module, source: QuantizedCheckpoint, report: FixReport,
+                       key_mapping: Mapping[str, str] | None,
+                       repair_one: Callable[[ModuleTarget], str]) -> FixReport:
+    """Run `repair_one` on every quantized module of `source`, in name order. It returns the
+    warning that describes its repair, or raises SkipTensor with the reason; any other error
+    (a malformed module) skips that module only, so one bad tensor never stops the others; a
+    repair writes nothing until its checks have passed (repair_misread decides, then writes)."""
+    live_modules = dict(model.named_modules())
+    for module in sorted(source.modules):
+        target = ModuleTarget(live_modules, module, key_mapping)
+        try:
+            warning = repair_one(target)
+        except SkipTensor as reason:
+            report.skipped[target.key] = str(reason)
+            continue
+        except Exception as error:
+            report.skipped[target.key] = f"cannot check it: {type(error).__name__}: {first_line(error)}"
+            continue
+        report.repaired.append(target.key)
+        report.warnings.append(f"{target.key}: {warning}")
+    return report
 
 
 def weight_tolerance(dtype: torch.dtype, format_name: str) -> tuple[float, float]:

@@ -47,9 +47,10 @@ import torch
 
 from harness.fixes._redequantize import (
     DeferredRepair,
+    ModuleTarget,
     QuantizedCheckpoint,
     install_deferred_repair,
-    live_weight,
+    repair_each_module,
     repair_misread,
 )
 from harness.fixes.base import Fix, FixReport
@@ -74,26 +75,19 @@ def cast_first_reading(source: QuantizedCheckpoint, tensors: Mapping[str, torch.
 
 def repair_modules(model: torch.nn.Module, source: QuantizedCheckpoint, report: FixReport,
                    key_mapping: Mapping[str, str] | None = None) -> None:
-    live_modules = dict(model.named_modules())
-    for module in sorted(source.modules):
-        key = f"{module}.weight"
-        try:
-            name, _, weight = live_weight(live_modules, module, key_mapping)
-            key = f"{name}.weight"
-            tensors = source.tensors(module)
-            scale = tensors["weight_scale"]
-            if torch.equal(scale.to(weight.dtype).to(scale.dtype), scale):
-                raise SkipTensor(f"its {scale.dtype} weight_scale is exact in {weight.dtype}: not affected")
-            wrong_now = repair_misread(weight, source.reference(module, tensors),
-                                       cast_first_reading(source, tensors, weight.dtype), source.fmt.name,
-                                       "reference dequantization", "scale-cast-first reading")
-        except SkipTensor as reason:
-            report.skipped[key] = str(reason)
-            continue
-        report.repaired.append(key)
-        report.warnings.append(f"{key}: decompressed with its {scale.dtype} scale cast to {weight.dtype} first "
-                               f"({wrong_now} elements off, min |scale| {scale.abs().min().item():.3g}); "
-                               "re-dequantized")
+    def repair_one(target: ModuleTarget) -> str:
+        _, _, weight = target.live_weight()
+        tensors = source.tensors(target.module)
+        scale = tensors["weight_scale"]
+        if torch.equal(scale.to(weight.dtype).to(scale.dtype), scale):
+            raise SkipTensor(f"its {scale.dtype} weight_scale is exact in {weight.dtype}: not affected")
+        wrong_now = repair_misread(weight, source.reference(target.module, tensors),
+                                   cast_first_reading(source, tensors, weight.dtype), source.fmt.name,
+                                   "reference dequantization", "scale-cast-first reading")
+        return (f"decompressed with its {scale.dtype} scale cast to {weight.dtype} first ({wrong_now} elements "
+                f"off, min |scale| {scale.abs().min().item():.3g}); re-dequantized")
+
+    repair_each_module(model, source, report, key_mapping, repair_one)
 
 
 def install_scale_precision_repair(model: torch.nn.Module, checkpoint_dir: str | Path, *,

@@ -41,8 +41,9 @@ from pathlib import Path
 import torch
 
 from harness.fixes._redequantize import (
+    ModuleTarget,
     QuantizedCheckpoint,
-    live_weight,
+    repair_each_module,
     repair_misread,
 )
 from harness.fixes.base import Fix, FixReport
@@ -70,36 +71,30 @@ def repair_fp8_block_grid(model: torch.nn.Module, checkpoint_dir: str | Path, *,
         report.warnings.append(f"not a block-FP8 checkpoint ({source.fmt.name}): nothing to repair")
         return report
     block = (source.knobs["block_rows"], source.knobs["block_cols"])
-    live_modules = dict(model.named_modules())
-    for module in sorted(source.modules):
-        key = f"{module}.weight"
-        try:
-            name, _, weight = live_weight(live_modules, module, key_mapping)
-            key = f"{name}.weight"
-            rows, cols = weight.shape
-            grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
-            effective = (min(block[0], rows), min(block[1], cols))
-            inferred = inferred_block(rows, cols, grid)
-            if inferred is None:
-                raise SkipTensor(f"[{rows}, {cols}] does not divide by the grid {list(grid)}: transformers refuses "
-                                 "this shape at load, so it did not dequantize it")
-            if inferred == effective:
-                raise SkipTensor(f"the inferred block {list(inferred)} is the declared one: not affected")
-            tensors = source.tensors(module)
-            if tuple(tensors["weight_scale_inv"].shape) != grid:
-                raise SkipTensor(f"weight_scale_inv is {list(tensors['weight_scale_inv'].shape)}, not the grid "
-                                 f"{list(grid)} of block {list(block)}: not this bug's layout")
-            codes = tensors["weight"].to(torch.float64)  # every e4m3 value is exact in float64
-            misread = codes * expand_block_grid(tensors["weight_scale_inv"].to(torch.float64), rows, cols, inferred)
-            wrong_now = repair_misread(weight, source.reference(module, tensors), misread, source.fmt.name,
-                                       "declared-grid dequantization", "inferred-grid reading")
-        except SkipTensor as reason:
-            report.skipped[key] = str(reason)
-            continue
-        report.repaired.append(key)
-        report.warnings.append(f"{key}: scaled with blocks {list(inferred)} inferred from the shape instead of "
-                               f"the declared {list(block)} ({wrong_now} elements off); re-dequantized")
-    return report
+
+    def repair_one(target: ModuleTarget) -> str:
+        _, _, weight = target.live_weight()
+        rows, cols = weight.shape
+        grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+        effective = (min(block[0], rows), min(block[1], cols))
+        inferred = inferred_block(rows, cols, grid)
+        if inferred is None:
+            raise SkipTensor(f"[{rows}, {cols}] does not divide by the grid {list(grid)}: transformers refuses "
+                             "this shape at load, so it did not dequantize it")
+        if inferred == effective:
+            raise SkipTensor(f"the inferred block {list(inferred)} is the declared one: not affected")
+        tensors = source.tensors(target.module)
+        if tuple(tensors["weight_scale_inv"].shape) != grid:
+            raise SkipTensor(f"weight_scale_inv is {list(tensors['weight_scale_inv'].shape)}, not the grid "
+                             f"{list(grid)} of block {list(block)}: not this bug's layout")
+        codes = tensors["weight"].to(torch.float64)  # every e4m3 value is exact in float64
+        misread = codes * expand_block_grid(tensors["weight_scale_inv"].to(torch.float64), rows, cols, inferred)
+        wrong_now = repair_misread(weight, source.reference(target.module, tensors), misread, source.fmt.name,
+                                   "declared-grid dequantization", "inferred-grid reading")
+        return (f"scaled with blocks {list(inferred)} inferred from the shape instead of the declared "
+                f"{list(block)} ({wrong_now} elements off); re-dequantized")
+
+    return repair_each_module(model, source, report, key_mapping, repair_one)
 
 
 FIX = Fix(

@@ -44,12 +44,12 @@ from pathlib import Path
 
 import torch
 
-from harness.errors import first_line
 from harness.fixes._redequantize import (
     DeferredRepair,
+    ModuleTarget,
     QuantizedCheckpoint,
     install_deferred_repair,
-    live_weight,
+    repair_each_module,
     repair_misread,
 )
 from harness.fixes.base import Fix, FixReport
@@ -73,40 +73,31 @@ def convention(global_scale: float, largest_block_scale: float) -> str:
 
 def repair_modules(model: torch.nn.Module, source: QuantizedCheckpoint, report: FixReport,
                    key_mapping: Mapping[str, str] | None = None) -> None:
-    live_modules = dict(model.named_modules())
-    for module in sorted(source.modules):
-        key = f"{module}.weight"
-        try:
-            tensors = source.tensors(module)
-            stored = nv.read_per_tensor("weight_global_scale", tensors["weight_global_scale"])
-            largest = float(decode_e4m3(tensors["weight_scale"]).abs().max())
-            verdict = convention(stored, largest)
-            if verdict == "divisor":
-                raise SkipTensor(f"weight_global_scale {stored:.6g} >= 1: a divisor, as compressed-tensors means it")
-            if verdict == "ambiguous":
-                report.warnings.append(f"{key}: weight_global_scale {stored:.6g} < 1 but the block scales (max "
-                                       f"{largest:.4g}) imply amax {6 * largest / stored:.4g} <= 2688: left alone")
-                raise SkipTensor("ambiguous: fits neither convention cleanly")
-            name, live_module, weight = live_weight(live_modules, module, key_mapping)
-            key = f"{name}.weight"
-            intended = nv.dequantize_nvfp4(tensors, "weight_packed", "weight_scale", "weight_global_scale",
-                                           nv.MULTIPLY, None)
-            misread = intended / stored / stored  # the divisor reading: product / g, and intended = product x g
-            repair_misread(weight, intended, misread, source.fmt.name, "multiplier reading", "divisor reading",
-                           misread_dtype=torch.bfloat16)
-            live_scale = getattr(live_module, "weight_global_scale", None)
-            if isinstance(live_scale, torch.Tensor) and live_scale.numel() == 1 and float(live_scale) < 1:
-                with torch.no_grad():  # still the stored multiplier: put the divisor it stands for
-                    live_scale.fill_(1.0 / stored)
-        except SkipTensor as reason:
-            report.skipped[key] = str(reason)
-            continue
-        except Exception as error:  # a malformed module (the reference refuses it): skip only it
-            report.skipped[key] = f"cannot check it: {type(error).__name__}: {first_line(error)}"
-            continue
-        report.repaired.append(key)
-        report.warnings.append(f"{key}: weight_global_scale {stored:.6g} is a multiplier (divisor reading implies "
-                               f"amax {6 * largest / stored:.3g} > 2688); re-dequantized with divisor {1 / stored:.6g}")
+    def repair_one(target: ModuleTarget) -> str:
+        tensors = source.tensors(target.module)
+        stored = nv.read_per_tensor("weight_global_scale", tensors["weight_global_scale"])
+        largest = float(decode_e4m3(tensors["weight_scale"]).abs().max())
+        verdict = convention(stored, largest)
+        if verdict == "divisor":
+            raise SkipTensor(f"weight_global_scale {stored:.6g} >= 1: a divisor, as compressed-tensors means it")
+        if verdict == "ambiguous":
+            report.warnings.append(f"{target.key}: weight_global_scale {stored:.6g} < 1 but the block scales (max "
+                                   f"{largest:.4g}) imply amax {6 * largest / stored:.4g} <= 2688: left alone")
+            raise SkipTensor("ambiguous: fits neither convention cleanly")
+        _, live_module, weight = target.live_weight()
+        intended = nv.dequantize_nvfp4(tensors, "weight_packed", "weight_scale", "weight_global_scale",
+                                       nv.MULTIPLY, None)
+        misread = intended / stored / stored  # the divisor reading: product / g, and intended = product x g
+        repair_misread(weight, intended, misread, source.fmt.name, "multiplier reading", "divisor reading",
+                       misread_dtype=torch.bfloat16)
+        live_scale = getattr(live_module, "weight_global_scale", None)
+        if isinstance(live_scale, torch.Tensor) and live_scale.numel() == 1 and float(live_scale) < 1:
+            with torch.no_grad():  # still the stored multiplier: put the divisor it stands for
+                live_scale.fill_(1.0 / stored)
+        return (f"weight_global_scale {stored:.6g} is a multiplier (divisor reading implies amax "
+                f"{6 * largest / stored:.3g} > 2688); re-dequantized with divisor {1 / stored:.6g}")
+
+    repair_each_module(model, source, report, key_mapping, repair_one)
 
 
 def install_weight_global_scale_repair(model: torch.nn.Module, checkpoint_dir: str | Path, *,

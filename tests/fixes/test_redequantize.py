@@ -1,0 +1,41 @@
+"""The per-module driver the re-dequantizing fixes share: one bad module never stops the others."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.fixes._redequantize import QuantizedCheckpoint, repair_each_module
+from harness.fixes.base import FixReport
+from harness.fixes.restore_fp8_scales import SkipTensor
+from harness.recipe import Recipe, apply_settings
+from harness.writer import generate
+
+
+def test_each_module_is_repaired_skipped_or_refused_on_its_own(tmp_path):
+    generate(apply_settings(Recipe(format="fp8-block", arch="llama", seed=0), ["num_hidden_layers=1"]), tmp_path)
+    source = QuantizedCheckpoint.open(tmp_path)
+    model = torch.nn.Module()
+    modules = sorted(source.modules)
+    broken, skipped = modules[0], modules[1]
+    for module in modules:  # a live Linear under each checkpoint module's name
+        parent = model
+        *path, leaf = module.split(".")
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(leaf, torch.nn.Linear(4, 4, bias=False))
+
+    def repair_one(target):
+        if target.module == broken:
+            raise KeyError("weight_scale_inv")  # a malformed module
+        _, _, weight = target.live_weight()
+        if target.module == skipped:
+            raise SkipTensor("not affected")
+        return f"{tuple(weight.shape)} repaired"
+
+    report = repair_each_module(model, source, FixReport("test"), None, repair_one)
+    assert report.skipped == {f"{broken}.weight": "cannot check it: KeyError: 'weight_scale_inv'",
+                              f"{skipped}.weight": "not affected"}
+    assert report.repaired == [f"{m}.weight" for m in modules[2:]]
+    assert report.warnings == [f"{m}.weight: (4, 4) repaired" for m in modules[2:]]
