@@ -1,7 +1,7 @@
 """Peak memory of `python -m harness dequant` against the size of what it writes.
 
-Generates one FP8 block-scaled Llama (default 8 layers, hidden 1024, intermediate 2816: ~92 M
-parameters, ~370 MB of float32 output) with `python -m harness gen`, then runs
+Generates one FP8 block-scaled Llama (default 8 layers, hidden 1024, intermediate 2816: 278 MiB
+of float32 output, as recorded in benchmarks/results/) with `python -m harness gen`, then runs
 `python -m harness dequant` on it in a child process that reports its own peak RSS at exit
 (`resource.getrusage(RUSAGE_SELF).ru_maxrss`, after `harness.cli.main` returns). A bounded-memory writer holds one tensor (and
 its float64 working set), not the whole output. A measurement, not a test: nothing asserts.
