@@ -1,7 +1,9 @@
 """`quantize`, `ppl`, `gate` and `golden`: the tiny models' quantized variants and their golden gates.
 
-Exit codes of `gate` and `golden`: 0 every gate passed, 1 a gate failed (or a golden was just
-written, or is missing), 2 an error (bad input, engine unavailable for a single `gate`).
+Exit codes of `gate` and `golden`: 0 every gate passed (`golden`: or was skipped), 1 a gate failed
+(or a golden was just written, or is missing), 2 an error (bad input, engine unavailable for a
+single `gate`); `gate` 125 (git bisect's "cannot test"): no golden, and golden/unsupported.toml
+records that this combination could not run where the goldens were recorded.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 
 from harness.errors import HarnessError, first_line
 
-EXIT_OK, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+EXIT_OK, EXIT_FAIL, EXIT_ERROR, EXIT_UNTESTABLE = 0, 1, 2, 125
 #: every format (harness.formats.FORMAT_NAMES, spelled out so that building the CLI parser imports no torch)
 GOLDEN_FORMATS = ("fp8-block", "ct-fp8-tensor", "ct-fp8-channel", "ct-fp8-block", "ct-nvfp4", "ct-nvfp4a16",
                   "modelopt-nvfp4")
@@ -43,8 +45,20 @@ def loaded_scorer(session, engine: str, directory: Path, fmt: str):
 
 
 def provenance(session, engine: str, producer: str, command: str) -> dict:
-    return {"engine_version": session.versions.get(engine, ""), "dtype": "bfloat16", "producer": producer,
-            "command": command}
+    info = session.infos.get(engine, {})
+    return {"engine_version": session.versions.get(engine, ""), "isa": info.get("isa", ""),
+            "threads": int(info.get("threads", 0)), "dtype": "bfloat16", "producer": producer, "command": command}
+
+
+def unsupported_record(session, model: str, fmt: str, engine: str, why: str) -> dict:
+    """golden/unsupported.toml's entry for a combination that cannot run on this machine."""
+    import datetime
+
+    from harness.machine import isa_class
+
+    return {"model": model, "format": fmt, "engine": engine, "reason": why.removeprefix("unsupported: "),
+            "engine_version": session.versions.get(engine, ""), "isa": isa_class(),
+            "date": datetime.date.today().isoformat()}
 
 
 def command_quantize(args) -> int:
@@ -110,6 +124,8 @@ def command_gate(args) -> int:
                        provenance=provenance(session, args.engine, "harness", command))
     print(f"{model} / {fmt} / {args.engine}")
     print(verdict)
+    if verdict.skipped:
+        return EXIT_UNTESTABLE
     return EXIT_OK if verdict.ok else EXIT_FAIL
 
 
@@ -118,7 +134,7 @@ def command_golden(args) -> int:
     from harness.engines import engine_spec
     from harness.engines.process import Limits
     from harness.gates import gate
-    from harness.golden import orphaned_goldens
+    from harness.golden import orphaned_goldens, read_unsupported, write_unsupported
     from harness.lm import MODEL_NAMES, model_spec, quantize_model
     from harness.runner import EngineSession
 
@@ -132,7 +148,8 @@ def command_golden(args) -> int:
     for fmt in formats:
         if fmt not in GOLDEN_FORMATS:
             raise HarnessError(f"unknown format '{fmt}' (known: {', '.join(GOLDEN_FORMATS)})")
-    failed, expected = 0, set()
+    failed, skipped, expected = 0, 0, set()
+    could_not_run = {}
     with tempfile.TemporaryDirectory(prefix="harness-golden-") as scratch:
         session = EngineSession(engines, Path(scratch) / "work", Limits(args.timeout, args.memory_mb))
         try:
@@ -143,12 +160,19 @@ def command_golden(args) -> int:
                         scorer, why = loaded_scorer(session, engine, directory, fmt)
                         if scorer is None:
                             print(f"{model:<11} {fmt:<15} {engine:<19} skipped ({why[:90]})")
+                            if why.startswith("unsupported: "):
+                                could_not_run[(model, fmt, engine)] = unsupported_record(session, model, fmt,
+                                                                                         engine, why)
                             continue
                         expected.add((model, fmt, engine))
                         command = (f"python -m harness golden --update --models {model} --formats {fmt} "
                                    f"--engines {engine}")
                         verdict = gate(scorer, model, fmt, engine, update=args.update,
                                        provenance=provenance(session, engine, "harness", command))
+                        if verdict.skipped:
+                            skipped += 1
+                            print(f"{model:<11} {fmt:<15} {engine:<19} SKIP: {verdict.skipped}")
+                            continue
                         failed += not verdict.ok
                         print(f"{model:<11} {fmt:<15} {engine:<19} {'PASS' if verdict.ok else 'FAIL'}: "
                               f"{verdict.lines[0]}")
@@ -156,10 +180,13 @@ def command_golden(args) -> int:
                             print("\n".join("    " + line for line in verdict.lines[1:]))
         finally:
             session.close()
+    if args.update and could_not_run:
+        write_unsupported(read_unsupported() | could_not_run)
+        print(f"recorded {len(could_not_run)} combination(s) that cannot run here in golden/unsupported.toml")
     if not args.models and not args.formats:
         for path in orphaned_goldens(expected | set(OTHER_READERS)):
             print(f"orphaned golden (no gate reads it here): {path}")
-    print(f"{len(expected) - failed} passed, {failed} failed")
+    print(f"{len(expected) - failed - skipped} passed, {failed} failed, {skipped} skipped")
     return EXIT_FAIL if failed else EXIT_OK
 
 

@@ -1,8 +1,11 @@
 """Golden files: golden/<model>/<format>/<engine>.toml, one per (model, format, engine).
 
 Reviewable text: perplexity on the held-out slice, greedy continuations of fixed prompts (as
-text and token ids), and provenance (engine and version, dtype, date, producer, command).
-Written only by an explicit update; read with a schema (unknown keys are errors).
+text and token ids, with each token's margin over the runner-up under teacher forcing), and
+provenance (engine and version, the CPU's instruction-set class and thread count, dtype, date,
+producer, command). Written only by an explicit update; read with a schema (unknown keys are
+errors). `golden/unsupported.toml` lists the combinations that could not run where the goldens
+were recorded, with the engine's reason.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from pathlib import Path
 from harness.errors import HarnessError
 
 GOLDEN_ROOT = Path(__file__).resolve().parent.parent / "golden"
-FIELDS = {"model", "format", "engine", "engine_version", "dtype", "producer", "date", "command", "perplexity",
-          "continuation"}
-CONTINUATION_FIELDS = {"prompt", "text", "tokens"}
+UNSUPPORTED_FILE = "unsupported.toml"
+PROVENANCE = ("engine_version", "isa", "threads", "dtype", "producer", "date", "command")
+FIELDS = {"model", "format", "engine", *PROVENANCE, "perplexity", "continuation"}
+CONTINUATION_FIELDS = {"prompt", "text", "tokens", "margins"}
+UNSUPPORTED_FIELDS = {"model", "format", "engine", "reason", "engine_version", "isa", "date"}
 
 
 @dataclass
@@ -30,11 +35,16 @@ class Golden:
     continuations: list[list[int]]  # greedy tokens after each prompt of harness.lm.corpus.PROMPTS
     prompts: list[str]
     engine_version: str = ""
+    isa: str = ""  # harness.machine.isa_class() where it was recorded
+    threads: int = 0
     dtype: str = "bfloat16"
     producer: str = "harness"
     date: str = ""
     command: str = ""
     texts: list[str] = field(default_factory=list)
+    #: per continuation token: its logprob minus the best other token's, under teacher forcing, in
+    #: the recording run (small or negative: a near-tie that kernel rounding may flip)
+    margins: list[list[float]] = field(default_factory=list)
 
 
 def golden_path(model: str, fmt: str, engine: str, root: Path = GOLDEN_ROOT) -> Path:
@@ -58,7 +68,9 @@ def read_golden(path: Path) -> Golden:
                       continuations=[list(map(int, c["tokens"])) for c in data.get("continuation", [])],
                       prompts=[c["prompt"] for c in data.get("continuation", [])],
                       texts=[c.get("text", "") for c in data.get("continuation", [])],
-                      engine_version=data.get("engine_version", ""), dtype=data.get("dtype", "bfloat16"),
+                      margins=[list(map(float, c["margins"])) for c in data.get("continuation", []) if "margins" in c],
+                      engine_version=data.get("engine_version", ""), isa=data.get("isa", ""),
+                      threads=int(data.get("threads", 0)), dtype=data.get("dtype", "bfloat16"),
                       producer=data.get("producer", "harness"), date=data.get("date", ""),
                       command=data.get("command", ""))
     except (KeyError, TypeError, ValueError) as error:
@@ -69,12 +81,15 @@ def write_golden(golden: Golden, path: Path) -> None:
     """TOML by hand (tomllib reads only): strings JSON-quoted, which TOML basic strings accept."""
     golden.date = golden.date or datetime.date.today().isoformat()
     lines = ["# Golden perplexity and greedy text; regenerate only with --update-golden (see golden/README.md)."]
-    for key in ("model", "format", "engine", "engine_version", "dtype", "producer", "date", "command"):
+    for key in ("model", "format", "engine", *PROVENANCE):
         lines.append(f"{key} = {json.dumps(getattr(golden, key))}")
     lines.append(f"perplexity = {golden.perplexity!r}")
-    for prompt, tokens, text in zip(golden.prompts, golden.continuations, golden.texts, strict=True):
+    margins = golden.margins or [None] * len(golden.continuations)
+    for prompt, tokens, text, margin in zip(golden.prompts, golden.continuations, golden.texts, margins, strict=True):
         lines += ["", "[[continuation]]", f"prompt = {json.dumps(prompt)}", f"text = {json.dumps(text)}",
                   f"tokens = {json.dumps(tokens)}"]
+        if margin is not None:
+            lines.append(f"margins = {json.dumps([round(m, 4) for m in margin])}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
 
@@ -87,3 +102,27 @@ def existing_goldens(root: Path = GOLDEN_ROOT) -> list[tuple[str, str, str, Path
 def orphaned_goldens(expected: set[tuple[str, str, str]], root: Path = GOLDEN_ROOT) -> list[Path]:
     """Golden files no gate in `expected` (model, format, engine) reads."""
     return [path for model, fmt, engine, path in existing_goldens(root) if (model, fmt, engine) not in expected]
+
+
+def read_unsupported(root: Path = GOLDEN_ROOT) -> dict[tuple[str, str, str], dict]:
+    """(model, format, engine) -> the record of why it could not run where the goldens were made."""
+    path = root / UNSUPPORTED_FILE
+    if not path.is_file():
+        return {}
+    try:
+        entries = tomllib.loads(path.read_text()).get("combination", [])
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise HarnessError(f"{path}: cannot read ({error})") from None
+    for entry in entries:
+        if set(entry) - UNSUPPORTED_FIELDS or not {"model", "format", "engine", "reason"} <= set(entry):
+            raise HarnessError(f"{path}: an entry needs model, format, engine, reason (and only {sorted(UNSUPPORTED_FIELDS)})")
+    return {(e["model"], e["format"], e["engine"]): e for e in entries}
+
+
+def write_unsupported(records: dict[tuple[str, str, str], dict], root: Path = GOLDEN_ROOT) -> None:
+    lines = ["# Combinations that could not run where the goldens were recorded (harness golden --update writes",
+             "# this): their gates skip with the reason. A machine that runs one records its golden with",
+             "# `python -m harness golden --update --models M --formats F --engines E`, which drops the entry."]
+    for key in sorted(records):
+        lines += ["", "[[combination]]", *(f"{k} = {json.dumps(v)}" for k, v in records[key].items())]
+    (root / UNSUPPORTED_FILE).write_text("\n".join(lines) + "\n")

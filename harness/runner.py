@@ -61,6 +61,8 @@ class EngineSession:
         self.processes: dict[str, EngineProcess] = {}
         self.unavailable: dict[str, str] = {}
         self.versions: dict[str, str] = {}
+        #: each worker's greeting: version, interpreter, instruction-set class, threads
+        self.infos: dict[str, dict] = {}
 
     def process(self, engine: str) -> EngineProcess | None:
         if engine in self.unavailable:
@@ -80,6 +82,7 @@ class EngineSession:
             self.unavailable[engine] = f"cannot start ({python}): {failure}"
             return None
         self.versions[engine] = info.get("version", "?")
+        self.infos[engine] = info
         self.processes[engine] = worker
         return worker
 

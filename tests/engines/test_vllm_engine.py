@@ -1,12 +1,16 @@
 """The vllm engine, through its worker under the vLLM environment's interpreter.
 
 The end-to-end tests skip when no vLLM interpreter is found ($HARNESS_VLLM_PYTHON, .venv-vllm,
-.tox/vllm-cpu). vLLM's CPU FP8 block kernels need AMX: on a CPU without it fp8-block skips with
-the engine's reason and ct-fp8-channel carries the end-to-end checks. The unfusing tests run
+.tox/vllm-cpu). Which formats vLLM runs here is vLLM's own answer (a probe load, cached per
+environment): its CPU FP8 block kernels need AMX (and AMX-FP8 for W8A8), so where it has none
+fp8-block skips with vLLM's reason and ct-fp8-channel carries the end-to-end checks. The unfusing tests run
 anywhere: they feed the engine tensors laid out as vLLM's loader lays them out.
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import pytest
 import torch
@@ -14,7 +18,9 @@ from safetensors.torch import load_file
 
 from harness.checkpoint import Checkpoint
 from harness.engines.process import EngineProcess, Limits
+from harness.engines.vllm_capability import CACHE_FILE, PROBE_SHAPE, missing_kernel
 from harness.engines.vllm_engine import VllmEngine, find_vllm_python
+from harness.formats import FORMAT_NAMES
 from harness.recipe import Recipe
 from harness.reference import format_and_knobs
 from harness.writer import TRUTH_FILE, generate
@@ -24,11 +30,9 @@ needs_vllm = pytest.mark.skipif(
     VLLM_PYTHON is None,
     reason="no vLLM interpreter: set HARNESS_VLLM_PYTHON, or build .venv-vllm or `tox -e vllm-cpu`")
 
-#: a shape vLLM runs correctly: fused q/k/v and gate/up parts are multiples of 128 rows (so block
-#: grids concatenate), head_dim 32 is one its CPU attention supports (16 is not)
-ALIGNED = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32,
-           "intermediate_size": 256, "num_hidden_layers": 1}
-NVFP4_FORMATS = ("ct-nvfp4", "ct-nvfp4a16", "modelopt-nvfp4")
+#: a shape vLLM runs correctly (the capability probe's): fused parts multiples of 128 rows, a head size
+#: its CPU attention supports (16 is not)
+ALIGNED = PROBE_SHAPE
 SEQUENCES = [[1, *range(40, 58)], [1, 72, 101, 108, 108, 111]]
 
 
@@ -52,20 +56,40 @@ def assert_within_bf16_ulps(name: str, got: torch.Tensor, truth: torch.Tensor, u
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    process = EngineProcess("vllm", VLLM_PYTHON, tmp_path_factory.mktemp("vllm") / "worker.log", Limits(timeout_s=300))
-    process.start()
+def capability_cache(tmp_path_factory):
+    """A fresh capability cache, so this module's worker asks vLLM itself."""
+    return tmp_path_factory.mktemp("capabilities")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, capability_cache):
+    saved = os.environ.get("HARNESS_CACHE_DIR")
+    os.environ["HARNESS_CACHE_DIR"] = str(capability_cache)
+    try:
+        process = EngineProcess("vllm", VLLM_PYTHON, tmp_path_factory.mktemp("vllm") / "worker.log",
+                                Limits(timeout_s=300))
+        process.start()
+    finally:
+        os.environ.pop("HARNESS_CACHE_DIR") if saved is None else os.environ.update(HARNESS_CACHE_DIR=saved)
     yield process
     process.close()
 
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: NVFP4 belongs to this machine's GPU lane")
-def test_nvfp4_is_unsupported_on_cpu(engine):
-    for fmt in NVFP4_FORMATS:
-        reason = engine.request("unsupported", format=fmt)["reason"]
-        assert reason and "NVFP4" in reason, f"{fmt}: {reason!r}"
+def test_unsupported_is_vllms_own_missing_kernel_and_is_cached(engine, capability_cache):
+    """Every format vLLM declines here is declined in vLLM's words (no kernel selected, or an op its
+    build stubs out), the answers land in the per-environment cache, and ct-fp8-channel runs."""
+    answers = {fmt: engine.request("unsupported", format=fmt)["reason"] for fmt in FORMAT_NAMES}
+    for fmt, reason in answers.items():
+        assert reason is None or (reason.startswith(f"vLLM has no kernel for {fmt} here: ")
+                                  and missing_kernel(reason)), f"{fmt}: {reason!r}"
+    assert answers["ct-fp8-channel"] is None
+    if not torch.cuda.is_available():  # NVFP4 with FP4 activations has no CPU kernel
+        for fmt in ("ct-nvfp4", "modelopt-nvfp4"):
+            assert answers[fmt] and "NVFP4" in answers[fmt], f"{fmt}: {answers[fmt]!r}"
+    cached = json.loads((capability_cache / CACHE_FILE).read_text())
+    assert len(cached) == 1 and set(next(iter(cached.values()))) == set(FORMAT_NAMES)
 
 
 @needs_vllm

@@ -1,7 +1,7 @@
 """Run under the vLLM interpreter by tests/fixes/test_materialize_meta_only.py (not collected):
 load one bf16 checkpoint in real vLLM, in-process, five ways, and write what each computed.
 
-    python vllm_materialize_run.py CHECKPOINT QUANTIZATION OUT.json [MODEL:FORMAT:ENGINE]
+    python vllm_materialize_run.py CHECKPOINT QUANTIZATION OUT.json [MODEL:FORMAT:ENGINE] [--runs A,B]
 
 1. `bf16`: no quantization (the reference for "is this garbage").
 2. `unbroken`: online quantization with this vLLM's own (fixed) materialize_layer; the post-load
@@ -14,15 +14,17 @@ load one bf16 checkpoint in real vLLM, in-process, five ways, and write what eac
 Given MODEL:FORMAT:ENGINE (e.g. tiny-qwen2:bf16:vllm), each run is also measured by
 harness.gates (held-out perplexity, greedy continuations) and, where a golden for it exists,
 judged against it (`gate` in its entry: perplexity, continuations, ok and the report lines).
+`--runs` loads only the named ones (the CI check: `prefix+hook,prefix+restore`); `prefix+restore`
+then also records the dry run before its repair (`restore_dry`) and after it (`restore_after`).
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import math
 import os
-import sys
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -103,13 +105,15 @@ def report_json(report) -> dict:
     return {"repaired": report.repaired, "skipped": report.skipped, "warnings": report.warnings}
 
 
-def main(checkpoint: str, quantization: str, out: str, target: str | None = None) -> None:
+def main(checkpoint: str, quantization: str, out: str, target: str | None = None, only: str = "") -> None:
     vocab = json.loads(open(os.path.join(checkpoint, "config.json")).read())["vocab_size"]
     fixed = layerwise.materialize_layer
     results = {"vllm_fixed_materialize_checks_is_meta": "tensor.is_meta" in open(meta.__file__).read()}
     runs = [("bf16", None, False, False), ("unbroken", quantization, False, False),
             ("prefix", quantization, True, False), ("prefix+hook", quantization, True, True),
             ("prefix+restore", quantization, True, False)]
+    if only:
+        runs = [run for run in runs if run[0] in only.split(",")]
     for name, method, prefix, hook in runs:
         start = time.monotonic()
         layerwise.materialize_layer = prefix_materialize_layer if prefix else fixed
@@ -121,10 +125,17 @@ def main(checkpoint: str, quantization: str, out: str, target: str | None = None
                 uninstall()
             layerwise.materialize_layer = fixed
         entry = {}
-        if name in ("unbroken", "prefix", "prefix+restore"):
-            dry = name != "prefix+restore"
-            report = llm.apply_model(lambda model, d=dry: fix.restore_clobbered_tensors(model, checkpoint, dry_run=d))[0]
-            entry["restore"] = report_json(report)
+
+        def restore(dry_run: bool, llm=llm) -> dict:
+            return report_json(llm.apply_model(
+                lambda model: fix.restore_clobbered_tensors(model, checkpoint, dry_run=dry_run))[0])
+
+        if name == "prefix+restore" and only:
+            entry["restore_dry"] = restore(True)
+        if name in ("unbroken", "prefix", "prefix+restore", "prefix+hook"):
+            entry["restore"] = restore(name != "prefix+restore")
+        if name == "prefix+restore" and only:
+            entry["restore_after"] = restore(True)
         entry.update(measure(llm, vocab))
         entry["gate"] = golden_gate(llm, vocab, target)
         entry["seconds"] = round(time.monotonic() - start, 1)
@@ -136,4 +147,11 @@ def main(checkpoint: str, quantization: str, out: str, target: str | None = None
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("checkpoint")
+    parser.add_argument("quantization")
+    parser.add_argument("out")
+    parser.add_argument("target", nargs="?")
+    parser.add_argument("--runs", default="")
+    options = parser.parse_args()
+    main(options.checkpoint, options.quantization, options.out, options.target, options.runs)

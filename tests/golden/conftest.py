@@ -31,9 +31,12 @@ def _run_gate(engine_session, engine, directory, model, fmt, update, producer="h
     scorer, why = loaded_scorer(engine_session, engine, directory, fmt)
     if scorer is None:
         pytest.skip(f"{engine}: {why}")
-    return gate(scorer, model, fmt, engine, update=update,
-                provenance=provenance(engine_session, engine, producer,
-                                      f"pytest tests/golden --update-golden -k '{model} and {fmt} and {engine}'"))
+    verdict = gate(scorer, model, fmt, engine, update=update,
+                   provenance=provenance(engine_session, engine, producer,
+                                         f"pytest tests/golden --update-golden -k '{model} and {fmt} and {engine}'"))
+    if verdict.skipped:
+        pytest.skip(verdict.skipped)
+    return verdict
 
 
 @pytest.fixture(scope="session")

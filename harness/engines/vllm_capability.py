@@ -1,0 +1,128 @@
+"""Can this vLLM run a format here? Asked of vLLM itself, never inferred from CPU flags.
+
+vLLM chooses a kernel per quantized layer and refuses with "Failed to find a kernel that can
+implement ..." and its own reasons when none fits this machine (no AMX-FP8, no CPU NVFP4); its CPU
+builds also declare some GPU-only ops as empty stubs that fail when called. Both are limits of
+the machine or the build, never findings. `probe` loads a tiny, aligned checkpoint of the format
+and runs one forward; a refusal of that kind is the answer, with vLLM's words. Answers are cached
+on disk per environment (vLLM build, torch, interpreter, CPU model and flags, GPUs), in
+$HARNESS_CACHE_DIR, else $XDG_CACHE_HOME/quant-load-harness, else ~/.cache/quant-load-harness.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+from harness.machine import cpu_flags, cpu_model
+
+#: vLLM's words for "no kernel here": its kernel selection, and a GPU-only op its CPU build stubs out
+MISSING_KERNEL = re.compile(r"Failed to find a kernel that can implement|"
+                            r"_C::\w+\(\) expected at most 0 argument\(s\)")
+#: the shape the probe writes: every fused part a multiple of 128 rows, a head size vLLM's CPU
+#: attention supports (tests/engines/test_vllm_engine.py runs the same)
+PROBE_SHAPE = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32,
+               "intermediate_size": 256, "num_hidden_layers": 1}
+CACHE_FILE = "vllm-capabilities.json"
+
+
+def missing_kernel(error: BaseException | str) -> str | None:
+    """vLLM's own reason when `error` says it has no kernel for a layer here, else None."""
+    text = str(error)
+    if not MISSING_KERNEL.search(text):
+        return None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    start = next(i for i, line in enumerate(lines) if MISSING_KERNEL.search(line))
+    return " ".join(lines[start:start + 6]).removeprefix("Value error, ").partition(" [type=")[0]
+
+
+def environment_key() -> str:
+    """What a probe's answer depends on: the vLLM build (its kernel libraries), torch, the
+    interpreter, the CPU and the GPUs."""
+    import torch
+    import vllm
+
+    package = Path(vllm.__file__).parent
+    libraries = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in package.glob("*.so"))
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+        if torch.cuda.is_available() else []
+    facts = {"vllm": getattr(vllm, "__version__", "?"), "libraries": libraries, "torch": torch.__version__,
+             "python": sys.executable, "cpu": cpu_model(), "flags": sorted(cpu_flags()), "gpus": gpus}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def cache_dir() -> Path:
+    if os.environ.get("HARNESS_CACHE_DIR"):
+        return Path(os.environ["HARNESS_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "quant-load-harness"
+
+
+class CapabilityCache:
+    """{environment key: {format: reason or null}} in one JSON file; unreadable or unwritable is no cache."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = path or cache_dir() / CACHE_FILE
+
+    def read(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def get(self, key: str, fmt: str) -> tuple[bool, str | None]:
+        entry = self.read().get(key, {})
+        return (fmt in entry, entry.get(fmt))
+
+    def put(self, key: str, fmt: str, reason: str | None) -> None:
+        data = self.read()
+        data.setdefault(key, {})[fmt] = reason
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_suffix(f".{os.getpid()}.partial")
+            partial.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+            partial.replace(self.path)
+        except OSError:
+            pass
+
+
+def probe(fmt: str, construct) -> str | None:
+    """Load a tiny `fmt` checkpoint with `construct(directory)` (an `LLM`) and run one forward.
+    vLLM's reason when it has no kernel for it here; None when it ran, or failed otherwise (then the
+    real loads fail too, and say so as what they are)."""
+    from vllm import SamplingParams
+
+    from harness.recipe import Recipe
+    from harness.writer import generate
+
+    with tempfile.TemporaryDirectory(prefix="harness-vllm-probe-") as scratch:
+        directory = Path(scratch) / fmt
+        generate(Recipe(format=fmt, arch="llama", seed=0, config=dict(PROBE_SHAPE), layout={"shards": 1}), directory)
+        llm = None
+        try:
+            llm = construct(str(directory))
+            llm.generate([{"prompt_token_ids": [1, 40, 41, 42]}], SamplingParams(max_tokens=1), use_tqdm=False)
+        except Exception as error:  # noqa: BLE001  (classified below; anything else is not a capability)
+            return missing_kernel(error)
+        finally:
+            del llm
+            gc.collect()
+    return None
+
+
+def unsupported_reason(fmt: str, construct, cache: CapabilityCache | None = None) -> str | None:
+    """`probe`'s answer for `fmt`, from the cache when this environment already asked."""
+    cache = cache or CapabilityCache()
+    key = environment_key()
+    known, reason = cache.get(key, fmt)
+    if not known:
+        reason = probe(fmt, construct)
+        cache.put(key, fmt, reason)
+    return None if reason is None else f"vLLM has no kernel for {fmt} here: {reason}"

@@ -1,0 +1,46 @@
+"""Whether vLLM can run a format here is vLLM's own answer (harness.engines.vllm_capability): its
+missing-kernel refusals are classified as unsupported, with its words; nothing else is."""
+
+from __future__ import annotations
+
+from harness.engines.vllm_capability import CapabilityCache, missing_kernel
+
+# vLLM 0.32's words, as measured: AMD EPYC (no AMX), Intel Xeon (AMX tiles, no AMX-FP8), NVFP4 on
+# any CPU, and an op the CPU build declares as an empty stub
+NO_AMX = ("Failed to find a kernel that can implement the ScaledMM linear layer. Reasons: \n"
+          "CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)..\n"
+          "CPUFp8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)..")
+NO_AMX_FP8 = ("Value error, Failed to find a kernel that can implement the ScaledMM linear layer. Reasons: \n"
+              "CPUFp8W8A8BlockScaledMMKernel requires native AMX-FP8 hardware; falls back to "
+              "CPUFp8BlockScaledMMKernel (W8A16) otherwise.. [type=value_error, input_value=...]")
+NO_NVFP4 = "Failed to find a kernel that can implement the NVFP4 linear layer. Reasons: "
+STUB = ("_C::static_scaled_fp8_quant() expected at most 0 argument(s) but received 4 argument(s). "
+        "Declaration: _C::static_scaled_fp8_quant() -> ()")
+
+
+def test_missing_kernels_are_classified_with_vllms_reasons():
+    assert "requires AMX tile support" in missing_kernel(NO_AMX)
+    reason = missing_kernel(ValueError("1 validation error for VllmConfig\n" + NO_AMX_FP8))
+    assert reason.startswith("Failed to find a kernel") and "AMX-FP8" in reason and "[type=" not in reason
+    assert "NVFP4" in missing_kernel(NO_NVFP4)
+    assert "static_scaled_fp8_quant" in missing_kernel(RuntimeError(STUB))
+
+
+def test_other_failures_are_not_capabilities():
+    for message in ("start (2) + length (1) exceeds dimension size (2).",  # vllm-qwen2-ignores-head-dim
+                    "narrow() cannot be applied to a 0-dim tensor.",
+                    "_C::fp8_scaled_mm_cpu() expected at most 7 argument(s) but received 8 argument(s)",
+                    "Unsupported CPU attention configuration"):
+        assert missing_kernel(RuntimeError(message)) is None, message
+
+
+def test_the_cache_keeps_answers_per_environment(tmp_path):
+    cache = CapabilityCache(tmp_path / "sub" / "capabilities.json")
+    assert cache.get("env-a", "fp8-block") == (False, None)
+    cache.put("env-a", "fp8-block", "no AMX")
+    cache.put("env-a", "ct-fp8-channel", None)
+    assert cache.get("env-a", "fp8-block") == (True, "no AMX")
+    assert cache.get("env-a", "ct-fp8-channel") == (True, None)
+    assert cache.get("env-b", "fp8-block") == (False, None), "another environment must probe for itself"
+    (tmp_path / "sub" / "capabilities.json").write_text("not json")
+    assert cache.get("env-a", "fp8-block") == (False, None), "a damaged cache is no cache"
