@@ -22,8 +22,10 @@ from pathlib import Path
 
 from harness.machine import cpu_flags, cpu_model
 
-#: vLLM's words for "no kernel here": its kernel selection, and a GPU-only op its CPU build stubs out
+#: vLLM's words for "no kernel here": its kernel selection (searched, or forced for a scheme), and a
+#: GPU-only op its CPU build stubs out
 MISSING_KERNEL = re.compile(r"Failed to find a kernel that can implement|"
+                            r"Forced \w+ kernel \w+ is not supported|"
                             r"_C::\w+\(\) expected at most 0 argument\(s\)")
 #: the shape the probe writes: every fused part a multiple of 128 rows, a head size vLLM's CPU
 #: attention supports (tests/engines/test_vllm_engine.py runs the same)
@@ -44,7 +46,7 @@ def missing_kernel(error: BaseException | str) -> str | None:
 
 def environment_key() -> str:
     """What a probe's answer depends on: the vLLM build (its kernel libraries), torch, the
-    interpreter, the CPU and the GPUs."""
+    interpreter, the CPU, the GPUs, and the probe itself."""
     import torch
     import vllm
 
@@ -53,7 +55,8 @@ def environment_key() -> str:
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
         if torch.cuda.is_available() else []
     facts = {"vllm": getattr(vllm, "__version__", "?"), "libraries": libraries, "torch": torch.__version__,
-             "python": sys.executable, "cpu": cpu_model(), "flags": sorted(cpu_flags()), "gpus": gpus}
+             "python": sys.executable, "cpu": cpu_model(), "flags": sorted(cpu_flags()), "gpus": gpus,
+             "probe": [MISSING_KERNEL.pattern, PROBE_SHAPE]}  # a new classifier or probe asks again
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from harness.engines.vllm_capability import CapabilityCache, missing_kernel
 
-# vLLM 0.32's words, as measured: AMD EPYC (no AMX), Intel Xeon (AMX tiles, no AMX-FP8), NVFP4 on
-# any CPU, and an op the CPU build declares as an empty stub
+# vLLM 0.32's words, as measured: AMD EPYC (no AMX), Intel Xeon (AMX tiles, no AMX-FP8), NVFP4 W4A4
+# and W4A16 (Marlin forced) on any CPU, and an op the CPU build declares as an empty stub
 NO_AMX = ("Failed to find a kernel that can implement the ScaledMM linear layer. Reasons: \n"
           "CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)..\n"
           "CPUFp8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)..")
@@ -14,6 +14,7 @@ NO_AMX_FP8 = ("Value error, Failed to find a kernel that can implement the Scale
               "CPUFp8W8A8BlockScaledMMKernel requires native AMX-FP8 hardware; falls back to "
               "CPUFp8BlockScaledMMKernel (W8A16) otherwise.. [type=value_error, input_value=...]")
 NO_NVFP4 = "Failed to find a kernel that can implement the NVFP4 linear layer. Reasons: "
+FORCED = "Forced NVFP4 kernel MarlinNvFp4LinearKernel is not supported: Marlin FP4 not available"
 STUB = ("_C::static_scaled_fp8_quant() expected at most 0 argument(s) but received 4 argument(s). "
         "Declaration: _C::static_scaled_fp8_quant() -> ()")
 
@@ -23,6 +24,7 @@ def test_missing_kernels_are_classified_with_vllms_reasons():
     reason = missing_kernel(ValueError("1 validation error for VllmConfig\n" + NO_AMX_FP8))
     assert reason.startswith("Failed to find a kernel") and "AMX-FP8" in reason and "[type=" not in reason
     assert "NVFP4" in missing_kernel(NO_NVFP4)
+    assert "Marlin FP4 not available" in missing_kernel(ValueError(FORCED))
     assert "static_scaled_fp8_quant" in missing_kernel(RuntimeError(STUB))
 
 

@@ -244,7 +244,8 @@ def test_real_vllm_prefix_loader_clobbers_k_bias_the_hook_prevents_it_the_restor
 @pytest.mark.nightly
 @needs_vllm
 def test_real_vllm_prefix_loader_clobbers_bias_and_both_repairs_work(tmp_path):
-    """All five loads, with the golden gates (nightly: about 4 minutes on AMD, 19 on Intel AMX)."""
+    """All five loads, with the golden gates (nightly: 40 s on the AMD EPYC kind, about 19 minutes on the
+    Intel AMX kind as issue 10 measured it)."""
     checkpoint, which = bf16_checkpoint(tmp_path)
     target = ["tiny-qwen2:bf16:vllm"] if which == "tiny-qwen2" else []
     runs = run_real_vllm(checkpoint, tmp_path / "runs.json", *target, timeout=1800)

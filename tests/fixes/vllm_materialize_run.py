@@ -101,7 +101,9 @@ def golden_gate(llm: LLM, vocab: int, target: str | None) -> dict | None:
     return result | {"ok": verdict.ok, "lines": verdict.lines}
 
 
-def report_json(report) -> dict:
+def restore(llm: LLM, checkpoint: str, dry_run: bool) -> dict:
+    """The fix's post-load repair on the live model (a dry run only reports)."""
+    report = llm.apply_model(lambda model: fix.restore_clobbered_tensors(model, checkpoint, dry_run=dry_run))[0]
     return {"repaired": report.repaired, "skipped": report.skipped, "warnings": report.warnings}
 
 
@@ -125,17 +127,12 @@ def main(checkpoint: str, quantization: str, out: str, target: str | None = None
                 uninstall()
             layerwise.materialize_layer = fixed
         entry = {}
-
-        def restore(dry_run: bool, llm=llm) -> dict:
-            return report_json(llm.apply_model(
-                lambda model: fix.restore_clobbered_tensors(model, checkpoint, dry_run=dry_run))[0])
-
         if name == "prefix+restore" and only:
-            entry["restore_dry"] = restore(True)
+            entry["restore_dry"] = restore(llm, checkpoint, dry_run=True)
         if name in ("unbroken", "prefix", "prefix+restore", "prefix+hook"):
-            entry["restore"] = restore(name != "prefix+restore")
+            entry["restore"] = restore(llm, checkpoint, dry_run=name != "prefix+restore")
         if name == "prefix+restore" and only:
-            entry["restore_after"] = restore(True)
+            entry["restore_after"] = restore(llm, checkpoint, dry_run=True)
         entry.update(measure(llm, vocab))
         entry["gate"] = golden_gate(llm, vocab, target)
         entry["seconds"] = round(time.monotonic() - start, 1)
