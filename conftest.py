@@ -3,7 +3,7 @@ the `nightly` marker: tests too long for CI run only with --run-nightly (tox -e 
 
 import pytest
 
-from harness.hypothesis_profiles import load_profile
+from harness.campaign.profiles import load_profile
 
 load_profile()
 

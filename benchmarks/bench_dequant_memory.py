@@ -3,7 +3,7 @@
 Generates one FP8 block-scaled Llama (default 8 layers, hidden 1024, intermediate 2816: 278 MiB
 of float32 output, as recorded in benchmarks/results/) with `python -m harness gen`, then runs
 `python -m harness dequant` on it in a child process that reports its own peak RSS at exit
-(`resource.getrusage(RUSAGE_SELF).ru_maxrss`, after `harness.cli.main` returns). A bounded-memory writer holds one tensor (and
+(`resource.getrusage(RUSAGE_SELF).ru_maxrss`, after `harness.commands.cli.main` returns). A bounded-memory writer holds one tensor (and
 its float64 working set), not the whole output. A measurement, not a test: nothing asserts.
 
     .venv/bin/python benchmarks/bench_dequant_memory.py [--layers 8] [--label after]
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 #: `python -m harness ARGS` that prints its peak RSS in KiB as its last stderr line
-MEASURED_CLI = ("import resource, sys; from harness.cli import main; code = main(sys.argv[1:]); "
+MEASURED_CLI = ("import resource, sys; from harness.commands.cli import main; code = main(sys.argv[1:]); "
                 "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(code)")
 
 

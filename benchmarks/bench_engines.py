@@ -3,7 +3,7 @@
 Not a test: it asserts nothing about speed. In one run, on the same N generated checkpoints
 (`--format`, `--arch`, seeds 0..N-1, the architecture's default tiny sizes):
 
-(a) harness: `harness.runner.evaluate` with one persistent `EngineSession` (a worker
+(a) harness: `harness.differential.runner.evaluate` with one persistent `EngineSession` (a worker
     subprocess per engine, as `quant-load-harness` and the pytest plugin run it), once with
     `engines=[engine]` and once with `engines=["reference", engine]` (the pair the harness
     really runs: logits are judged against the reference). Checkpoint 0 is the warm-up (worker
@@ -170,7 +170,7 @@ def bare_child(spec_path: str) -> int:
             from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
             from safetensors.torch import load_file
         elif engine == "reference":
-            from harness.reference import dequantize_checkpoint
+            from harness.oracle.reference import dequantize_checkpoint
     import_s = time.perf_counter() - t0
 
     def config_of(directory):
@@ -286,7 +286,7 @@ class Clock:
 
 def instrument(clock: Clock) -> None:
     """Wrap EngineProcess.request and the parent-side steps of evaluate() (in this process only)."""
-    from harness import runner
+    from harness.differential import runner
     from harness.engines import REGISTRY
     from harness.engines.process import EngineProcess
 
@@ -334,7 +334,7 @@ def instrument(clock: Clock) -> None:
         if callable(getattr(runner, attribute, None)):
             setattr(runner, attribute, wrap(getattr(runner, attribute), step, engine_of))
         else:
-            print(f"note: harness.runner has no {attribute}; its time is counted as other", file=sys.stderr)
+            print(f"note: harness.differential.runner has no {attribute}; its time is counted as other", file=sys.stderr)
 
 
 def live_workers(session):
@@ -342,7 +342,7 @@ def live_workers(session):
 
 
 def harness_row(label: str, engines: list[str], directories: list[Path], session, clock: Clock) -> dict:
-    from harness.runner import evaluate
+    from harness.differential.runner import evaluate
 
     meter = CpuMeter(live_workers(session))
     before = meter.sample()
@@ -402,11 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:  # before torch is imported here; workers and bare runs inherit the environment
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
 
+    from harness.checkpoints.recipe import Recipe
+    from harness.checkpoints.writer import generate
+    from harness.differential.runner import EngineSession, probe_sequences
     from harness.engines.environments import engine_python
     from harness.engines.process import Limits
-    from harness.recipe import Recipe
-    from harness.runner import EngineSession, probe_sequences
-    from harness.writer import generate
 
     started = time.perf_counter()
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def start(engine: str) -> bool:
         """Worker start plus the first evaluate (the engine's lazy imports): the warm-up."""
-        from harness.runner import evaluate
+        from harness.differential.runner import evaluate
 
         t0 = time.perf_counter()
         worker = session.process(engine)

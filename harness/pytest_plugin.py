@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-DEFAULT_ENGINES = "reference,transformers,compressed-tensors,vllm"
+from harness.engines import ENGINE_NAMES
+
+DEFAULT_ENGINES = ",".join(ENGINE_NAMES)
 
 
 def pytest_addoption(parser):
@@ -34,8 +36,8 @@ def harness_engines(pytestconfig) -> list[str]:
 @pytest.fixture(scope="session")
 def engine_session(harness_engines, tmp_path_factory, pytestconfig):
     """One worker per engine for the whole test session (imports are paid once)."""
+    from harness.differential.runner import EngineSession
     from harness.engines.process import Limits
-    from harness.runner import EngineSession
 
     session = EngineSession(harness_engines, tmp_path_factory.mktemp("engines"),
                             Limits(timeout_s=pytestconfig.getoption("--harness-timeout")))
@@ -50,7 +52,7 @@ def update_golden(pytestconfig) -> bool:
 
 @pytest.fixture(scope="session")
 def known_issues():
-    from harness.known_issues import KnownIssues
+    from harness.differential.known_issues import KnownIssues
 
     return KnownIssues.load()
 

@@ -12,7 +12,7 @@ them, or at a FIFO, so that reading it would hang.
 The subprocesses (each ~3 CPU-seconds, nearly all of it importing torch) run in parallel
 in one module fixture, and the tests then check one recorded result each. Only the cases
 the issue lists, and those that could hang, pay for a subprocess; further variants of the
-same damage call the same `harness.cli.main` in this process (see `case`). Only the cases
+same damage call the same `harness.commands.cli.main` in this process (see `case`). Only the cases
 selected for this session (e.g. with -k) are run.
 """
 
@@ -75,9 +75,9 @@ def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess | None:
 
 
 def run_main(args: list[str]) -> subprocess.CompletedProcess:
-    """`harness.cli.main` in this process, its output captured; an escaping exception is
+    """`harness.commands.cli.main` in this process, its output captured; an escaping exception is
     recorded as the traceback the interpreter would have printed."""
-    from harness.cli import main
+    from harness.commands.cli import main
 
     stdout, stderr = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as patch, redirect_stdout(stdout), redirect_stderr(stderr):
@@ -187,7 +187,7 @@ class Expect:
 class Case:
     source: str
     damage: Callable[[Path, Path], Expect]
-    cli: bool  # run in a subprocess; else through harness.cli.main in this process
+    cli: bool  # run in a subprocess; else through harness.commands.cli.main in this process
 
 
 CASES: dict[str, Case] = {}

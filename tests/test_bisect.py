@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from harness.bisect import (
+from harness.core.errors import HarnessError
+from harness.lanes.bisect import (
     BAD,
     GOOD,
     SKIP,
@@ -19,7 +20,6 @@ from harness.bisect import (
     released_versions,
     versions_between,
 )
-from harness.errors import HarnessError
 from tests.doubles import planted_loader
 
 

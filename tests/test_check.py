@@ -11,22 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from harness.check import (
-    CASES_DIR,
+from harness.core.findings import Finding
+from harness.differential.known_issues import KnownIssues
+from harness.differential.runner import CheckpointResult, EngineOutcome
+from harness.lanes.check import (
+    CHECKS_DIR,
     EXIT_BAD,
     EXIT_CANNOT_TEST,
     EXIT_GOOD,
     CannotTest,
     CheckCase,
-    judge,
+    judge_case,
     load_case,
     load_case_file,
 )
-from harness.findings import Finding
-from harness.known_issues import KnownIssues
-from harness.runner import CheckpointResult, EngineOutcome
 
-CASE_FILES = sorted(CASES_DIR.glob("*.toml"))
+CASE_FILES = sorted(CHECKS_DIR.glob("*.toml"))
 
 
 def cli(*args, timeout=900):
@@ -135,13 +135,13 @@ REFUSED = CheckCase("c", "c", "transformers", expect="finding", kinds=["load-err
     (REFUSED, result_with("failed", [("load-error", "must be divisible by block sizes")]), EXIT_GOOD),
 ])
 def test_judge(case, result, code):
-    assert judge(case, result).code == code
+    assert judge_case(case, result).code == code
 
 
 def test_known_issues_do_not_excuse(tmp_path):
     result = result_with(findings=[("weight-mismatch", "x")])
     result.findings[0].known_issue = "transformers-fp8-block-grid-inferred-from-shape"
-    assert judge(AGREE, result).code == EXIT_BAD
+    assert judge_case(AGREE, result).code == EXIT_BAD
 
 
 # ---------------------------------------------------------------- the CLI: exit codes
@@ -180,6 +180,6 @@ def test_reproduction_directory_good(tmp_path):
 @pytest.mark.slow
 @pytest.mark.needs_engine("transformers")
 def test_known_issue_case_is_bad():
-    result = cli("check", CASES_DIR / "transformers-fp8-block-grid-inferred-from-shape.toml")
+    result = cli("check", CHECKS_DIR / "transformers-fp8-block-grid-inferred-from-shape.toml")
     assert result.returncode == EXIT_BAD, result.stdout + result.stderr
     assert "not excused here" in result.stdout and "verdict: bad" in result.stdout

@@ -1,4 +1,4 @@
-"""harness.checkpoint: safetensors header checks, JSON reading, containment, single file vs index."""
+"""harness.checkpoints.reader: safetensors header checks, JSON reading, containment, single file vs index."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from harness import checkpoint as ckpt
-from harness.checkpoint import (
+from harness.checkpoints import reader as ckpt
+from harness.checkpoints.reader import (
     INDEX_FILE,
     SINGLE_FILE,
     Checkpoint,
@@ -20,7 +20,7 @@ from harness.checkpoint import (
     read_json,
     read_safetensors_header,
 )
-from harness.errors import CheckpointError, HarnessError
+from harness.core.errors import CheckpointError, HarnessError
 
 TENSORS = {
     "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
@@ -415,7 +415,7 @@ def test_hugging_face_cache_snapshot_symlinks_into_blobs_are_accepted(tmp_path):
     import subprocess
     import sys
 
-    from harness.checkpoint import Checkpoint
+    from harness.checkpoints.reader import Checkpoint
 
     source = tmp_path / "source"
     subprocess.run([sys.executable, "-m", "harness", "gen", "--format", "fp8-block", "--arch", "llama",

@@ -11,11 +11,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from harness.cli import main
-from harness.recipe import Recipe, apply_settings
-from harness.reference import dequantize_checkpoint, dequantized_names
-from harness.safetensors_stream import DTYPE_NAMES, StreamingSafetensorsWriter
-from harness.writer import TRUTH_FILE, generate
+from harness.checkpoints.recipe import Recipe, apply_settings
+from harness.checkpoints.streaming import DTYPE_NAMES, StreamingSafetensorsWriter
+from harness.checkpoints.writer import TRUTH_FILE, generate
+from harness.commands.cli import main
+from harness.oracle.reference import dequantize_checkpoint, dequantized_names
 
 
 @pytest.fixture(scope="module")

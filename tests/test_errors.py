@@ -1,6 +1,6 @@
 """Error lines keep what the user needs, however long the paths in them are."""
 
-from harness.errors import CheckpointError, first_line
+from harness.core.errors import CheckpointError, first_line
 
 
 def test_a_deep_path_does_not_cut_off_the_diagnosis():

@@ -12,12 +12,12 @@ import torch
 from hypothesis import given
 from safetensors.torch import load_file
 
-from harness.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
-from harness.errors import CheckpointError
+from harness.campaign.strategies import recipes
+from harness.checkpoints.reader import INDEX_FILE, SINGLE_FILE, Checkpoint
+from harness.checkpoints.writer import MANIFEST_FILE, TRUTH_FILE, generate
+from harness.core.errors import CheckpointError
 from harness.formats import get_format
-from harness.reference import dequantize_checkpoint, group_modules
-from harness.strategies import recipes
-from harness.writer import MANIFEST_FILE, TRUTH_FILE, generate
+from harness.oracle.reference import dequantize_checkpoint, group_modules
 
 
 def assert_tensors_equal(got: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> None:

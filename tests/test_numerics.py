@@ -1,4 +1,4 @@
-"""The small float codecs in `harness.numerics` against torch's casts and compressed-tensors' FP4 path."""
+"""The small float codecs in `harness.core.numerics` against torch's casts and compressed-tensors' FP4 path."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from harness.numerics import (
+from harness.core.numerics import (
     E2M1_TABLE,
     E4M3_TABLE,
     decode_e4m3,

@@ -6,10 +6,7 @@ import pytest
 from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 
-from harness.architectures import ARCHITECTURES
-from harness.formats import FORMAT_NAMES, get_format
-from harness.recipe import LAYOUT_CHOICES, PERTURB_CHOICES, PERTURB_DEFAULTS, VLM_PREFIX
-from harness.strategies import (
+from harness.campaign.strategies import (
     BLOCK_EDGES,
     DIMENSION_CLASSES,
     HEAD_COUNTS,
@@ -27,6 +24,9 @@ from harness.strategies import (
     recipes,
     scale_grids,
 )
+from harness.checkpoints.architectures import ARCHITECTURES
+from harness.checkpoints.recipe import LAYOUT_CHOICES, PERTURB_CHOICES, PERTURB_DEFAULTS, VLM_PREFIX
+from harness.formats import FORMAT_NAMES, get_format
 
 #: no shrinking: a found example only has to exist, and shrinking recipes is the slow part
 FIND = settings(max_examples=3000, phases=[Phase.generate], database=None)

@@ -1,17 +1,43 @@
-"""Engine registry: names -> `module:Class` strings, imported only when a run asks for them."""
+"""Engine registry: one entry per engine (its `module:Class`, the package it needs, the project
+environments that may hold that package), imported only when a run asks for it. Imports no torch.
+Adding an engine: its module beside this file and one entry here."""
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
 
-REGISTRY: dict[str, str] = {
-    "reference": "harness.engines.reference_engine:ReferenceEngine",
-    "transformers": "harness.engines.transformers_engine:TransformersEngine",
-    "compressed-tensors": "harness.engines.ct_engine:CompressedTensorsEngine",
-    "vllm": "harness.engines.vllm_engine:VllmEngine",
+
+@dataclass(frozen=True)
+class EngineEntry:
+    spec: str  # `module:Class`
+    package: str | None = None  # importable name whose absence sends the worker to `environments`
+    #: interpreters under the project root (e.g. `.tox/vllm-cpu/bin/python`) to try when the
+    #: current one lacks `package`; $HARNESS_<ENGINE>_PYTHON comes first (environments.py)
+    environments: tuple[str, ...] = ()
+
+
+ENGINES: dict[str, EngineEntry] = {
+    "reference": EngineEntry("harness.engines.reference_engine:ReferenceEngine", "transformers"),
+    "transformers": EngineEntry("harness.engines.transformers_engine:TransformersEngine", "transformers"),
+    "compressed-tensors": EngineEntry("harness.engines.ct_engine:CompressedTensorsEngine", "compressed_tensors"),
+    "vllm": EngineEntry("harness.engines.vllm_engine:VllmEngine", "vllm",
+                        (".venv-vllm/bin/python", ".tox/vllm-cpu/bin/python")),
 }
+#: the engines a full run uses, in order
+ENGINE_NAMES = tuple(ENGINES)
+REGISTRY: dict[str, str] = {name: entry.spec for name, entry in ENGINES.items()}
+
+
+#: the harness's own loader: what it holds and computes is the oracle every other engine is judged against
+REFERENCE = "reference"
+
+
+def judged_with_reference(engine: str) -> list[str]:
+    """The engines a run of `engine` needs: the reference first, then `engine` (once)."""
+    return [REFERENCE] if engine == REFERENCE else [REFERENCE, engine]
 
 
 def engine_spec(name: str) -> str:

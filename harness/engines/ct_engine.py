@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.checkpoint import Checkpoint
+from harness.checkpoints.reader import Checkpoint
+from harness.core.naming import canonical_name
 from harness.engines.base import LoadReport
 from harness.engines.hf_common import HFModelEngine, captured_warnings, unquantized_model
-from harness.naming import canonical_name
 
 
 class CompressedTensorsEngine(HFModelEngine):

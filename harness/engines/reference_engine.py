@@ -7,9 +7,9 @@ it behaves as the manifest says a correct loader must.
 
 from __future__ import annotations
 
+from harness.core.naming import canonical_name
 from harness.engines.base import LoadReport
 from harness.engines.hf_common import HFModelEngine, checkpoint_dtype, unquantized_model
-from harness.naming import canonical_name
 
 
 class ReferenceEngine(HFModelEngine):
@@ -17,8 +17,8 @@ class ReferenceEngine(HFModelEngine):
     package = "quant-load-harness"
 
     def load(self, directory: str) -> LoadReport:
-        from harness.checkpoint import Checkpoint
-        from harness.reference import dequantize_checkpoint
+        from harness.checkpoints.reader import Checkpoint
+        from harness.oracle.reference import dequantize_checkpoint
 
         dtype = checkpoint_dtype(directory)
         checkpoint = Checkpoint(directory)

@@ -39,7 +39,7 @@ class TransformersEngine(HFModelEngine):
     def load(self, directory: str) -> LoadReport:
         from transformers import AutoModelForCausalLM
 
-        from harness.reference import format_and_knobs
+        from harness.oracle.reference import format_and_knobs
 
         config = json.loads((Path(directory) / "config.json").read_text())
         self.fmt, self.knobs = format_and_knobs(directory) if "quantization_config" in config else (None, None)

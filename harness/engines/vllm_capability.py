@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness.machine import cpu_flags, cpu_model
+from harness.core.machine import cpu_flags, cpu_model
 
 #: vLLM's words for "no kernel here": its kernel selection (searched, or forced for a scheme), and a
 #: GPU-only op its CPU build stubs out
@@ -102,8 +102,8 @@ def probe(fmt: str, construct) -> str | None:
     real loads fail too, and say so as what they are)."""
     from vllm import SamplingParams
 
-    from harness.recipe import Recipe
-    from harness.writer import generate
+    from harness.checkpoints.recipe import Recipe
+    from harness.checkpoints.writer import generate
 
     with tempfile.TemporaryDirectory(prefix="harness-vllm-probe-") as scratch:
         directory = Path(scratch) / fmt

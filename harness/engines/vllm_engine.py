@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
+from harness.core.naming import canonical_name
 from harness.engines.base import Engine, EngineUnsupported, LoadReport
 from harness.engines.environments import engine_python
 from harness.engines.hf_common import captured_warnings
 from harness.engines.vllm_capability import missing_kernel
 from harness.engines.vllm_capability import unsupported_reason as probed_unsupported_reason
-from harness.naming import canonical_name
 
 # The engine core must run in this process: the weight capture below and `apply_model` need
 # the model object here. setdefault, so that a user's explicit choice still wins.
@@ -106,7 +106,7 @@ class VllmEngine(Engine):
                    trust_remote_code=False)
 
     def load(self, directory: str) -> LoadReport:
-        from harness.reference import format_and_knobs
+        from harness.oracle.reference import format_and_knobs
 
         config = checkpoint_config(directory)
         self.fmt, self.knobs = format_and_knobs(directory) if "quantization_config" in config else (None, None)

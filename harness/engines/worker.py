@@ -29,7 +29,7 @@ def serve(spec: str) -> int:
     except BaseException as error:  # the engine could not even be imported: say why, then stop
         answer(ok=False, error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
         return 1
-    from harness.machine import isa_class, thread_count
+    from harness.core.machine import isa_class, thread_count
 
     answer(ok=True, name=engine.name or spec, version=engine.version(), python=sys.executable, isa=isa_class(),
            threads=thread_count())

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
-from harness.checkpoint import Checkpoint
-from harness.errors import CheckpointError, first_line
+from harness.checkpoints.reader import Checkpoint
+from harness.core.errors import CheckpointError, first_line
+from harness.core.tolerances import load_tolerances
 from harness.fixes.base import FixReport
 from harness.fixes.restore_fp8_scales import FP8_DTYPES, SkipTensor, live_module_name, offload_problem
 from harness.formats.base import FormatError, QuantFormat
-from harness.reference import format_and_knobs, group_modules
-from harness.tolerances import load_tolerances
+from harness.oracle.reference import format_and_knobs, group_modules
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 

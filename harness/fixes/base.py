@@ -39,5 +39,5 @@ class Fix:
     apply: Callable[..., FixReport]  # apply(model, checkpoint_dir, **options) -> FixReport
     hook: Callable | None = None  # optional: install the repair where it must run (e.g. a forward pre-hook)
     known_issues: tuple[str, ...] = ()  # ids in cases/known_issues.toml this fix repairs
-    seed: str | None = None  # the report in shared/seeds/ it comes from, if any
-    kinds: tuple[str, ...] = ()  # finding kinds it repairs (harness.findings.KINDS), for reports
+    report: str | None = None  # the user report in shared/seeds/ it comes from (a report id), if any
+    kinds: tuple[str, ...] = ()  # finding kinds it repairs (harness.core.findings.KINDS), for reports

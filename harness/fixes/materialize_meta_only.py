@@ -56,8 +56,8 @@ from pathlib import Path
 
 import torch
 
+from harness.core.naming import canonical_name
 from harness.fixes.base import Fix, FixReport
-from harness.naming import canonical_name
 
 NAME = "materialize-meta-only"
 #: where vLLM keeps the layer-wise loader; layerwise.py imports materialize_layer by name
@@ -195,7 +195,7 @@ def restore_clobbered_tensors(model: torch.nn.Module, checkpoint_dir: str | Path
     """Compare every checkpoint tensor the engine loads verbatim with the live tensor holding it
     and copy the checkpoint's value back where they differ (not equal, or not finite); each
     restored tensor is reported with how it differed. `dry_run` reports without writing."""
-    from harness.checkpoint import Checkpoint
+    from harness.checkpoints.reader import Checkpoint
 
     checkpoint = Checkpoint(checkpoint_dir)
     live_model = LiveModel(model)
@@ -256,6 +256,6 @@ FIX = Fix(
                "holding it after loading (not bit-equal in the model dtype, or not finite)"),
     apply=restore_clobbered_tensors,
     hook=install_meta_only_materialize,
-    seed="000-vllm-fp8-bias-materialize",
+    report="000-vllm-fp8-bias-materialize",
     kinds=("weight-nonfinite", "weight-mismatch", "nonfinite-logits"),
 )

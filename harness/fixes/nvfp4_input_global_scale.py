@@ -220,6 +220,6 @@ FIX = Fix(
                "reported when either is within that margin"),
     apply=apply,
     hook=install_input_scale_prehooks,
-    seed="002-nvfp4-activation-global-scale",
+    report="002-nvfp4-activation-global-scale",
     kinds=("logprobs", "perplexity", "nonfinite-logits"),
 )

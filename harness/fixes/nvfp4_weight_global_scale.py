@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from harness.core.numerics import decode_e4m3
 from harness.fixes._redequantize import (
     DeferredRepair,
     ModuleTarget,
@@ -55,7 +56,6 @@ from harness.fixes._redequantize import (
 from harness.fixes.base import Fix, FixReport
 from harness.fixes.restore_fp8_scales import SkipTensor
 from harness.formats import nvfp4_common as nv
-from harness.numerics import decode_e4m3
 
 NAME = "nvfp4-weight-global-scale"
 FORMATS = ("ct-nvfp4", "ct-nvfp4a16")

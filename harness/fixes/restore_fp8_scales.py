@@ -50,12 +50,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from harness.checkpoint import CONFIG_FILE, contained_file, read_json, read_safetensors_header
-from harness.errors import CheckpointError, first_line
+from harness.checkpoints.reader import CONFIG_FILE, contained_file, read_json, read_safetensors_header
+from harness.core.errors import CheckpointError, first_line
+from harness.core.naming import VLM_PREFIX, canonical_name
 from harness.fixes.base import Fix, FixReport
 from harness.formats.base import FormatError
 from harness.formats.fp8_block import parse_block_size
-from harness.naming import VLM_PREFIX, canonical_name
 
 NAME = "restore-dropped-fp8-scales"
 SCALE_SUFFIX = ".weight_scale_inv"
@@ -368,6 +368,6 @@ FIX = Fix(
                "<module>.weight (the raw codes); converted modules (FP8 weights) and weights transformers already "
                "dequantized (not equal to their codes) do not match."),
     apply=restore_dropped_fp8_scales,
-    seed="003-unsloth-restore-dropped-fp8-scales",
+    report="003-unsloth-restore-dropped-fp8-scales",
     kinds=("dropped-scale",),
 )

@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 
-from harness.checkpoint import Checkpoint
-from harness.errors import CheckpointError
+from harness.checkpoints.reader import Checkpoint
+from harness.core.errors import CheckpointError
+from harness.core.naming import VLM_PREFIX, canonical_name
 from harness.fixes._redequantize import (
     QuantizedCheckpoint,
     live_weight,
@@ -44,7 +45,6 @@ from harness.fixes._redequantize import (
 )
 from harness.fixes.base import Fix, FixReport
 from harness.fixes.restore_fp8_scales import FP8_DTYPES, SkipTensor, offload_problem
-from harness.naming import VLM_PREFIX, canonical_name
 
 NAME = "vlm-prefix-weights"
 KNOWN_ISSUE = "transformers-vlm-prefix-loads-random-weights"

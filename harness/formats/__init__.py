@@ -1,11 +1,19 @@
-"""Registry of quantization formats: a name -> the module attribute that implements it."""
+"""Registry of quantization formats: a name -> the module attribute that implements it.
+
+Importing this registry imports no torch (the CLI builds its help and choices from
+FORMAT_NAMES); a format's module loads when `get_format` first asks for it.
+"""
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from harness.formats.base import FormatError, QuantFormat
+from harness.core.errors import UnknownFormat
+
+if TYPE_CHECKING:
+    from harness.formats.base import QuantFormat
 
 REGISTRY: dict[str, str] = {
     "fp8-block": "harness.formats.fp8_block:FORMAT",
@@ -20,15 +28,24 @@ REGISTRY: dict[str, str] = {
 FORMAT_NAMES = tuple(REGISTRY)
 
 
+def require_formats(*names: str) -> tuple[str, ...]:
+    """`names`, each a registered format; else one line naming the first unknown one and the known."""
+    for name in names:
+        if name not in REGISTRY:
+            raise UnknownFormat(f"unknown format '{name}' (known: {', '.join(FORMAT_NAMES)})")
+    return names
+
+
 def get_format(name: str) -> QuantFormat:
-    if name not in REGISTRY:
-        raise FormatError(f"unknown format '{name}' (known: {', '.join(FORMAT_NAMES)})")
+    require_formats(name)
     module_name, attribute = REGISTRY[name].split(":")
     return getattr(importlib.import_module(module_name), attribute)
 
 
 def detect_format(quantization_config: Mapping) -> QuantFormat:
     """The one registered format whose definition matches a checkpoint's `quantization_config`."""
+    from harness.formats.base import FormatError
+
     found = [fmt for fmt in map(get_format, FORMAT_NAMES) if fmt.matches(quantization_config)]
     if len(found) != 1:
         method = quantization_config.get("quant_method", "?")

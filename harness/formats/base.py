@@ -13,9 +13,7 @@ from typing import Any
 
 import torch
 
-
-class FormatError(ValueError):
-    """A module's tensors do not follow the format (wrong shape, dtype, non-finite scale)."""
+from harness.core.errors import FormatError  # noqa: F401  (raised by every format; its home is core)
 
 
 @dataclass(frozen=True)

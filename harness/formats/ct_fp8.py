@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from harness.core.numerics import E4M3_MAX, encode_e4m3
 from harness.formats.base import (
     FormatError,
     Knob,
@@ -35,7 +36,6 @@ from harness.formats.fp8_block import (
     expand_block_grid,
     transpose_scale_grid,
 )
-from harness.numerics import E4M3_MAX, encode_e4m3
 
 #: the compressed-tensors release whose `ModelCompressor.update_config` output we reproduce
 CT_VERSION = "0.20.0"

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from harness.core.numerics import E4M3_MAX, ceil_div, decode_e4m3, encode_e4m3
 from harness.formats.base import (
     FormatError,
     Knob,
@@ -21,7 +22,6 @@ from harness.formats.base import (
     require_finite,
     require_tensor,
 )
-from harness.numerics import E4M3_MAX, ceil_div, decode_e4m3, encode_e4m3
 
 SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

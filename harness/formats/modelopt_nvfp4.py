@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from harness.core.numerics import E2M1_MAX, E4M3_MAX, encode_e2m1, pack_e2m1
 from harness.formats import nvfp4_common as nv
 from harness.formats.base import FormatError, Knob, QuantFormat, QuantizedWeight
-from harness.numerics import E2M1_MAX, E4M3_MAX, encode_e2m1, pack_e2m1
 
 QUANT_ALGO = "NVFP4"
 

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 
 import torch
 
+from harness.core.numerics import E2M1_MAX, E4M3_MAX, NVFP4_GROUP, decode_e4m3, unpack_e2m1
 from harness.formats.base import (
     FormatError,
     QuantizedWeight,
@@ -30,7 +31,6 @@ from harness.formats.base import (
     require_shape,
     require_tensor,
 )
-from harness.numerics import E2M1_MAX, E4M3_MAX, NVFP4_GROUP, decode_e4m3, unpack_e2m1
 
 GROUP = NVFP4_GROUP
 FULL_RANGE = E4M3_MAX * E2M1_MAX  # 2688.0

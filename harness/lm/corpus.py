@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import random
 
-from harness.tokenizer import SPECIAL_TOKENS
+from harness.checkpoints.tokenizer import SPECIAL_TOKENS
 
-BYTE_OFFSET = len(SPECIAL_TOKENS)  # token id = byte value + BYTE_OFFSET (harness/tokenizer.py)
+BYTE_OFFSET = len(SPECIAL_TOKENS)  # token id = byte value + BYTE_OFFSET (harness/checkpoints/tokenizer.py)
 
 WORDS = {
     "det": ["the", "a", "every", "one", "that"],

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
 from harness.formats import get_format
 
 SUPPORTED_FORMATS = ("ct-fp8-tensor", "ct-fp8-channel", "ct-fp8-block", "ct-nvfp4", "ct-nvfp4a16")

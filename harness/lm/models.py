@@ -5,15 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
+from harness.core.paths import MODELS_DIR
 
-MODELS_ROOT = Path(__file__).resolve().parents[2] / "models"
+MODELS_ROOT = MODELS_DIR
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    arch: str  # harness.architectures name
+    arch: str  # harness.checkpoints.architectures name
     config: dict = field(default_factory=dict)  # overrides of the architecture's tiny defaults
     #: standard deviation the attention biases start from: large, so that the trained model
     #: relies on them and a stale or clobbered bias changes its output (a zero-initialised bias

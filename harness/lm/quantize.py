@@ -11,7 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
 from harness.lm import corpus
 from harness.lm.models import model_dir
 
@@ -53,12 +53,11 @@ def quantize_model(name: str, fmt_name: str, out: str | Path, producer: str = "h
     import torch
     from safetensors.torch import load_file, save_file
 
-    from harness.formats import FORMAT_NAMES, get_format
+    from harness.formats import get_format, require_formats
 
     source = model_dir(name)
     out = Path(out)
-    if fmt_name not in FORMAT_NAMES:
-        raise HarnessError(f"unknown format '{fmt_name}' (known: {', '.join(FORMAT_NAMES)})")
+    require_formats(fmt_name)
     if producer not in PRODUCERS:
         raise HarnessError(f"unknown producer '{producer}' (known: {', '.join(PRODUCERS)})")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
 from harness.lm import corpus
 from harness.lm.models import MODELS_ROOT, model_spec
 
@@ -31,7 +31,7 @@ def build_model(spec):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from harness.architectures import ARCHITECTURES
+    from harness.checkpoints.architectures import ARCHITECTURES
 
     arch = ARCHITECTURES[spec.arch]
     raw = arch.config_json(arch.settings(spec.config), "bfloat16")
@@ -116,7 +116,7 @@ def train(name: str, out: Path) -> dict:
 def save(model, raw_config: dict, out: Path) -> None:
     from safetensors.torch import save_file
 
-    from harness.tokenizer import write_tokenizer
+    from harness.checkpoints.tokenizer import write_tokenizer
 
     tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

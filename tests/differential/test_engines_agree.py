@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 
+from harness.campaign.strategies import recipes
+from harness.checkpoints.writer import generate
+from harness.differential.runner import evaluate
+from harness.engines import ENGINE_NAMES
 from harness.formats import FORMAT_NAMES
 from harness.pytest_plugin import require_engine
-from harness.runner import evaluate
-from harness.strategies import recipes
-from harness.writer import generate
 
-ENGINES = ["transformers", "compressed-tensors", "vllm"]
+ENGINES = [name for name in ENGINE_NAMES if name != "reference"]
 
 
 def explain(result, new) -> str:

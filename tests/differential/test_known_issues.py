@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.known_issues import KnownIssues
-from harness.replay import reproduce_known_issue
+from harness.campaign.replay import reproduce_known_issue
+from harness.differential.known_issues import KnownIssues
 
 ISSUES = KnownIssues.load().issues
 

@@ -19,7 +19,7 @@ class DroppedScaleEngine(ReferenceEngine):
     name = "double-dropped-scale"
 
     def load(self, directory):
-        from harness.checkpoint import Checkpoint
+        from harness.checkpoints.reader import Checkpoint
 
         report = super().load(directory)
         checkpoint = Checkpoint(directory)
@@ -52,7 +52,7 @@ class SwappedGlobalScaleEngine(ReferenceEngine):
     name = "double-swapped-global-scale"
 
     def load(self, directory):
-        from harness.checkpoint import Checkpoint
+        from harness.checkpoints.reader import Checkpoint
 
         report = super().load(directory)
         checkpoint = Checkpoint(directory)

@@ -49,8 +49,8 @@ class PlantedEngine(ReferenceEngine):
     package = "planted_loader"
 
     def load(self, directory):
-        from harness.checkpoint import Checkpoint
-        from harness.reference import format_and_knobs
+        from harness.checkpoints.reader import Checkpoint
+        from harness.oracle.reference import format_and_knobs
 
         from planted_loader.dequant import dequantize_fp8_block
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from harness.checkpoints.recipe import Recipe
+from harness.checkpoints.writer import generate
+from harness.differential.runner import EngineSession, evaluate
 from harness.engines.process import Limits
-from harness.recipe import Recipe
-from harness.runner import EngineSession, evaluate
-from harness.writer import generate
 
 pytest.importorskip("transformers")
 DOUBLES = "tests.doubles.buggy_engines"

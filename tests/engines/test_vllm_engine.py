@@ -16,14 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.checkpoint import Checkpoint
+from harness.checkpoints.reader import Checkpoint
+from harness.checkpoints.recipe import Recipe
+from harness.checkpoints.writer import TRUTH_FILE, generate
 from harness.engines.process import EngineProcess, Limits
 from harness.engines.vllm_capability import CACHE_FILE, PROBE_SHAPE, missing_kernel
 from harness.engines.vllm_engine import VllmEngine, find_vllm_python
 from harness.formats import FORMAT_NAMES
-from harness.recipe import Recipe
-from harness.reference import format_and_knobs
-from harness.writer import TRUTH_FILE, generate
+from harness.oracle.reference import format_and_knobs
 
 VLLM_PYTHON = find_vllm_python()
 needs_vllm = pytest.mark.skipif(

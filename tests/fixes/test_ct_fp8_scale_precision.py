@@ -15,14 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.findings import Finding
+from harness.checkpoints.recipe import Recipe
+from harness.checkpoints.writer import generate
+from harness.core.findings import Finding
+from harness.core.naming import canonical_name
+from harness.differential.known_issues import KnownIssues
 from harness.fixes import ct_fp8_scale_precision as fix
 from harness.fixes import fix_for_finding, get_fix
-from harness.known_issues import KnownIssues
-from harness.naming import canonical_name
-from harness.recipe import Recipe
-from harness.reference import dequantize_checkpoint
-from harness.writer import generate
+from harness.oracle.reference import dequantize_checkpoint
 
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.findings import Finding
+from harness.checkpoints.recipe import Recipe
+from harness.checkpoints.writer import generate
+from harness.core.findings import Finding
+from harness.core.naming import canonical_name
+from harness.differential.known_issues import KnownIssues
 from harness.fixes import fix_for_finding, get_fix
 from harness.fixes import fp8_block_grid as fix
-from harness.known_issues import KnownIssues
-from harness.naming import canonical_name
-from harness.recipe import Recipe
-from harness.reference import dequantize_checkpoint
-from harness.writer import generate
+from harness.oracle.reference import dequantize_checkpoint
 
 pytest.importorskip("transformers")
 
@@ -100,8 +100,8 @@ def test_golden_gate_fails_before_and_passes_after(tmp_path):
     Judged against the fp8-block golden (blocks of 128): measured, the correctly dequantized
     blocks-of-200 model is within it (perplexity 1.4494, text identical) and the misread one is not
     (1.4765 against a limit of 1.4571)."""
-    from harness.errors import HarnessError
-    from harness.gates import gate_model
+    from harness.core.errors import HarnessError
+    from harness.gates.gate import gate_model
     from harness.lm import model_dir, quantize_model
 
     try:

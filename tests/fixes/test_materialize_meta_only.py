@@ -41,7 +41,7 @@ GARBAGE_FACTOR = 2.0
 def test_declaration():
     fix = get_fix("materialize-meta-only")
     assert fix.engines == ("vllm",) and set(fix.engines) <= set(REGISTRY)
-    assert fix.hook is not None and fix.seed == "000-vllm-fp8-bias-materialize"
+    assert fix.hook is not None and fix.report == "000-vllm-fp8-bias-materialize"
 
 
 def test_version_range_is_what_the_releases_measured():
@@ -141,9 +141,9 @@ def test_restore_through_fused_and_padded_tensors(tmp_path):
 def test_other_loaders_do_not_clobber_loaded_tensors(tmp_path, engine_name, fmt):
     """The same class of bug in the harness's other loaders: every bias, norm and embedding of a
     biased Qwen2 must be held bit for bit after loading."""
+    from harness.checkpoints.recipe import Recipe
+    from harness.checkpoints.writer import generate
     from harness.engines import load_engine
-    from harness.recipe import Recipe
-    from harness.writer import generate
 
     directory = tmp_path / fmt
     generate(Recipe(format=fmt, arch="qwen2", seed=3, config={"num_hidden_layers": 2}), directory)
@@ -156,7 +156,7 @@ def test_other_loaders_do_not_clobber_loaded_tensors(tmp_path, engine_name, fmt)
 
 
 def _checkpoint_names(directory: Path) -> list[str]:
-    from harness.checkpoint import Checkpoint
+    from harness.checkpoints.reader import Checkpoint
 
     return Checkpoint(directory).names()
 
@@ -166,8 +166,8 @@ def standin_qwen2(directory: Path) -> Path:
     the checkpoint for the reproduction until the trained models/tiny-qwen2 is committed."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from harness.architectures import ARCHITECTURES
-    from harness.tokenizer import write_tokenizer
+    from harness.checkpoints.architectures import ARCHITECTURES
+    from harness.checkpoints.tokenizer import write_tokenizer
 
     arch = ARCHITECTURES["qwen2"]
     shape = {"hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -273,7 +273,7 @@ def test_real_vllm_prefix_loader_clobbers_bias_and_both_repairs_work(tmp_path):
     print(f"\n{which}: pre-fix max|dlogprob| {garbage}, quantization noise {quantization_noise}, "
           f"restored {restored}", file=sys.stderr)
 
-    # tiny-qwen2: held-out perplexity and greedy text (harness.gates.measure) of every load; the
+    # tiny-qwen2: held-out perplexity and greedy text (harness.gates.gate.measure) of every load; the
     # clobbered load is far worse, the repaired ones are the unbroken online-FP8 load exactly;
     # where a golden of (tiny-qwen2, bf16, vllm) exists, also its verdict
     gates = {name: runs[name]["gate"] for name in ("bf16", "unbroken", "prefix", "prefix+hook", "prefix+restore")}

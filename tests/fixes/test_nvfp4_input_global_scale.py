@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_declaration():
     fix = get_fix("nvfp4-input-global-scale")
     assert "ct-nvfp4" in fix.formats and fix.hook is install_input_scale_prehooks
-    assert fix.seed == "002-nvfp4-activation-global-scale"
+    assert fix.report == "002-nvfp4-activation-global-scale"
 
 
 @pytest.mark.parametrize("stored,amax,verdict", [
@@ -130,8 +130,8 @@ def max_delta(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
-    from harness.recipe import Recipe
-    from harness.writer import generate
+    from harness.checkpoints.recipe import Recipe
+    from harness.checkpoints.writer import generate
 
     root = tmp_path_factory.mktemp("nvfp4")
     correct = root / "ct-nvfp4"
@@ -179,10 +179,10 @@ def tiny_model_available() -> str | None:
     if not (ROOT / "models" / "tiny-qwen2" / "model.safetensors").is_file():
         return "models/tiny-qwen2 is not committed yet"
     try:
-        import harness.gates  # noqa: F401
+        import harness.gates.gate  # noqa: F401
         import harness.lm.quantize  # noqa: F401
     except ImportError as error:
-        return f"harness.gates / harness.lm.quantize missing: {error}"
+        return f"harness.gates.gate / harness.lm.quantize missing: {error}"
     return None
 
 
@@ -190,11 +190,11 @@ def tiny_model_available() -> str | None:
 @pytest.mark.skipif(tiny_model_available() is not None, reason=str(tiny_model_available()))
 def test_gate_tiny_qwen2_ct_nvfp4_transformers(tmp_path):
     """The trained model, quantized by harness.lm: the swapped checkpoint's held-out perplexity and
-    text (harness.gates.measure) are far off the correct one's; the repaired load's are the correct
+    text (harness.gates.gate.measure) are far off the correct one's; the repaired load's are the correct
     load's exactly; where the golden of (tiny-qwen2, ct-nvfp4, transformers) exists, the swapped load
     fails the gate and the repaired one passes it."""
-    from harness.gates import ModelScorer, gate_model, measure
-    from harness.golden import golden_path
+    from harness.gates.gate import ModelScorer, gate_model, measure
+    from harness.gates.golden import golden_path
     from harness.lm import quantize_model
 
     correct = tmp_path / "tiny-qwen2-ct-nvfp4"
@@ -237,8 +237,8 @@ def test_vllm_gpu_swapped_input_scale_repaired(tmp_path):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
-    from harness.recipe import Recipe
-    from harness.writer import generate
+    from harness.checkpoints.recipe import Recipe
+    from harness.checkpoints.writer import generate
 
     # a shape vLLM runs as transformers does (see tests/engines/test_vllm_engine.py: ALIGNED)
     aligned = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32,

@@ -10,13 +10,13 @@ import shutil
 import pytest
 import torch
 
-from harness.findings import Finding
+from harness.checkpoints.recipe import Recipe
+from harness.checkpoints.writer import TRUTH_FILE, generate
+from harness.core.findings import Finding
+from harness.core.naming import canonical_name
+from harness.differential.known_issues import KnownIssues
 from harness.fixes import fix_for_finding, get_fix
 from harness.fixes import nvfp4_weight_global_scale as fix
-from harness.known_issues import KnownIssues
-from harness.naming import canonical_name
-from harness.recipe import Recipe
-from harness.writer import TRUTH_FILE, generate
 
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
@@ -32,7 +32,7 @@ def load_transformers(directory):
 
 @pytest.fixture(scope="module")
 def tiny_qwen2():
-    from harness.errors import HarnessError
+    from harness.core.errors import HarnessError
     from harness.lm import model_dir
 
     try:
@@ -46,7 +46,7 @@ def tiny_qwen2():
 def test_golden_gate_fails_before_and_passes_after(tiny_qwen2, tmp_path, fmt):
     """W4A16 only: the W4A4 variant (ct-nvfp4) passes the same test too (measured once), but its
     fake-quantized activations make the two gate measurements take ~60 s on 2 shared cores."""
-    from harness.gates import gate_model
+    from harness.gates.gate import gate_model
     from harness.lm import faults, quantize_model
 
     directory = quantize_model("tiny-qwen2", fmt, tmp_path / fmt)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from harness.checkpoints.recipe import Recipe, apply_settings
+from harness.checkpoints.writer import generate
 from harness.fixes._redequantize import QuantizedCheckpoint, repair_each_module
 from harness.fixes.base import FixReport
 from harness.fixes.restore_fp8_scales import SkipTensor
-from harness.recipe import Recipe, apply_settings
-from harness.writer import generate
 
 
 def test_each_module_is_repaired_skipped_or_refused_on_its_own(tmp_path):

@@ -16,15 +16,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from harness.errors import CheckpointError
-from harness.findings import Finding
+from harness.checkpoints.recipe import Recipe
+from harness.checkpoints.writer import TRUTH_FILE, generate
+from harness.core.errors import CheckpointError
+from harness.core.findings import Finding
+from harness.core.naming import canonical_name
 from harness.fixes import fix_for_finding, get_fix
 from harness.fixes import restore_fp8_scales as fix
 from harness.formats.fp8_block import block_truth
-from harness.naming import canonical_name
-from harness.recipe import Recipe
-from harness.reference import dequantize_checkpoint
-from harness.writer import TRUTH_FILE, generate
+from harness.oracle.reference import dequantize_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -447,7 +447,7 @@ def test_registered_for_transformers_dropped_scale_findings():
     finding = Finding(engine="transformers", engine_version="5.23.0", kind="dropped-scale", format="fp8-block",
                       message="scale unexpected model.layers.1.mlp.gate_proj.weight_scale_inv")
     assert fix_for_finding(finding) is fix.FIX
-    assert fix.FIX.seed == "003-unsloth-restore-dropped-fp8-scales"
+    assert fix.FIX.report == "003-unsloth-restore-dropped-fp8-scales"
 
 
 # -- the pieces, on their own ------------------------------------------------------------------------------
@@ -491,7 +491,7 @@ def dequantize_converted(model, directory: Path) -> None:
     """transformers 5.23's FP8Linear has no CPU kernel (it needs the `kernels` package and a GPU):
     swap each converted module for a bf16 Linear holding the reference's dequantized weight, which
     is what the GPU kernel multiplies by. The orphans stay exactly as transformers left them."""
-    from harness.reference import format_and_knobs
+    from harness.oracle.reference import format_and_knobs
 
     fmt, knobs = format_and_knobs(directory)
     for name, module in list(model.named_modules()):
@@ -514,9 +514,9 @@ def test_golden_gate_fails_before_and_passes_after(tmp_path, monkeypatch):
     passes once the dropped scales are restored. Judged against the committed golden of
     tiny-qwen2/fp8-block/transformers; until that exists, against one measured here from
     transformers' own healthy load of the same checkpoint (CPU: every weight dequantized at load)."""
-    gates = pytest.importorskip("harness.gates")
-    from harness.errors import HarnessError
-    from harness.golden import golden_path
+    gates = pytest.importorskip("harness.gates.gate")
+    from harness.core.errors import HarnessError
+    from harness.gates.golden import golden_path
     from harness.lm import model_dir, quantize_model
 
     try:

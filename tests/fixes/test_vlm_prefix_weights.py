@@ -9,14 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from harness.findings import Finding
+from harness.checkpoints.recipe import Recipe
+from harness.checkpoints.writer import generate
+from harness.core.findings import Finding
+from harness.core.naming import canonical_name
+from harness.differential.known_issues import KnownIssues
 from harness.fixes import fix_for_finding, get_fix
 from harness.fixes import vlm_prefix_weights as fix
-from harness.known_issues import KnownIssues
-from harness.naming import canonical_name
-from harness.recipe import Recipe
-from harness.reference import dequantize_checkpoint
-from harness.writer import generate
+from harness.oracle.reference import dequantize_checkpoint
 
 pytest.importorskip("transformers")
 
@@ -78,8 +78,8 @@ def test_registered_for_the_known_issue():
 
 @pytest.mark.slow
 def test_golden_gate_fails_before_and_passes_after(tmp_path):
-    from harness.errors import HarnessError
-    from harness.gates import gate_model
+    from harness.core.errors import HarnessError
+    from harness.gates.gate import gate_model
     from harness.lm import model_dir, quantize_model
 
     try:

@@ -12,7 +12,7 @@ load one bf16 checkpoint in real vLLM, in-process, five ways, and write what eac
 5. `prefix+restore`: pre-fix function, then `restore_clobbered_tensors` after loading.
 
 Given MODEL:FORMAT:ENGINE (e.g. tiny-qwen2:bf16:vllm), each run is also measured by
-harness.gates (held-out perplexity, greedy continuations) and, where a golden for it exists,
+harness.gates.gate (held-out perplexity, greedy continuations) and, where a golden for it exists,
 judged against it (`gate` in its entry: perplexity, continuations, ok and the report lines).
 `--runs` loads only the named ones (the CI check: `prefix+hook,prefix+restore`); `prefix+restore`
 then also records the dry run before its repair (`restore_dry`) and after it (`restore_after`).
@@ -82,13 +82,13 @@ def measure(llm: LLM, vocab: int) -> dict:
 
 
 def golden_gate(llm: LLM, vocab: int, target: str | None) -> dict | None:
-    """harness.gates' measurement of this load (held-out perplexity, greedy continuations of the
+    """harness.gates.gate' measurement of this load (held-out perplexity, greedy continuations of the
     corpus prompts) and, when a golden for `target` exists, the gate's verdict against it."""
     if not target:
         return None
     from harness.engines.vllm_engine import VllmEngine
-    from harness.gates import gate, measure
-    from harness.golden import golden_path
+    from harness.gates.gate import gate, measure
+    from harness.gates.golden import golden_path
 
     model, fmt, engine = target.split(":")
     scorer = VllmEngine()

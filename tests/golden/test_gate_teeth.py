@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
 from harness.lm import faults
 
 # The tiny models' most sensitive projections: the last layer's value and output projections

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from harness.gate_commands import GOLDEN_FORMATS, OTHER_READERS
-from harness.golden import existing_goldens
+from harness.commands.gate import GOLDEN_FORMATS, OTHER_READERS
+from harness.engines import ENGINE_NAMES
+from harness.gates.golden import existing_goldens
 from harness.lm import MODEL_NAMES
 
-ENGINES = ("reference", "transformers", "compressed-tensors", "vllm")
+ENGINES = ENGINE_NAMES
 CT_PRODUCED = ("ct-fp8-tensor", "ct-fp8-channel", "ct-fp8-block", "ct-nvfp4", "ct-nvfp4a16")
 
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from harness.errors import HarnessError
-from harness.gates import GatePolicy, Measurement, gate, judge, load_policy
-from harness.golden import Golden, read_golden, read_unsupported, write_golden, write_unsupported
+from harness.core.errors import HarnessError
+from harness.gates.gate import GatePolicy, Measurement, gate, judge_against_golden, load_policy
+from harness.gates.golden import Golden, read_golden, read_unsupported, write_golden, write_unsupported
 
 PROMPTS = ["a ", "b "]
 
@@ -24,24 +24,24 @@ TOPK = GatePolicy(perplexity_rel=0.01, text="topk", top_k=2)
 
 def test_perplexity_is_one_sided():
     same = [[10, 11, 12], [20, 21]]
-    assert judge(Measurement(1.5, same), golden(), EXACT).ok  # better is fine
-    assert judge(Measurement(2.0199, same), golden(), EXACT).ok
-    assert not judge(Measurement(2.0201, same), golden(), EXACT).ok
-    assert not judge(Measurement(math.nan, same), golden(), EXACT).ok
-    assert not judge(Measurement(math.inf, same), golden(), EXACT).ok
+    assert judge_against_golden(Measurement(1.5, same), golden(), EXACT).ok  # better is fine
+    assert judge_against_golden(Measurement(2.0199, same), golden(), EXACT).ok
+    assert not judge_against_golden(Measurement(2.0201, same), golden(), EXACT).ok
+    assert not judge_against_golden(Measurement(math.nan, same), golden(), EXACT).ok
+    assert not judge_against_golden(Measurement(math.inf, same), golden(), EXACT).ok
 
 
 def test_exact_text_fails_on_one_token():
-    verdict = judge(Measurement(2.0, [[10, 11, 13], [20, 21]]), golden(), EXACT)
+    verdict = judge_against_golden(Measurement(2.0, [[10, 11, 13], [20, 21]]), golden(), EXACT)
     assert not verdict.ok
     assert any("differs" in line for line in verdict.lines)
 
 
 def test_topk_containment_judges_golden_ranks():
     flipped = [[10, 11, 13], [20, 21]]
-    assert judge(Measurement(2.0, flipped, golden_ranks=[[0, 0, 1], [0, 0]]), golden(), TOPK).ok
-    assert not judge(Measurement(2.0, flipped, golden_ranks=[[0, 0, 2], [0, 0]]), golden(), TOPK).ok
-    assert not judge(Measurement(2.0, flipped, golden_ranks=[]), golden(), TOPK).ok
+    assert judge_against_golden(Measurement(2.0, flipped, golden_ranks=[[0, 0, 1], [0, 0]]), golden(), TOPK).ok
+    assert not judge_against_golden(Measurement(2.0, flipped, golden_ranks=[[0, 0, 2], [0, 0]]), golden(), TOPK).ok
+    assert not judge_against_golden(Measurement(2.0, flipped, golden_ranks=[]), golden(), TOPK).ok
 
 
 MARGIN = GatePolicy(perplexity_rel=0.01, text="exact", top_k=2, noise_nat=0.5)
@@ -56,27 +56,27 @@ def with_margins(margins=((4.0, 3.0, 0.2), (6.0, 0.7))):
 def test_exact_above_the_noise_top_k_at_near_ties():
     flipped = [[10, 11, 13], [20, 21]]
     # position 2 of prompt 0 is a near tie (0.2 < 0.5 nat): the golden token may fall to second
-    assert judge(Measurement(2.0, flipped, golden_ranks=[[0, 0, 1], [0, 0]]), with_margins(), MARGIN).ok
+    assert judge_against_golden(Measurement(2.0, flipped, golden_ranks=[[0, 0, 1], [0, 0]]), with_margins(), MARGIN).ok
     # but not out of the top-2
-    verdict = judge(Measurement(2.0, flipped, golden_ranks=[[0, 0, 2], [0, 0]]), with_margins(), MARGIN)
+    verdict = judge_against_golden(Measurement(2.0, flipped, golden_ranks=[[0, 0, 2], [0, 0]]), with_margins(), MARGIN)
     assert not verdict.ok and "outside the top-2 at [2]" in verdict.lines[1]
     # a confident golden token (0.7 >= 0.5 nat) that is no longer the top-1 fails
-    verdict = judge(Measurement(2.0, [[10, 11, 12], [20, 22]], golden_ranks=[[0, 0, 0], [0, 1]]), with_margins(),
+    verdict = judge_against_golden(Measurement(2.0, [[10, 11, 12], [20, 22]], golden_ranks=[[0, 0, 0], [0, 1]]), with_margins(),
                     MARGIN)
     assert not verdict.ok and "not top-1 at [1]" in verdict.lines[2]
     # identical greedy text passes whatever the forced ranks
-    assert judge(Measurement(2.0, [[10, 11, 12], [20, 21]], golden_ranks=[[0, 0, 1], [0, 0]]), with_margins(),
+    assert judge_against_golden(Measurement(2.0, [[10, 11, 12], [20, 21]], golden_ranks=[[0, 0, 1], [0, 0]]), with_margins(),
                  MARGIN).ok
 
 
 def test_a_golden_without_margins_is_judged_by_exact_text():
     flipped = [[10, 11, 13], [20, 21]]
-    verdict = judge(Measurement(2.0, flipped, golden_ranks=[[0, 0, 1], [0, 0]]), golden(), MARGIN)
+    verdict = judge_against_golden(Measurement(2.0, flipped, golden_ranks=[[0, 0, 1], [0, 0]]), golden(), MARGIN)
     assert not verdict.ok and "no margins" in verdict.lines[1]
 
 
 def test_every_metric_is_reported_before_the_verdict():
-    verdict = judge(Measurement(9.0, [[1], [2]]), golden(), EXACT)
+    verdict = judge_against_golden(Measurement(9.0, [[1], [2]]), golden(), EXACT)
     assert verdict.lines[0].startswith("perplexity") and verdict.lines[-1] == "gate: FAIL"
     assert sum(line.startswith("text") for line in verdict.lines) == 2
 
@@ -143,8 +143,8 @@ def test_no_golden_where_the_combination_could_not_run_is_a_skip_until_recorded(
 
 
 def test_the_committed_unsupported_records_name_real_combinations():
-    from harness.gate_commands import GOLDEN_FORMATS
-    from harness.golden import golden_path
+    from harness.commands.gate import GOLDEN_FORMATS
+    from harness.gates.golden import golden_path
     from harness.lm import MODEL_NAMES
 
     for model, fmt, engine in read_unsupported():
@@ -153,18 +153,22 @@ def test_the_committed_unsupported_records_name_real_combinations():
 
 
 def test_every_golden_format_has_a_policy():
-    from harness.gate_commands import GOLDEN_FORMATS
+    from harness.commands.gate import GOLDEN_FORMATS
 
     for fmt in GOLDEN_FORMATS:
         policy = load_policy(fmt)
         assert policy.perplexity_rel > 0 and policy.reason
 
 
-def test_golden_formats_are_every_format():
-    from harness.formats import FORMAT_NAMES
-    from harness.gate_commands import GOLDEN_FORMATS
+def test_the_cli_parser_and_the_registries_import_no_torch():
+    """Format and engine names are listed once, in registries the CLI reads without torch."""
+    import subprocess
+    import sys
 
-    assert tuple(GOLDEN_FORMATS) == tuple(FORMAT_NAMES)
+    code = ("import sys; from harness.commands.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
 def test_noise_thresholds_are_what_the_recorded_measurement_justifies():

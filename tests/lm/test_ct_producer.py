@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from harness.architectures import ARCHITECTURES
-from harness.errors import HarnessError
+from harness.checkpoints.architectures import ARCHITECTURES
+from harness.core.errors import HarnessError
 from harness.formats import get_format
 from harness.lm.ct_producer import SUPPORTED_FORMATS, produce_with_compressed_tensors
 
@@ -43,7 +43,7 @@ def source(tmp_path_factory):
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from harness.tokenizer import write_tokenizer
+    from harness.checkpoints.tokenizer import write_tokenizer
 
     arch = ARCHITECTURES["qwen2"]
     raw = arch.config_json(arch.settings(SETTINGS), "bfloat16")
@@ -76,7 +76,7 @@ def test_ct_checkpoint_is_what_the_harness_writes_and_loads(source, fmt_name, kn
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from harness.reference import dequantize_checkpoint
+    from harness.oracle.reference import dequantize_checkpoint
 
     model_dir, originals, activation_amax = source
     out = tmp_path / fmt_name

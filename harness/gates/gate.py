@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from harness.errors import HarnessError
-from harness.golden import Golden, golden_path, read_golden, read_unsupported, write_golden, write_unsupported
+from harness.core.errors import HarnessError
+from harness.core.paths import CASES_DIR
+from harness.gates.golden import Golden, golden_path, read_golden, read_unsupported, write_golden, write_unsupported
 
-GATES_FILE = Path(__file__).resolve().parent.parent / "cases" / "gates.toml"
+GATES_FILE = CASES_DIR / "gates.toml"
 CONTINUATION_TOKENS = 32
 POLICY_FIELDS = {"perplexity_rel", "text", "top_k", "noise_nat", "reason"}
 
@@ -86,19 +87,6 @@ def load_policy(fmt: str, engine: str = "", path: Path = GATES_FILE) -> GatePoli
                       float(values.get("noise_nat", 0.0)), values.get("reason", ""))
 
 
-def perplexity(rows, sequences) -> float:
-    """exp(mean negative log-likelihood) of each sequence's tokens 1..n; inf when any is non-finite."""
-    import torch
-
-    total, count = 0.0, 0
-    for row, sequence in zip(rows, sequences, strict=True):
-        targets = torch.tensor(sequence[1:])
-        picked = row.float().gather(1, targets[:, None])[:, 0]
-        total -= picked.double().sum().item()
-        count += len(targets)
-    return math.exp(total / count) if math.isfinite(total) else math.inf
-
-
 def forced_ranks_and_margins(scorer: Scorer, prompts: list[list[int]], continuations: list[list[int]]):
     """Under teacher forcing of each continuation: each token's rank (0 = the model's top-1) and
     its logprob minus the best other token's (negative where another token is preferred)."""
@@ -118,6 +106,7 @@ def forced_ranks_and_margins(scorer: Scorer, prompts: list[list[int]], continuat
 def measure(scorer: Scorer, golden: Golden | None = None) -> Measurement:
     """Perplexity on the held-out slice, greedy continuations of the prompts, and the ranks and
     margins of the golden continuations' tokens (of its own continuations, without a golden)."""
+    from harness.differential.compare import perplexity
     from harness.lm.corpus import PROMPTS, encode, heldout_sequences
 
     sequences = heldout_sequences()
@@ -143,7 +132,7 @@ def text_misses(ranks: list[int], golden_margins: list[float] | None, policy: Ga
     return exact_misses, topk_misses
 
 
-def judge(measured: Measurement, golden: Golden, policy: GatePolicy) -> GateVerdict:
+def judge_against_golden(measured: Measurement, golden: Golden, policy: GatePolicy) -> GateVerdict:
     """Every metric first, then the verdict."""
     from harness.lm.corpus import decode
 
@@ -222,7 +211,7 @@ def gate(scorer: Scorer, model: str, fmt: str, engine: str, *, update: bool = Fa
     golden = read_golden(path)
     if (golden.model, golden.format, golden.engine) != (model, fmt, engine):
         raise HarnessError(f"{path}: holds the golden of {golden.model}/{golden.format}/{golden.engine}")
-    return judge(measure(scorer, golden), golden, load_policy(fmt, engine))
+    return judge_against_golden(measure(scorer, golden), golden, load_policy(fmt, engine))
 
 
 class ModelScorer:

@@ -10,17 +10,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from harness.compare import compare_logprobs, compare_weight, perplexity
+from harness.checkpoints.writer import MANIFEST_FILE
+from harness.core.errors import CheckpointError, first_line
+from harness.core.findings import Finding
+from harness.core.naming import canonical_name
+from harness.core.tolerances import load_tolerances
+from harness.differential.compare import compare_logprobs, compare_weight, perplexity
+from harness.differential.known_issues import KnownIssues
 from harness.engines import engine_spec
 from harness.engines.environments import engine_python
 from harness.engines.process import EngineError, EngineFailure, EngineProcess, Limits
-from harness.errors import CheckpointError, first_line
-from harness.findings import Finding
-from harness.known_issues import KnownIssues
-from harness.naming import canonical_name
-from harness.reference import dequantize_checkpoint, format_and_knobs
-from harness.tolerances import load_tolerances
-from harness.writer import MANIFEST_FILE
+from harness.oracle.reference import dequantize_checkpoint, format_and_knobs
 
 PROBE_LENGTH, PROBE_COUNT, GENERATE_TOKENS = 24, 3, 8
 
@@ -197,7 +197,7 @@ def evaluate(directory: str | Path, session: EngineSession, known: KnownIssues |
         if not diff.nonfinite and diff.topk_misses > tol.max_topk_miss_fraction * diff.positions:
             finding(engine, "topk", f"top-1 outside reference top-{tol.top_k} at {diff.topk_misses}/{diff.positions} "
                     "positions", metrics=metrics)
-        if diff.perplexity > diff.reference_perplexity * (1 + tol.perplexity_rel):
+        if not diff.nonfinite and diff.perplexity > diff.reference_perplexity * (1 + tol.perplexity_rel):
             finding(engine, "perplexity", f"perplexity {diff.perplexity:.4g} vs reference {diff.reference_perplexity:.4g}",
                     metrics=metrics)
     if known is not None:

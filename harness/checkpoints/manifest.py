@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from harness.checkpoint import read_json
-from harness.errors import HarnessError
-from harness.writer import MANIFEST_FILE
+from harness.checkpoints.reader import read_json
+from harness.checkpoints.writer import MANIFEST_FILE
+from harness.core.errors import HarnessError
 
 
 def read_manifest(directory: str | Path) -> dict:

@@ -29,11 +29,12 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
+from harness.core.paths import PROJECT_ROOT
 
 EXIT_FOUND, EXIT_NOT_FOUND, EXIT_USAGE = 0, 1, 2
 GOOD, BAD, SKIP = 0, 1, 125
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = PROJECT_ROOT
 DEFAULT_CACHE = Path("~/.cache/quant-load-harness/bisect")
 MARKER = "harness-bisect.json"
 
@@ -272,7 +273,7 @@ def check_environment(engine: str | None, python: Path) -> dict[str, str]:
     return env
 
 
-def run_check(python: Path, case: str, engine: str | None, extra: list[str], version: str) -> CheckRun:
+def check_in_release(python: Path, case: str, engine: str | None, extra: list[str], version: str) -> CheckRun:
     command = [str(python), "-m", "harness", "check", case, *(["--engine", engine] if engine else []), *extra]
     completed = subprocess.run(command, capture_output=True, text=True, env=check_environment(engine, python))
     output = (completed.stdout + completed.stderr).strip()
@@ -332,7 +333,7 @@ def bisect_versions(versions: list[str], test) -> BisectResult:
 
 
 def command_bisect(args) -> int:
-    from harness.check import find_case, load_case
+    from harness.lanes.check import find_case, load_case
 
     load_case(args.case, args.engine)  # a bad case or engine is a usage error here, before any venv is built
     case_path = find_case(args.case).resolve()
@@ -353,7 +354,7 @@ def command_bisect(args) -> int:
         if python is None:
             run = CheckRun(version, SKIP, f"environment not built: {how}")
         else:
-            run = run_check(python, str(case_path), args.engine, extra, version)
+            run = check_in_release(python, str(case_path), args.engine, extra, version)
         label = {GOOD: "good", BAD: "bad", SKIP: "skip (cannot test)"}[run.code]
         last_line = run.output.strip().splitlines()[-1] if run.output.strip() else ""
         print(f"{args.package} {version}: {label} -- {last_line}", flush=True)

@@ -9,7 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
+from harness.engines import judged_with_reference
 
 EXIT_OK, EXIT_FINDING, EXIT_ERROR = 0, 1, 2
 
@@ -22,13 +23,12 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def command_gen(args) -> int:
-    from harness.architectures import ARCHITECTURES
-    from harness.formats import FORMAT_NAMES
-    from harness.recipe import Recipe, apply_settings
-    from harness.writer import generate
+    from harness.checkpoints.architectures import ARCHITECTURES
+    from harness.checkpoints.recipe import Recipe, apply_settings
+    from harness.checkpoints.writer import generate
+    from harness.formats import require_formats
 
-    if args.format not in FORMAT_NAMES:
-        raise HarnessError(f"unknown format '{args.format}' (known: {', '.join(FORMAT_NAMES)})")
+    require_formats(args.format)
     if args.arch not in ARCHITECTURES:
         raise HarnessError(f"unknown architecture '{args.arch}' (known: {', '.join(ARCHITECTURES)})")
     recipe = apply_settings(Recipe(format=args.format, arch=args.arch, seed=args.seed), args.set or [])
@@ -47,8 +47,8 @@ def command_dequant(args) -> int:
     tensor at a time; the file appears under its name only when complete."""
     import torch
 
-    from harness.reference import dequantize_checkpoint, dequantized_names
-    from harness.safetensors_stream import StreamingSafetensorsWriter
+    from harness.checkpoints.streaming import StreamingSafetensorsWriter
+    from harness.oracle.reference import dequantize_checkpoint, dequantized_names
 
     out = Path(args.out)
     if not out.parent.is_dir():
@@ -72,7 +72,7 @@ def command_dequant(args) -> int:
 
 
 def command_sweep(args) -> int:
-    from harness.sweep import ODD_SIZES, sweep
+    from harness.campaign.sweep import ODD_SIZES, sweep
 
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
@@ -102,10 +102,10 @@ def parse_engines(text: str) -> list[str]:
 def command_compare(args) -> int:
     import tempfile
 
+    from harness.differential.known_issues import KnownIssues
+    from harness.differential.report import write_report
+    from harness.differential.runner import EngineSession, evaluate
     from harness.engines.process import Limits
-    from harness.known_issues import KnownIssues
-    from harness.report import write_report
-    from harness.runner import EngineSession, evaluate
 
     directory = Path(args.directory)
     if not directory.is_dir():
@@ -120,7 +120,7 @@ def command_compare(args) -> int:
         finally:
             session.close()
         for item in result.findings:
-            engine_list = item.engine if item.engine == "reference" else f"reference,{item.engine}"
+            engine_list = ",".join(judged_with_reference(item.engine))
             item.reproduction = str(directory.resolve())
             item.command = f"python -m harness compare {directory.resolve()} --engines {engine_list}"
         print_outcomes(result)
@@ -159,22 +159,20 @@ def print_outcomes(result) -> None:
 def command_run(args) -> int:
     import tempfile
 
-    from harness.architectures import ARCHITECTURES
-    from harness.campaign import run_campaign
+    from harness.campaign.explore import run_campaign
+    from harness.campaign.profiles import load_profile
+    from harness.checkpoints.architectures import ARCHITECTURES
+    from harness.checkpoints.writer import generate
+    from harness.differential.known_issues import KnownIssues
+    from harness.differential.report import slug, write_report
+    from harness.differential.runner import EngineSession
     from harness.engines.process import Limits
-    from harness.formats import FORMAT_NAMES
-    from harness.hypothesis_profiles import load_profile
-    from harness.known_issues import KnownIssues
-    from harness.report import slug, write_report
-    from harness.runner import EngineSession
-    from harness.writer import generate
+    from harness.formats import FORMAT_NAMES, require_formats
 
     engines = parse_engines(args.engines)
     formats = tuple(f.strip() for f in args.formats.split(",")) if args.formats else FORMAT_NAMES
     archs = tuple(a.strip() for a in args.archs.split(",")) if args.archs else tuple(ARCHITECTURES)
-    for name in formats:
-        if name not in FORMAT_NAMES:
-            raise HarnessError(f"unknown format '{name}' (known: {', '.join(FORMAT_NAMES)})")
+    require_formats(*formats)
     for name in archs:
         if name not in ARCHITECTURES:
             raise HarnessError(f"unknown architecture '{name}' (known: {', '.join(ARCHITECTURES)})")
@@ -207,14 +205,14 @@ def command_run(args) -> int:
                 destination = report / "repro" / slug("-".join(signature))
                 if not destination.exists():
                     generate(recipe, destination)
-                engine_list = engine if engine == "reference" else f"reference,{engine}"
+                engine_list = ",".join(judged_with_reference(engine))
                 for item in items:
                     item.reproduction = str(destination)
                     item.command = f"python -m harness compare {destination} --engines {engine_list}"
                 print(f"    reproduce: {items[0].command}")
             findings.extend(items)
         if report:
-            from harness.cli import checkpoint_json
+            from harness.commands.cli import checkpoint_json
 
             engines_info = {e: {"version": session.versions.get(e, ""), "status": session.unavailable.get(e, "ran")}
                             for e in engines}
@@ -236,8 +234,8 @@ def command_fixes(args) -> int:
         print(f"  detection: {fix.detection}")
         print(f"  apply: {fix.apply.__module__}.{fix.apply.__name__}(model, checkpoint_dir)"
               + (f"; hook: {fix.hook.__module__}.{fix.hook.__name__}" if fix.hook else ""))
-        if fix.known_issues or fix.seed:
-            print(f"  repairs: {', '.join([*fix.known_issues, *([f'seed {fix.seed}'] if fix.seed else [])])}")
+        if fix.known_issues or fix.report:
+            print(f"  repairs: {', '.join([*fix.known_issues, *([f'report {fix.report}'] if fix.report else [])])}")
     print(f"{len(fixes)} fix module(s)")
     return EXIT_OK
 
@@ -291,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--seed", type=int, default=0)
     sweep.set_defaults(run=command_sweep)
 
-    from harness import bisect, check, gate_commands
+    from harness.commands import gate as gate_commands
+    from harness.lanes import bisect, check
 
     check.add_parser(commands)
     bisect.add_parser(commands)

@@ -16,9 +16,10 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
+from harness.core.paths import GOLDEN_DIR
 
-GOLDEN_ROOT = Path(__file__).resolve().parent.parent / "golden"
+GOLDEN_ROOT = GOLDEN_DIR
 UNSUPPORTED_FILE = "unsupported.toml"
 PROVENANCE = ("engine_version", "isa", "threads", "dtype", "producer", "date", "command")
 FIELDS = {"model", "format", "engine", *PROVENANCE, "perplexity", "continuation"}
@@ -35,7 +36,7 @@ class Golden:
     continuations: list[list[int]]  # greedy tokens after each prompt of harness.lm.corpus.PROMPTS
     prompts: list[str]
     engine_version: str = ""
-    isa: str = ""  # harness.machine.isa_class() where it was recorded
+    isa: str = ""  # harness.core.machine.isa_class() where it was recorded
     threads: int = 0
     dtype: str = "bfloat16"
     producer: str = "harness"

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from harness.errors import CheckpointError
+from harness.core.errors import CheckpointError
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"

@@ -13,10 +13,11 @@ from typing import Any
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from harness.errors import HarnessError
-from harness.findings import KINDS, Finding
+from harness.core.errors import HarnessError
+from harness.core.findings import KINDS, Finding
+from harness.core.paths import CASES_DIR
 
-DEFAULT_FILE = Path(__file__).resolve().parent.parent / "cases" / "known_issues.toml"
+DEFAULT_FILE = CASES_DIR / "known_issues.toml"
 FIELDS = {"id", "engine", "versions", "formats", "archs", "dtypes", "kind", "message", "partial_blocks", "reason",
           "upstream", "reproducer", "status"}
 CONSEQUENCES = {"logprobs", "topk", "perplexity", "nonfinite-logits"}

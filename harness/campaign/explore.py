@@ -13,12 +13,12 @@ from pathlib import Path
 
 from hypothesis import Phase, given, settings
 
-from harness.findings import Finding
-from harness.known_issues import KnownIssues
-from harness.recipe import Recipe
-from harness.runner import CheckpointResult, EngineSession, evaluate
-from harness.strategies import recipes
-from harness.writer import generate
+from harness.campaign.strategies import recipes
+from harness.checkpoints.recipe import Recipe
+from harness.checkpoints.writer import generate
+from harness.core.findings import Finding
+from harness.differential.known_issues import KnownIssues
+from harness.differential.runner import CheckpointResult, EngineSession, evaluate
 
 
 class FindingFailure(AssertionError):

@@ -9,10 +9,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness.architectures import ARCHITECTURES
-from harness.errors import HarnessError
-from harness.formats import FORMAT_NAMES, get_format
-from harness.naming import VLM_PREFIX
+from harness.checkpoints.architectures import ARCHITECTURES
+from harness.core.errors import HarnessError
+from harness.core.naming import VLM_PREFIX
+from harness.formats import FORMAT_NAMES, get_format, require_formats
 
 LAYOUT_DEFAULTS: dict[str, Any] = {
     "shards": 2,  # 1 writes a single model.safetensors without an index
@@ -60,8 +60,7 @@ class Recipe:
 
     def resolved(self) -> ResolvedRecipe:
         """Check every value and fill in the defaults; a bad value is a one-line HarnessError."""
-        if self.format not in FORMAT_NAMES:
-            raise HarnessError(f"unknown format '{self.format}' (known: {', '.join(FORMAT_NAMES)})")
+        require_formats(self.format)
         if self.arch not in ARCHITECTURES:
             raise HarnessError(f"unknown architecture '{self.arch}' (known: {', '.join(ARCHITECTURES)})")
         fmt = get_format(self.format)

@@ -5,6 +5,14 @@ class HarnessError(Exception):
     """A problem with the user's input or environment, reported as one line."""
 
 
+class FormatError(ValueError):
+    """A module's tensors do not follow the format (wrong shape, dtype, non-finite scale)."""
+
+
+class UnknownFormat(HarnessError, FormatError):
+    """A format name no registry lists (harness.formats.require_formats says so, once for everyone)."""
+
+
 class CheckpointError(HarnessError):
     """A checkpoint that cannot be read or does not follow its declared format."""
 

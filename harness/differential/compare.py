@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.dtypes import MODEL_DTYPES as DTYPES
-from harness.tolerances import Tolerances
+from harness.core.dtypes import MODEL_DTYPES as DTYPES
+from harness.core.tolerances import Tolerances
 
 
 @dataclass
@@ -79,9 +79,13 @@ class LogprobDiff:
 
 
 def perplexity(rows: list[torch.Tensor], sequences: list[list[int]]) -> float:
-    """exp(mean negative log-likelihood) of each sequence's own next tokens."""
-    picked = [row[torch.arange(len(seq) - 1), torch.tensor(seq[1:])] for row, seq in zip(rows, sequences, strict=True)]
-    return float(torch.exp(-torch.cat(picked).double().mean()))
+    """exp(mean negative log-likelihood) of each sequence's own next tokens; inf when any is
+    non-finite (a NaN perplexity would pass every `>` comparison a gate or a judge makes)."""
+    picked = torch.cat([row[torch.arange(len(seq) - 1), torch.tensor(seq[1:])].double()
+                        for row, seq in zip(rows, sequences, strict=True)])
+    if not torch.isfinite(picked).all():
+        return math.inf
+    return float(torch.exp(-picked.mean()))
 
 
 def compare_logprobs(got: list[torch.Tensor], reference: list[torch.Tensor], sequences: list[list[int]],

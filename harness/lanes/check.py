@@ -4,7 +4,7 @@ bug this case pins present? Exit 0 good, 1 bad, 125 cannot test (`git bisect run
 CASE is a case file (`cases/checks/*.toml`, schema in cases/README.md) or a reproduction
 directory (a generated checkpoint with `harness_manifest.json`, as `run --report` leaves in
 `repro/`). The engine is judged against the truth and the reference engine by
-`harness.runner.evaluate`; known upstream issues never excuse a finding here (a bisect asks
+`harness.differential.runner.evaluate`; known upstream issues never excuse a finding here (a bisect asks
 whether the bug is there, not whether it is known). Every user error is one line on stderr and
 exit 125, so that `git bisect run` skips the version instead of marking it bad.
 """
@@ -20,10 +20,12 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.errors import HarnessError
+from harness.core.errors import HarnessError
+from harness.core.paths import CASES_DIR
+from harness.engines import judged_with_reference
 
 EXIT_GOOD, EXIT_BAD, EXIT_CANNOT_TEST = 0, 1, 125
-CASES_DIR = Path(__file__).resolve().parent.parent / "cases" / "checks"
+CHECKS_DIR = CASES_DIR / "checks"
 CASE_KEYS = {"description", "engine", "expect", "kind", "message", "known_issue", "recipe"}
 RECIPE_KEYS = {"format", "arch", "seed", "config", "knobs", "layout", "perturb", "set"}
 EXPECTATIONS = ("agree", "finding")
@@ -47,7 +49,7 @@ class CheckCase:
     message: str | None = None
     known_issue: str | None = None
     description: str = ""
-    recipe: object | None = None  # a harness.recipe.Recipe; None for a reproduction directory
+    recipe: object | None = None  # a harness.checkpoints.recipe.Recipe; None for a reproduction directory
     directory: Path | None = None
 
 
@@ -62,16 +64,16 @@ def find_case(text: str) -> Path:
     path = Path(text)
     if path.exists():
         return path
-    for candidate in (CASES_DIR / text, CASES_DIR / f"{text}.toml"):
+    for candidate in (CHECKS_DIR / text, CHECKS_DIR / f"{text}.toml"):
         if candidate.is_file():
             return candidate
-    raise CannotTest(f"{text}: no such case file or reproduction directory (nor in {CASES_DIR})")
+    raise CannotTest(f"{text}: no such case file or reproduction directory (nor in {CHECKS_DIR})")
 
 
 def load_case_file(path: Path, engine: str | None = None) -> CheckCase:
     """Parse and validate a case file; unknown keys and bad values are CannotTest."""
-    from harness.findings import KINDS
-    from harness.recipe import Recipe, apply_settings
+    from harness.checkpoints.recipe import Recipe, apply_settings
+    from harness.core.findings import KINDS
 
     try:
         data = tomllib.loads(path.read_text())
@@ -101,7 +103,7 @@ def load_case_file(path: Path, engine: str | None = None) -> CheckCase:
             raise CannotTest(f"{path}: message is not a regular expression ({error})") from None
     known_issue = data.get("known_issue")
     if known_issue is not None:
-        from harness.known_issues import KnownIssues
+        from harness.differential.known_issues import KnownIssues
 
         KnownIssues.load().by_id(known_issue)  # a dangling reference is an error
     recipe_table = data.get("recipe")
@@ -132,7 +134,7 @@ def load_case_file(path: Path, engine: str | None = None) -> CheckCase:
 def load_reproduction(directory: Path, engine: str | None = None) -> CheckCase:
     """A reproduction directory: good means the engine agrees. Without --engine, the engine
     is the one whose findings in ../../report.json name this directory."""
-    from harness.writer import MANIFEST_FILE
+    from harness.checkpoints.writer import MANIFEST_FILE
 
     if not (directory / MANIFEST_FILE).is_file():
         raise CannotTest(f"{directory}: not a reproduction directory (no {MANIFEST_FILE})")
@@ -163,7 +165,7 @@ def load_case(text: str, engine: str | None = None) -> CheckCase:
     return case
 
 
-def judge(case: CheckCase, result) -> Verdict:
+def judge_case(case: CheckCase, result) -> Verdict:
     """Good, bad or cannot test, from one evaluated checkpoint (known issues play no part)."""
     engine = case.engine
     if engine != "reference":
@@ -201,13 +203,13 @@ def judge(case: CheckCase, result) -> Verdict:
     return Verdict(EXIT_GOOD, f"no {wanted} finding for {engine} ({outcome.status}){others}")
 
 
-def run_check(case: CheckCase, work: Path, timeout_s: float = 600.0, memory_mb: float = 16000.0,
+def check_in_process(case: CheckCase, work: Path, timeout_s: float = 600.0, memory_mb: float = 16000.0,
               out=print) -> Verdict:
     """Generate the case's checkpoint (if it is a recipe), evaluate it, judge it, print why."""
+    from harness.checkpoints.writer import generate
+    from harness.differential.runner import EngineSession, evaluate
     from harness.engines.process import EngineError, EngineFailure, Limits
-    from harness.reference import format_and_knobs
-    from harness.runner import EngineSession, evaluate
-    from harness.writer import generate
+    from harness.oracle.reference import format_and_knobs
 
     what = "agree with the reference" if case.expect == "agree" else (
         f"no {'/'.join(case.kinds)} finding" + (f" matching /{case.message}/" if case.message else ""))
@@ -222,7 +224,7 @@ def run_check(case: CheckCase, work: Path, timeout_s: float = 600.0, memory_mb: 
         out(f"checkpoint {directory}: {recipe.format} {recipe.arch} config={recipe.config} knobs={recipe.knobs} "
             f"layout={recipe.layout} perturb={recipe.perturb}")
     fmt, _ = format_and_knobs(directory)
-    engines = ["reference"] if case.engine == "reference" else ["reference", case.engine]
+    engines = judged_with_reference(case.engine)
     session = EngineSession(engines, work / "engines", Limits(timeout_s, memory_mb))
     try:
         # the engine first: one that cannot start or lacks this format is 125 before the reference loads
@@ -240,11 +242,11 @@ def run_check(case: CheckCase, work: Path, timeout_s: float = 600.0, memory_mb: 
     finally:
         session.close()
     print_result(result, out)
-    return judge(case, result)
+    return judge_case(case, result)
 
 
 def print_result(result, out) -> None:
-    from harness.known_issues import KnownIssues
+    from harness.differential.known_issues import KnownIssues
 
     try:
         known = KnownIssues.load()
@@ -268,10 +270,10 @@ def command_check(args) -> int:
             if work.exists() and (not work.is_dir() or any(work.iterdir())):
                 raise CannotTest(f"{work}: --work directory exists and is not empty")
             work.mkdir(parents=True, exist_ok=True)
-            verdict = run_check(case, work, args.timeout, args.memory_mb)
+            verdict = check_in_process(case, work, args.timeout, args.memory_mb)
         else:
             with tempfile.TemporaryDirectory(prefix="harness-check-") as scratch:
-                verdict = run_check(case, Path(scratch), args.timeout, args.memory_mb)
+                verdict = check_in_process(case, Path(scratch), args.timeout, args.memory_mb)
     except KeyboardInterrupt:
         print("check: cannot test: interrupted", file=sys.stderr)
         return EXIT_CANNOT_TEST

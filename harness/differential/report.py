@@ -7,8 +7,8 @@ import json
 import re
 from pathlib import Path
 
-from harness.findings import KINDS, Finding
-from harness.heatmap import write_heatmap
+from harness.core.findings import KINDS, Finding
+from harness.differential.heatmap import write_heatmap
 
 
 def slug(text: str) -> str:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.findings import Finding
-from harness.known_issues import KnownIssue, KnownIssues
-from harness.recipe import Recipe
-from harness.runner import CheckpointResult, EngineSession, evaluate
-from harness.writer import generate
+from harness.checkpoints.recipe import Recipe
+from harness.checkpoints.writer import generate
+from harness.core.findings import Finding
+from harness.differential.known_issues import KnownIssue, KnownIssues
+from harness.differential.runner import CheckpointResult, EngineSession, evaluate
+from harness.engines import judged_with_reference
 
 
 def replay_recipe(recipe: Recipe, directory: Path, session: EngineSession,
@@ -28,7 +29,7 @@ def reproduce_known_issue(issue: KnownIssue, session: EngineSession, work: Path)
     if not issue.applies_to(issue.engine, version):
         return f"skipped: {issue.engine} {version} is outside {issue.versions}", []
     recipe = Recipe.from_json({"seed": 0, **issue.reproducer})
-    engines = [issue.engine] if issue.engine == "reference" else ["reference", issue.engine]
+    engines = judged_with_reference(issue.engine)
     result = replay_recipe(recipe, work / issue.id, session, KnownIssues([issue]), engines)
     matching = [f for f in result.findings if f.known_issue == issue.id]
     return ("reproduced" if matching else "gone"), matching

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from harness.checkpoint import Checkpoint
-from harness.errors import CheckpointError
+from harness.checkpoints.reader import Checkpoint
+from harness.core.errors import CheckpointError
 from harness.formats import detect_format
 from harness.formats.base import FormatError, QuantFormat
 

@@ -12,12 +12,13 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness.errors import HarnessError, first_line
+from harness.core.errors import HarnessError, first_line
+from harness.engines import ENGINE_NAMES
+from harness.formats import FORMAT_NAMES, require_formats
 
 EXIT_OK, EXIT_FAIL, EXIT_ERROR, EXIT_UNTESTABLE = 0, 1, 2, 125
-#: every format (harness.formats.FORMAT_NAMES, spelled out so that building the CLI parser imports no torch)
-GOLDEN_FORMATS = ("fp8-block", "ct-fp8-tensor", "ct-fp8-channel", "ct-fp8-block", "ct-nvfp4", "ct-nvfp4a16",
-                  "modelopt-nvfp4")
+#: every registered format has goldens (the registries import no torch, so the CLI parser stays light)
+GOLDEN_FORMATS = FORMAT_NAMES
 
 #: goldens read outside the model x format x engine matrix, and by what
 OTHER_READERS = {("tiny-qwen2", "bf16", "vllm"): "tests/fixes/test_materialize_meta_only.py (online FP8 loads "
@@ -27,7 +28,7 @@ OTHER_READERS = {("tiny-qwen2", "bf16", "vllm"): "tests/fixes/test_materialize_m
 def loaded_scorer(session, engine: str, directory: Path, fmt: str):
     """(scorer, None) for `directory` loaded in `engine`, or (None, why not)."""
     from harness.engines.process import EngineError, EngineFailure
-    from harness.gates import WorkerScorer
+    from harness.gates.gate import WorkerScorer
 
     worker = session.process(engine)
     if worker is None:
@@ -54,7 +55,7 @@ def unsupported_record(session, model: str, fmt: str, engine: str, why: str) -> 
     """golden/unsupported.toml's entry for a combination that cannot run on this machine."""
     import datetime
 
-    from harness.machine import isa_class
+    from harness.core.machine import isa_class
 
     return {"model": model, "format": fmt, "engine": engine, "reason": why.removeprefix("unsupported: "),
             "engine_version": session.versions.get(engine, ""), "isa": isa_class(),
@@ -72,8 +73,8 @@ def command_quantize(args) -> int:
 @contextmanager
 def scorer_for(args, directory: Path, fmt: str):
     """`directory` loaded in `args.engine`'s worker, as a Scorer; the session, for its version."""
+    from harness.differential.runner import EngineSession
     from harness.engines.process import Limits
-    from harness.runner import EngineSession
 
     with tempfile.TemporaryDirectory(prefix="harness-gate-") as scratch:
         session = EngineSession([args.engine], Path(scratch), Limits(args.timeout, args.memory_mb))
@@ -94,10 +95,10 @@ def existing_directory(text: str) -> Path:
 
 
 def command_ppl(args) -> int:
-    from harness.checkpoint import Checkpoint
-    from harness.gates import measure
+    from harness.checkpoints.reader import Checkpoint
+    from harness.gates.gate import measure
     from harness.lm.corpus import PROMPTS, decode
-    from harness.reference import format_and_knobs
+    from harness.oracle.reference import format_and_knobs
 
     directory = existing_directory(args.directory)
     unquantized = "quantization_config" not in Checkpoint(directory).config
@@ -113,7 +114,7 @@ def command_ppl(args) -> int:
 
 
 def command_gate(args) -> int:
-    from harness.gates import gate
+    from harness.gates.gate import gate
     from harness.lm.quantize import model_and_format
 
     directory = existing_directory(args.directory)
@@ -131,12 +132,12 @@ def command_gate(args) -> int:
 
 def command_golden(args) -> int:
     """Gate (or with --update, regenerate) every model x format x engine."""
+    from harness.differential.runner import EngineSession
     from harness.engines import engine_spec
     from harness.engines.process import Limits
-    from harness.gates import gate
-    from harness.golden import orphaned_goldens, read_unsupported, write_unsupported
+    from harness.gates.gate import gate
+    from harness.gates.golden import orphaned_goldens, read_unsupported, write_unsupported
     from harness.lm import MODEL_NAMES, model_spec, quantize_model
-    from harness.runner import EngineSession
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     for engine in engines:
@@ -145,9 +146,7 @@ def command_golden(args) -> int:
     formats = [f.strip() for f in args.formats.split(",")] if args.formats else list(GOLDEN_FORMATS)
     for model in models:
         model_spec(model)
-    for fmt in formats:
-        if fmt not in GOLDEN_FORMATS:
-            raise HarnessError(f"unknown format '{fmt}' (known: {', '.join(GOLDEN_FORMATS)})")
+    require_formats(*formats)
     failed, skipped, expected = 0, 0, set()
     could_not_run = {}
     with tempfile.TemporaryDirectory(prefix="harness-golden-") as scratch:
@@ -212,7 +211,7 @@ def add_parsers(commands) -> None:
         sub.set_defaults(run=function)
 
     golden = commands.add_parser("golden", help="gate every tiny model x format x engine; report orphaned goldens")
-    golden.add_argument("--engines", default="reference,transformers,compressed-tensors,vllm")
+    golden.add_argument("--engines", default=",".join(ENGINE_NAMES))
     golden.add_argument("--models")
     golden.add_argument("--formats")
     golden.add_argument("--update", action="store_true", help="regenerate the goldens (every gate fails once)")

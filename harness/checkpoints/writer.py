@@ -17,14 +17,14 @@ import torch
 from safetensors.torch import save_file
 
 from harness import __version__
-from harness.architectures import ARCHITECTURES
-from harness.checkpoint import INDEX_FILE, SINGLE_FILE
-from harness.dtypes import MODEL_DTYPES as DTYPES
-from harness.errors import HarnessError
+from harness.checkpoints.architectures import ARCHITECTURES
+from harness.checkpoints.reader import INDEX_FILE, SINGLE_FILE
+from harness.checkpoints.recipe import VLM_PREFIX, Recipe, ResolvedRecipe
+from harness.checkpoints.tokenizer import write_tokenizer
+from harness.core.dtypes import MODEL_DTYPES as DTYPES
+from harness.core.errors import HarnessError
 from harness.formats import get_format
 from harness.formats.base import EXPECTATIONS, FormatError, QuantizedWeight
-from harness.recipe import VLM_PREFIX, Recipe, ResolvedRecipe
-from harness.tokenizer import write_tokenizer
 
 MANIFEST_FILE = "harness_manifest.json"
 TRUTH_DIR = "harness_truth"

@@ -2,7 +2,7 @@
 
 Every value is built valid, never filtered: sizes are drawn after the scale block they are
 measured against, a square-only block style draws a square block, `split_scale` only comes
-with two or more shards. Choices come from the data in `harness.recipe`, the architectures'
+with two or more shards. Choices come from the data in `harness.checkpoints.recipe`, the architectures'
 defaults and each format's `knobs`, so a new format or knob choice is drawn without a change
 here. tests/test_strategies.py proves that every variant below is reachable.
 """
@@ -17,11 +17,11 @@ import torch
 from hypothesis import event
 from hypothesis import strategies as st
 
-from harness.architectures import ARCHITECTURES
+from harness.checkpoints.architectures import ARCHITECTURES
+from harness.checkpoints.recipe import LAYOUT_CHOICES, LAYOUT_DEFAULTS, PERTURB_CHOICES, PERTURB_DEFAULTS, Recipe
+from harness.core.numerics import ceil_div
 from harness.formats import FORMAT_NAMES, get_format
 from harness.formats.base import FormatError
-from harness.numerics import ceil_div
-from harness.recipe import LAYOUT_CHOICES, LAYOUT_DEFAULTS, PERTURB_CHOICES, PERTURB_DEFAULTS, Recipe
 
 #: block edges for block-scaled formats: two small ones keep tensors tiny, 128 is the real default
 BLOCK_EDGES = (16, 32, 128)

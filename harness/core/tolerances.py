@@ -6,10 +6,11 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.dtypes import MODEL_DTYPES
-from harness.errors import HarnessError
+from harness.core.dtypes import MODEL_DTYPES
+from harness.core.errors import HarnessError
+from harness.core.paths import CASES_DIR
 
-DEFAULT_FILE = Path(__file__).resolve().parent.parent / "cases" / "tolerances.toml"
+DEFAULT_FILE = CASES_DIR / "tolerances.toml"
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
-from harness.architectures import ARCHITECTURES
-from harness.errors import CheckpointError
+from harness.checkpoints.architectures import ARCHITECTURES
+from harness.checkpoints.manifest import read_manifest, read_truth
+from harness.checkpoints.recipe import Recipe
+from harness.checkpoints.writer import generate
+from harness.core.errors import CheckpointError
 from harness.formats import FORMAT_NAMES
-from harness.manifest import read_manifest, read_truth
-from harness.recipe import Recipe
-from harness.reference import dequantize_checkpoint
-from harness.writer import generate
+from harness.oracle.reference import dequantize_checkpoint
 
 # one block plus a partial block, and two plus a partial: no dimension is a multiple of 128
 ODD_SIZES = {"hidden_size": 144, "intermediate_size": 272, "num_hidden_layers": 2}

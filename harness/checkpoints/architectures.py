@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from harness.tokenizer import BYTE_VOCAB_SIZE
+from harness.checkpoints.tokenizer import BYTE_VOCAB_SIZE
 
 TINY_DEFAULTS: dict[str, Any] = {
     "hidden_size": 128,  # = heads * head_dim: vLLM's Qwen2 ignores head_dim (cases/known_issues.toml)

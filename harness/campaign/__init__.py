@@ -1,0 +1,1 @@
+"""Exploration: Hypothesis strategies and profiles, the campaign, replay of recorded recipes, the oracle's sweep."""

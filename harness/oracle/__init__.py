@@ -1,0 +1,1 @@
+"""The oracle: the reference dequantizer, written from the formats' definitions, independent of every engine."""
