@@ -34,10 +34,10 @@ def loaded_scorer(session, engine: str, directory: Path, fmt: str):
     if worker is None:
         return None, f"unavailable: {session.unavailable[engine]}"
     try:
-        reason = worker.request("unsupported", format=fmt)["reason"] if fmt != "bf16" else None
+        reason = worker.unsupported(fmt) if fmt != "bf16" else None
         if reason:
             return None, f"unsupported: {reason}"
-        worker.request("load", directory=str(directory))
+        worker.load(directory)
     except (EngineError, EngineFailure) as error:
         if getattr(error, "unsupported", False):
             return None, f"unsupported: {str(error).splitlines()[0]}"

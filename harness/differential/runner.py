@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
+from harness.checkpoints.manifest import read_manifest, read_truth
 from harness.checkpoints.writer import MANIFEST_FILE
 from harness.core.errors import CheckpointError, first_line
 from harness.core.findings import Finding
@@ -96,14 +96,13 @@ def evaluate(directory: str | Path, session: EngineSession, known: KnownIssues |
              engines: list[str] | None = None) -> CheckpointResult:
     """Load `directory` in each engine (default: all of the session's) and judge each."""
     directory = Path(directory).resolve()
-    manifest_path = directory / MANIFEST_FILE
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+    manifest = read_manifest(directory) if (directory / MANIFEST_FILE).is_file() else None
     fmt, knobs = format_and_knobs(directory)
     config = json.loads((directory / "config.json").read_text())
     dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
     if manifest:
         expectation = manifest["expectation"]
-        truth = load_file(str(directory / manifest["truth_file"]))
+        truth = read_truth(directory, manifest)
     else:
         try:
             truth, expectation = dict(dequantize_checkpoint(directory)), "exact"
@@ -134,12 +133,12 @@ def evaluate(directory: str | Path, session: EngineSession, known: KnownIssues |
             continue
         outcome.version = session.versions[engine]
         try:
-            reason = worker.request("unsupported", format=fmt.name)["reason"]
+            reason = worker.unsupported(fmt.name)
             if reason:
                 outcome.status, outcome.detail = "unsupported", reason
                 continue
             try:
-                outcome.report = worker.request("load", directory=str(directory))["report"]
+                outcome.report = worker.load(directory)
             except EngineError as error:
                 if expectation in ("refuse", "exact-or-refuse"):
                     outcome.status, outcome.detail = "refused", first_line(error)
@@ -152,20 +151,15 @@ def evaluate(directory: str | Path, session: EngineSession, known: KnownIssues |
                 finding(engine, "accepted-invalid", "loaded a checkpoint that must be refused: " + "; ".join(reasons))
                 continue
             anomalies = _judge_report(engine, outcome.report, finding)
-            weights_path = scratch / f"{engine.replace(':', '_')}-weights.safetensors"
-            worker.request("weights", out=str(weights_path))
+            held = worker.weights(scratch / f"{engine.replace(':', '_')}-weights.safetensors")
             # a module whose tensors the load report names as missing is that finding's consequence
             missing = {canonical_name(k).rpartition(".")[0] for k in outcome.report.get("missing", [])}
             judged = {n: t for n, t in truth.items() if n.rpartition(".")[0] not in missing}
-            _judge_weights(engine, load_file(str(weights_path)), judged, dtype, tol, fmt, knobs, finding, module_notes)
+            _judge_weights(engine, held, judged, dtype, tol, fmt, knobs, finding, module_notes)
             if anomalies:
                 outcome.detail = "logits not judged: the load report already explains them"
-            logprobs_path = scratch / f"{engine.replace(':', '_')}-logprobs.safetensors"
-            worker.request("logprobs", sequences=sequences, out=str(logprobs_path))
-            rows = load_file(str(logprobs_path))
-            logprobs[engine] = [rows[f"seq{i}"] for i in range(len(sequences))]
-            outcome.generated = worker.request("generate", prompt=sequences[0][:8],
-                                               max_new_tokens=GENERATE_TOKENS)["tokens"]
+            logprobs[engine] = worker.logprobs(sequences, scratch / f"{engine.replace(':', '_')}-logprobs.safetensors")
+            outcome.generated = worker.generate(sequences[0][:8], GENERATE_TOKENS)
         except EngineFailure as failure:
             outcome.status, outcome.detail = "failed", str(failure)
             finding(engine, f"engine-{failure.kind}", str(failure), metrics={"log_tail": failure.log_tail})

@@ -18,6 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+def sequence_key(index: int) -> str:
+    """The tensor name of sequence `index`'s log-probabilities in the file a worker writes."""
+    return f"seq{index}"
+
+
 class EngineFailure(Exception):
     """The worker died, hung or blew its memory limit. `kind` is crash, timeout or memory."""
 
@@ -123,6 +128,34 @@ class EngineProcess:
                 code = self.process.returncode
                 self._kill()
                 raise EngineFailure("crash", f"worker for {self.spec} exited with status {code}", self.log_tail())
+
+    # The engine protocol, typed: what a worker answers (harness.engines.worker serves the other side).
+
+    def unsupported(self, fmt: str) -> str | None:
+        """Why the engine cannot load format `fmt` here, or None."""
+        return self.request("unsupported", format=fmt)["reason"]
+
+    def load(self, directory: str | Path) -> dict:
+        """Load a checkpoint (replacing any loaded one); its load report as a dict of lists."""
+        return self.request("load", directory=str(directory))["report"]
+
+    def weights(self, out: Path) -> dict:
+        """Every weight the engine holds, float32 under HF names (travels through the file `out`)."""
+        from safetensors.torch import load_file
+
+        self.request("weights", out=str(out))
+        return load_file(str(out))
+
+    def logprobs(self, sequences: list[list[int]], out: Path) -> list:
+        """Per sequence, float32 [len-1, vocab] next-token log-probabilities (through the file `out`)."""
+        from safetensors.torch import load_file
+
+        self.request("logprobs", sequences=sequences, out=str(out))
+        rows = load_file(str(out))
+        return [rows[sequence_key(i)] for i in range(len(sequences))]
+
+    def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        return self.request("generate", prompt=list(prompt), max_new_tokens=max_new_tokens)["tokens"]
 
     def log_tail(self, lines: int = 15) -> str:
         try:

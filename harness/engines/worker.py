@@ -50,6 +50,8 @@ def handle(engine, op: str, request: dict) -> dict:
     import torch
     from safetensors.torch import save_file
 
+    from harness.engines.process import sequence_key
+
     if op == "unsupported":
         return {"reason": engine.unsupported_reason(request["format"])}
     if op == "load":
@@ -62,7 +64,7 @@ def handle(engine, op: str, request: dict) -> dict:
         return {"count": len(weights)}
     if op == "logprobs":
         rows = engine.logprobs(request["sequences"])
-        save_file({f"seq{i}": r.detach().to("cpu", torch.float32).contiguous() for i, r in enumerate(rows)},
+        save_file({sequence_key(i): r.detach().to("cpu", torch.float32).contiguous() for i, r in enumerate(rows)},
                   request["out"])
         return {"count": len(rows)}
     if op == "generate":

@@ -15,8 +15,8 @@ import torch
 from harness.checkpoints.reader import Checkpoint
 from harness.core.errors import CheckpointError, first_line
 from harness.core.tolerances import load_tolerances
+from harness.fixes._shared import FP8_DTYPES, SkipTensor, live_module_name, offload_problem
 from harness.fixes.base import FixReport
-from harness.fixes.restore_fp8_scales import FP8_DTYPES, SkipTensor, live_module_name, offload_problem
 from harness.formats.base import FormatError, QuantFormat
 from harness.oracle.reference import format_and_knobs, group_modules
 

@@ -46,8 +46,8 @@ from harness.fixes._redequantize import (
     repair_each_module,
     repair_misread,
 )
+from harness.fixes._shared import SkipTensor
 from harness.fixes.base import Fix, FixReport
-from harness.fixes.restore_fp8_scales import SkipTensor
 from harness.formats.fp8_block import expand_block_grid
 
 NAME = "fp8-block-grid"

@@ -53,8 +53,8 @@ from harness.fixes._redequantize import (
     repair_each_module,
     repair_misread,
 )
+from harness.fixes._shared import SkipTensor
 from harness.fixes.base import Fix, FixReport
-from harness.fixes.restore_fp8_scales import SkipTensor
 from harness.formats import nvfp4_common as nv
 
 NAME = "nvfp4-weight-global-scale"

@@ -52,7 +52,7 @@ from safetensors import safe_open
 
 from harness.checkpoints.reader import CONFIG_FILE, contained_file, read_json, read_safetensors_header
 from harness.core.errors import CheckpointError, first_line
-from harness.core.naming import VLM_PREFIX, canonical_name
+from harness.fixes._shared import FP8_DTYPES, SkipTensor, live_module_name, offload_problem
 from harness.fixes.base import Fix, FixReport
 from harness.formats.base import FormatError
 from harness.formats.fp8_block import parse_block_size
@@ -60,14 +60,8 @@ from harness.formats.fp8_block import parse_block_size
 NAME = "restore-dropped-fp8-scales"
 SCALE_SUFFIX = ".weight_scale_inv"
 DEFAULT_BLOCK = (128, 128)  # FineGrainedFP8Config's default weight_block_size
-FP8_DTYPES = tuple(getattr(torch, name) for name in
-                   ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, name))
 FLOAT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 CHUNK_ROWS = 128  # rows read, compared or rescaled at once (a per-tensor scale is one block of every row)
-
-
-class SkipTensor(Exception):
-    """One tensor cannot be repaired safely; the message is the reason put in the report."""
 
 
 def read_block_size(quantization_config: Mapping) -> tuple[tuple[int, int] | None, bool]:
@@ -144,51 +138,6 @@ class CheckpointTensors:
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of a 2-D tensor, read without reading the rest."""
         return self._handle(name).get_slice(name)[start:stop]
-
-
-def apply_key_mapping(name: str, key_mapping: Mapping[str, str] | None) -> str:
-    """Rename a checkpoint key as transformers 5 does with `key_mapping`: each regex in order,
-    replacing its first match."""
-    for pattern, replacement in (key_mapping or {}).items():
-        name = re.sub(pattern, replacement, name, count=1)
-    return name
-
-
-def live_module_name(checkpoint_module: str, live_modules: Mapping[str, torch.nn.Module],
-                     key_mapping: Mapping[str, str] | None) -> str:
-    """The live module a checkpoint module maps to: the key_mapping's result if it exists, else the
-    one VLM-prefix reading (`model.language_model.X` <-> `model.X`) that exists."""
-    mapped = apply_key_mapping(checkpoint_module, key_mapping)
-    if mapped in live_modules:
-        return mapped
-    candidates = {canonical_name(mapped)}
-    if mapped.startswith("model.") and not mapped.startswith(VLM_PREFIX):
-        candidates.add(VLM_PREFIX + mapped.removeprefix("model."))
-    if mapped.startswith("language_model.model."):  # the older VLM layout
-        candidates.add("model." + mapped.removeprefix("language_model.model."))
-        candidates.add(VLM_PREFIX + mapped.removeprefix("language_model.model."))
-    found = sorted(c for c in candidates if c in live_modules)
-    if not found:
-        raise SkipTensor(f"no module {mapped!r} (or its VLM-prefix counterpart) in the model; pass key_mapping "
-                         "if the load renamed it")
-    if len(found) > 1:
-        raise SkipTensor(f"ambiguous: {mapped!r} could be any of {found}")
-    return found[0]
-
-
-def offload_problem(module: torch.nn.Module, weight: torch.Tensor) -> str | None:
-    """Why the weight cannot be repaired in place (meta, or held by an accelerate offload hook)."""
-    hook = getattr(module, "_hf_hook", None)
-    hooks = getattr(hook, "hooks", None) or ([hook] if hook is not None else [])
-    offloaded = any(getattr(h, "offload", False) for h in hooks)
-    if offloaded:
-        return ("offloaded by accelerate (its values live in the hook's weights_map and are reloaded on every "
-                "forward): its dropped scale was NOT applied; load without offloading this module and apply "
-                "the fix again")
-    if weight.device.type == "meta":
-        return ("on the meta device (never materialized): its dropped scale was NOT applied; materialize the "
-                "weight and apply the fix again")
-    return None
 
 
 def scale_as_float64(scale: torch.Tensor, scale_fmt: str | None) -> torch.Tensor:

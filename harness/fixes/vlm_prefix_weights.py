@@ -43,8 +43,8 @@ from harness.fixes._redequantize import (
     weight_tolerance,
     write_rounded_once,
 )
+from harness.fixes._shared import FP8_DTYPES, SkipTensor, offload_problem
 from harness.fixes.base import Fix, FixReport
-from harness.fixes.restore_fp8_scales import FP8_DTYPES, SkipTensor, offload_problem
 
 NAME = "vlm-prefix-weights"
 KNOWN_ISSUE = "transformers-vlm-prefix-loads-random-weights"

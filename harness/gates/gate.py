@@ -238,16 +238,11 @@ class WorkerScorer:
         self.worker, self.scratch = worker, Path(scratch)
 
     def logprobs(self, sequences):
-        from safetensors.torch import load_file
-
         self.scratch.mkdir(parents=True, exist_ok=True)
-        path = self.scratch / "gate-logprobs.safetensors"
-        self.worker.request("logprobs", sequences=sequences, out=str(path))
-        rows = load_file(str(path))
-        return [rows[f"seq{i}"] for i in range(len(sequences))]
+        return self.worker.logprobs(sequences, self.scratch / "gate-logprobs.safetensors")
 
     def generate(self, prompt, max_new_tokens):
-        return self.worker.request("generate", prompt=prompt, max_new_tokens=max_new_tokens)["tokens"]
+        return self.worker.generate(prompt, max_new_tokens)
 
 
 def gate_model(model, name: str, fmt: str, engine: str, **options) -> GateVerdict:

@@ -233,7 +233,7 @@ def check_in_process(case: CheckCase, work: Path, timeout_s: float = 600.0, memo
             return Verdict(EXIT_CANNOT_TEST, f"{case.engine} unavailable: {session.unavailable[case.engine]}")
         out(f"engine {case.engine} {session.versions[case.engine]} ({worker.info.get('python', '?')})")
         try:
-            reason = worker.request("unsupported", format=fmt.name)["reason"]
+            reason = worker.unsupported(fmt.name)
         except (EngineError, EngineFailure) as error:
             return Verdict(EXIT_CANNOT_TEST, f"{case.engine} cannot say whether it supports {fmt.name}: {error}")
         if reason:

@@ -30,7 +30,7 @@ def explain(result, new) -> str:
 @pytest.mark.parametrize("engine", ENGINES)
 def test_engine_agrees_with_the_reference(engine, engine_session, known_issues):
     worker = require_engine(engine_session, engine)
-    supported = tuple(f for f in FORMAT_NAMES if not worker.request("unsupported", format=f)["reason"])
+    supported = tuple(f for f in FORMAT_NAMES if not worker.unsupported(f))
     if not supported:
         pytest.skip(f"{engine} supports none of the formats here")
 

@@ -80,7 +80,7 @@ def engine(tmp_path_factory, capability_cache):
 def test_unsupported_is_vllms_own_missing_kernel_and_is_cached(engine, capability_cache):
     """Every format vLLM declines here is declined in vLLM's words (no kernel selected, or an op its
     build stubs out), the answers land in the per-environment cache, and ct-fp8-channel runs."""
-    answers = {fmt: engine.request("unsupported", format=fmt)["reason"] for fmt in FORMAT_NAMES}
+    answers = {fmt: engine.unsupported(fmt) for fmt in FORMAT_NAMES}
     for fmt, reason in answers.items():
         assert reason is None or (reason.startswith(f"vLLM has no kernel for {fmt} here: ")
                                   and missing_kernel(reason)), f"{fmt}: {reason!r}"
@@ -96,30 +96,27 @@ def test_unsupported_is_vllms_own_missing_kernel_and_is_cached(engine, capabilit
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["fp8-block", "ct-fp8-channel"])
 def test_loads_weights_and_logprobs(engine, tmp_path, fmt):
-    reason = engine.request("unsupported", format=fmt)["reason"]
+    reason = engine.unsupported(fmt)
     if reason:
         pytest.skip(reason)
     directory = checkpoint(tmp_path, fmt)
-    report = engine.request("load", directory=str(directory))["report"]
+    report = engine.load(directory)
     assert report["missing"] == [] and report["unexpected"] == []
 
-    engine.request("weights", out=str(tmp_path / "weights.safetensors"))
-    weights = load_file(tmp_path / "weights.safetensors")
+    weights = engine.weights(tmp_path / "weights.safetensors")
     truth = load_file(directory / TRUTH_FILE)
     assert not set(truth) - set(weights), f"the engine holds no {sorted(set(truth) - set(weights))}"
     for name, expected in truth.items():
         assert_within_bf16_ulps(name, weights[name], expected)
 
-    engine.request("logprobs", sequences=SEQUENCES, out=str(tmp_path / "logprobs.safetensors"))
-    rows = load_file(tmp_path / "logprobs.safetensors")
+    rows = engine.logprobs(SEQUENCES, tmp_path / "logprobs.safetensors")
     vocab = truth["lm_head.weight"].shape[0]
-    for i, sequence in enumerate(SEQUENCES):
-        table = rows[f"seq{i}"]
+    for table, sequence in zip(rows, SEQUENCES, strict=True):
         assert tuple(table.shape) == (len(sequence) - 1, vocab)
         assert torch.allclose(table.double().exp().sum(-1), torch.ones(len(sequence) - 1, dtype=torch.float64),
                               atol=1e-4), "prompt logprobs are not normalized over the vocabulary"
 
-    assert len(engine.request("generate", prompt=SEQUENCES[1], max_new_tokens=5)["tokens"]) == 5
+    assert len(engine.generate(SEQUENCES[1], 5)) == 5
 
 
 def fused_snapshot(directory) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:

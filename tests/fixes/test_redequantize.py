@@ -7,8 +7,8 @@ import torch
 from harness.checkpoints.recipe import Recipe, apply_settings
 from harness.checkpoints.writer import generate
 from harness.fixes._redequantize import QuantizedCheckpoint, repair_each_module
+from harness.fixes._shared import SkipTensor
 from harness.fixes.base import FixReport
-from harness.fixes.restore_fp8_scales import SkipTensor
 
 
 def test_each_module_is_repaired_skipped_or_refused_on_its_own(tmp_path):
