@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 from harness.core.errors import HarnessError
-from harness.engines import judged_with_reference
 
 EXIT_OK, EXIT_FINDING, EXIT_ERROR = 0, 1, 2
 
@@ -99,6 +98,15 @@ def parse_engines(text: str) -> list[str]:
     return engines
 
 
+def reproduce_command(directory: Path, engine: str) -> str:
+    """The one line that reproduces a finding of `engine` on `directory` (with the plugins it needs)."""
+    from harness.core.plugins import VARIABLE
+    from harness.engines import judged_with_reference
+
+    plugins = f"{VARIABLE}={os.environ[VARIABLE]} " if os.environ.get(VARIABLE) else ""
+    return f"{plugins}python -m harness compare {directory} --engines {','.join(judged_with_reference(engine))}"
+
+
 def command_compare(args) -> int:
     import tempfile
 
@@ -120,9 +128,8 @@ def command_compare(args) -> int:
         finally:
             session.close()
         for item in result.findings:
-            engine_list = ",".join(judged_with_reference(item.engine))
             item.reproduction = str(directory.resolve())
-            item.command = f"python -m harness compare {directory.resolve()} --engines {engine_list}"
+            item.command = reproduce_command(directory.resolve(), item.engine)
         print_outcomes(result)
         if args.report:
             engines_info = {e: {"version": session.versions.get(e, ""), "status": session.unavailable.get(e, "ran")}
@@ -205,10 +212,9 @@ def command_run(args) -> int:
                 destination = report / "repro" / slug("-".join(signature))
                 if not destination.exists():
                     generate(recipe, destination)
-                engine_list = ",".join(judged_with_reference(engine))
                 for item in items:
                     item.reproduction = str(destination)
-                    item.command = f"python -m harness compare {destination} --engines {engine_list}"
+                    item.command = reproduce_command(destination, engine)
                 print(f"    reproduce: {items[0].command}")
             findings.extend(items)
         if report:
@@ -241,13 +247,15 @@ def command_fixes(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from harness.checkpoints.architectures import ARCHITECTURES
+    from harness.formats import FORMAT_NAMES
+
     parser = OneLineParser(prog="python -m harness", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     gen = commands.add_parser("gen", help="write a synthetic quantized checkpoint with its ground truth")
-    gen.add_argument("--format", required=True, help="fp8-block, ct-fp8-tensor, ct-fp8-channel, ct-fp8-block, "
-                     "ct-nvfp4, ct-nvfp4a16, modelopt-nvfp4")
-    gen.add_argument("--arch", required=True, help="llama or qwen2")
+    gen.add_argument("--format", required=True, help=", ".join(FORMAT_NAMES))
+    gen.add_argument("--arch", required=True, help=" or ".join(ARCHITECTURES))
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--out", required=True, help="output directory (created; must be empty)")
     gen.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -301,6 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from harness.core.plugins import load_plugins
+
+    try:
+        load_plugins()  # before the parser lists the formats and engines a plugin adds
+    except HarnessError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_ERROR
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

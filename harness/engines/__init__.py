@@ -8,6 +8,7 @@ import importlib
 from dataclasses import dataclass
 
 from harness.core.errors import HarnessError
+from harness.core.plugins import load_plugins
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,15 @@ ENGINES: dict[str, EngineEntry] = {
 #: the engines a full run uses, in order
 ENGINE_NAMES = tuple(ENGINES)
 REGISTRY: dict[str, str] = {name: entry.spec for name, entry in ENGINES.items()}
+
+
+def register_engine(name: str, entry: EngineEntry) -> None:
+    """Add an engine from outside the package (a plugin, harness.core.plugins). A plugin's engine
+    is addressable by name but not added to the default run (ENGINE_NAMES)."""
+    if name in ENGINES and ENGINES[name] != entry:
+        raise ValueError(f"engine '{name}' is already registered as {ENGINES[name].spec}")
+    ENGINES[name] = entry
+    REGISTRY[name] = entry.spec
 
 
 #: the harness's own loader: what it holds and computes is the oracle every other engine is judged against
@@ -57,3 +67,6 @@ def load_engine(spec: str):
         return getattr(module, attribute)()
     except AttributeError:
         raise HarnessError(f"{module_name} has no attribute '{attribute}'") from None
+
+
+load_plugins()  # last: a plugin registers into the registries above

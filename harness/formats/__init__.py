@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from harness.core.errors import UnknownFormat
+from harness.core.plugins import load_plugins
 
 if TYPE_CHECKING:
     from harness.formats.base import QuantFormat
@@ -26,6 +27,16 @@ REGISTRY: dict[str, str] = {
 }
 
 FORMAT_NAMES = tuple(REGISTRY)
+
+
+def register_format(name: str, spec: str) -> None:
+    """Add a format from outside the package (a plugin, harness.core.plugins): `spec` is the
+    `module:attribute` of its QuantFormat instance."""
+    global FORMAT_NAMES
+    if name in REGISTRY and REGISTRY[name] != spec:
+        raise ValueError(f"format '{name}' is already registered as {REGISTRY[name]}")
+    REGISTRY[name] = spec
+    FORMAT_NAMES = tuple(REGISTRY)
 
 
 def require_formats(*names: str) -> tuple[str, ...]:
@@ -52,3 +63,6 @@ def detect_format(quantization_config: Mapping) -> QuantFormat:
         what = "no supported format" if not found else f"several formats ({', '.join(f.name for f in found)})"
         raise FormatError(f"quantization_config (quant_method={method!r}) matches {what}")
     return found[0]
+
+
+load_plugins()  # last: a plugin registers into the registry above
