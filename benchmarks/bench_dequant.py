@@ -196,8 +196,10 @@ def bench_format(name: str, args, device: torch.device, weight_cpu: torch.Tensor
     quantized.truth = None  # the quantizer's own float64 truth is not needed; free it
     tensors = {k: v.to(device) for k, v in quantized.tensors.items()}
     del quantized
-    record["tensors"] = {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch."),
-                             "bytes": v.numel() * v.element_size()} for k, v in tensors.items()}
+    record["tensors"] = {
+        k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch."), "bytes": v.numel() * v.element_size()}
+        for k, v in tensors.items()
+    }
     bytes_read = sum(v.numel() * v.element_size() for v in tensors.values())
 
     # one checked, untimed warm-up call: shape, dtype and device of the result, and its peak memory
@@ -212,8 +214,7 @@ def bench_format(name: str, args, device: torch.device, weight_cpu: torch.Tensor
         sync(device)
     except Exception as error:
         if device.type != "cpu":
-            message = (f"dequantize is not device-generic: it failed on {device} with "
-                       f"{type(error).__name__}: {error}")
+            message = f"dequantize is not device-generic: it failed on {device} with {type(error).__name__}: {error}"
             print(f"[{name}] {message}", flush=True)
             record["notes"].append(message)
             record["device_generic"] = False
@@ -233,12 +234,17 @@ def bench_format(name: str, args, device: torch.device, weight_cpu: torch.Tensor
     call_memory = {"rss_before_mib": rss_before}
     if can_reset and rss_before is not None:
         peak = peak_rss_mib()
-        call_memory |= {"peak_rss_mib": peak, "peak_minus_before_mib": round(peak - rss_before, 1),
-                        "peak_over_result_size": round((peak - rss_before) * MIB / out_bytes, 2)}
+        call_memory |= {
+            "peak_rss_mib": peak,
+            "peak_minus_before_mib": round(peak - rss_before, 1),
+            "peak_over_result_size": round((peak - rss_before) * MIB / out_bytes, 2),
+        }
     if device.type == "cuda":
         cuda_peak = torch.cuda.max_memory_allocated(device) - cuda_before
-        call_memory |= {"cuda_peak_minus_before_mib": round(cuda_peak / MIB, 1),
-                        "cuda_peak_over_result_size": round(cuda_peak / out_bytes, 2)}
+        call_memory |= {
+            "cuda_peak_minus_before_mib": round(cuda_peak / MIB, 1),
+            "cuda_peak_over_result_size": round(cuda_peak / out_bytes, 2),
+        }
     record["dequantize_call_memory"] = call_memory
     result_f64 = out  # reused as the source of the float64 copy baselines
     del out
@@ -257,11 +263,17 @@ def bench_format(name: str, args, device: torch.device, weight_cpu: torch.Tensor
     record["copy_float64_into_existing"] = rates(copy_into, elements, out_bytes, out_bytes)
     record["copy_bf16_input"] = rates(copy_bf16, elements, weight_dev.numel() * 2, weight_dev.numel() * 2)
     record["ratio_dequant_over_copy_float64"] = {
-        "best": dq["best_s"] / copy_f64["best_s"], "median": dq["median_s"] / copy_f64["median_s"]}
+        "best": dq["best_s"] / copy_f64["best_s"],
+        "median": dq["median_s"] / copy_f64["median_s"],
+    }
     record["ratio_dequant_over_copy_float64_into_existing"] = {
-        "best": dq["best_s"] / copy_into["best_s"], "median": dq["median_s"] / copy_into["median_s"]}
+        "best": dq["best_s"] / copy_into["best_s"],
+        "median": dq["median_s"] / copy_into["median_s"],
+    }
     record["ratio_dequant_over_copy_bf16"] = {
-        "best": dq["best_s"] / copy_bf16["best_s"], "median": dq["median_s"] / copy_bf16["median_s"]}
+        "best": dq["best_s"] / copy_bf16["best_s"],
+        "median": dq["median_s"] / copy_bf16["median_s"],
+    }
     record["memory_after"] = memory_snapshot(device)
 
     if args.profile:
@@ -271,17 +283,22 @@ def bench_format(name: str, args, device: torch.device, weight_cpu: torch.Tensor
 
     del result_f64, weight_dev, tensors
     r = record["ratio_dequant_over_copy_float64"]["best"]
-    print(f"[{name}] dequantize best {dq['best_s']:.4f}s median {dq['median_s']:.4f}s "
-          f"({elements / dq['best_s'] / 1e6:.1f} Melem/s, {bytes_read / dq['best_s'] / 1e9:.4f} GB/s read) | "
-          f"copy f64 {copy_f64['best_s']:.4f}s (into existing {copy_into['best_s']:.4f}s), "
-          f"copy bf16 {copy_bf16['best_s']:.4f}s | "
-          f"dequant/copy_f64 {r:.1f}x, dequant/copy_bf16 {record['ratio_dequant_over_copy_bf16']['best']:.1f}x | "
-          f"quantize {record['quantize_s']:.2f}s | one dequantize call peaks "
-          f"{call_memory.get('peak_minus_before_mib', '?')} MiB over its start "
-          f"({call_memory.get('peak_over_result_size', '?')}x the result)", flush=True)
+    print(
+        f"[{name}] dequantize best {dq['best_s']:.4f}s median {dq['median_s']:.4f}s "
+        f"({elements / dq['best_s'] / 1e6:.1f} Melem/s, {bytes_read / dq['best_s'] / 1e9:.4f} GB/s read) | "
+        f"copy f64 {copy_f64['best_s']:.4f}s (into existing {copy_into['best_s']:.4f}s), "
+        f"copy bf16 {copy_bf16['best_s']:.4f}s | "
+        f"dequant/copy_f64 {r:.1f}x, dequant/copy_bf16 {record['ratio_dequant_over_copy_bf16']['best']:.1f}x | "
+        f"quantize {record['quantize_s']:.2f}s | one dequantize call peaks "
+        f"{call_memory.get('peak_minus_before_mib', '?')} MiB over its start "
+        f"({call_memory.get('peak_over_result_size', '?')}x the result)",
+        flush=True,
+    )
     if r > 20:
-        print(f"[{name}] note: dequantize is {r:.0f}x a float64 copy; run with --profile to see where the time goes",
-              flush=True)
+        print(
+            f"[{name}] note: dequantize is {r:.0f}x a float64 copy; run with --profile to see where the time goes",
+            flush=True,
+        )
     return record
 
 
@@ -289,14 +306,16 @@ def bench_format(name: str, args, device: torch.device, weight_cpu: torch.Tensor
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size", type=int, default=8192, help="weight is SIZE x SIZE (default 8192)")
     parser.add_argument("--repeat", type=int, default=5, help="timed calls per measurement (default 5)")
     parser.add_argument("--formats", default=DEFAULT_FORMATS, help=f"comma-separated (default {DEFAULT_FORMATS})")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda / cuda:N")
-    parser.add_argument("--out", default=None,
-                        help="JSON output (default benchmarks/results/dequant-<host>[-cuda].json)")
+    parser.add_argument(
+        "--out", default=None, help="JSON output (default benchmarks/results/dequant-<host>[-cuda].json)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one dequantize call")
@@ -306,8 +325,10 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("--device cuda asked for, but torch.cuda.is_available() is False here; "
-              f"torch {torch.__version__}", file=sys.stderr)
+        print(
+            f"--device cuda asked for, but torch.cuda.is_available() is False here; torch {torch.__version__}",
+            file=sys.stderr,
+        )
         return 2
     if device.type not in ("cpu", "cuda"):
         parser.error(f"--device {args.device}: only cpu and cuda are supported")
@@ -319,41 +340,54 @@ def main(argv: list[str] | None = None) -> int:
     names = [n.strip() for n in args.formats.split(",") if n.strip()]
 
     info = machine_info(device)
-    print(f"machine: {info['cpu_model']}, {info['cpu_count']} cores, torch {info['torch']} "
-          f"({info['torch_num_threads']} threads), device {device}"
-          + (f" ({info.get('gpu')})" if device.type == "cuda" else ""), flush=True)
+    print(
+        f"machine: {info['cpu_model']}, {info['cpu_count']} cores, torch {info['torch']} "
+        f"({info['torch_num_threads']} threads), device {device}"
+        + (f" ({info.get('gpu')})" if device.type == "cuda" else ""),
+        flush=True,
+    )
     print(f"weight: {args.size} x {args.size} bfloat16, repeat {args.repeat}, formats {', '.join(names)}", flush=True)
 
     load = os.getloadavg()
     if load[0] > 0.5 * (os.cpu_count() or 1):
-        print(f"warning: load average {load[0]:.2f} on {os.cpu_count()} cores: other processes are using the "
-              "CPUs and the figures will be noisy", flush=True)
+        print(
+            f"warning: load average {load[0]:.2f} on {os.cpu_count()} cores: other processes are using the "
+            "CPUs and the figures will be noisy",
+            flush=True,
+        )
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(args.seed)
     weight = (torch.randn(args.size, args.size, generator=generator) * 0.02).to(torch.bfloat16)
     report = {
         "benchmark": "reference dequantize vs tensor copy",
-        "command": " ".join([".venv/bin/python", "benchmarks/bench_dequant.py",
-                             *(sys.argv[1:] if argv is None else argv)]),
-        "settings": {"size": args.size, "repeat": args.repeat, "device": str(device), "seed": args.seed,
-                     "formats": names, "weight": f"randn * 0.02 -> bfloat16 [{args.size}, {args.size}]"},
+        "command": " ".join(
+            [".venv/bin/python", "benchmarks/bench_dequant.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "settings": {
+            "size": args.size,
+            "repeat": args.repeat,
+            "device": str(device),
+            "seed": args.seed,
+            "formats": names,
+            "weight": f"randn * 0.02 -> bfloat16 [{args.size}, {args.size}]",
+        },
         "machine": info,
         "memory_start": memory_snapshot(device),
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
         "definitions": {
             "best_s/median_s": "over --repeat calls after one untimed warm-up; time.perf_counter, "
-                               "torch.cuda.synchronize before and after each call on GPU",
+            "torch.cuda.synchronize before and after each call on GPU",
             "input_bytes": "bytes of the tensors the call reads (dequantize: all stored tensors of the format)",
             "output_bytes": "bytes of the result (dequantize: float64 [size, size])",
             "ratio_dequant_over_copy_float64": "dequantize time / clone() of a float64 [size, size] tensor",
             "ratio_dequant_over_copy_float64_into_existing": "dequantize time / copy_() of a float64 "
-                                                             "[size, size] tensor into an already allocated one "
-                                                             "(no allocation or page faults: memory bandwidth)",
+            "[size, size] tensor into an already allocated one "
+            "(no allocation or page faults: memory bandwidth)",
             "ratio_dequant_over_copy_bf16": "dequantize time / clone() of the bfloat16 input weight",
             "memory": "rss_mib is current RSS (/proc/self/statm); peak_rss_mib is getrusage ru_maxrss since "
-                      "the last reset (the high-water mark is reset through /proc/self/clear_refs before each "
-                      "format's checked dequantize call); dequantize_call_memory is the peak RSS of that one "
-                      "call over the RSS at its start; process_peak_rss_mib is the maximum over the run",
+            "the last reset (the high-water mark is reset through /proc/self/clear_refs before each "
+            "format's checked dequantize call); dequantize_call_memory is the peak RSS of that one "
+            "call over the RSS at its start; process_peak_rss_mib is the maximum over the run",
         },
         "results": [],
     }

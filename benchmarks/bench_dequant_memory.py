@@ -30,15 +30,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 #: `python -m harness ARGS` that prints its peak RSS in KiB as its last stderr line
-MEASURED_CLI = ("import resource, sys; from harness.commands.cli import main; code = main(sys.argv[1:]); "
-                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(code)")
+MEASURED_CLI = (
+    "import resource, sys; from harness.commands.cli import main; code = main(sys.argv[1:]); "
+    "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(code)"
+)
 
 
 def run(args: list[str]) -> tuple[float, float]:
     """(wall seconds, peak RSS MiB) of `python -m harness ARGS` in a child process."""
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", MEASURED_CLI, *args], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", MEASURED_CLI, *args],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     if result.returncode:
         sys.exit(f"harness {args[0]} failed: {result.stderr.strip().splitlines()[-2:]}")
     return time.monotonic() - start, int(result.stderr.strip().splitlines()[-1]) / 1024
@@ -59,17 +66,42 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work:
         checkpoint, out = Path(work) / "ckpt", Path(work) / "dequant.safetensors"
-        gen_s, _ = run(["gen", "--format", "fp8-block", "--arch", "llama", "--seed", "0", "--out", str(checkpoint),
-                        "--set", f"num_hidden_layers={args.layers}", "--set", f"hidden_size={args.hidden}",
-                        "--set", f"intermediate_size={args.intermediate}"])
+        gen_s, _ = run(
+            [
+                "gen",
+                "--format",
+                "fp8-block",
+                "--arch",
+                "llama",
+                "--seed",
+                "0",
+                "--out",
+                str(checkpoint),
+                "--set",
+                f"num_hidden_layers={args.layers}",
+                "--set",
+                f"hidden_size={args.hidden}",
+                "--set",
+                f"intermediate_size={args.intermediate}",
+            ]
+        )
         dequant_s, peak = run(["dequant", str(checkpoint), "--out", str(out)])
         stored = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
         record = {
-            "label": args.label, "revision": git_revision(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "label": args.label,
+            "revision": git_revision(),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "load_average": os.getloadavg()},
-            "checkpoint": {"format": "fp8-block", "layers": args.layers, "hidden": args.hidden,
-                           "intermediate": args.intermediate, "stored_mib": stored / 2**20},
-            "output_mib": out.stat().st_size / 2**20, "dequant_s": dequant_s, "gen_s": gen_s,
+            "checkpoint": {
+                "format": "fp8-block",
+                "layers": args.layers,
+                "hidden": args.hidden,
+                "intermediate": args.intermediate,
+                "stored_mib": stored / 2**20,
+            },
+            "output_mib": out.stat().st_size / 2**20,
+            "dequant_s": dequant_s,
+            "gen_s": gen_s,
             "dequant_peak_rss_mib": peak,
         }
     path = ROOT / "benchmarks" / "results" / f"dequant-memory-{machine_tag()}.json"

@@ -57,12 +57,24 @@ if str(ROOT) not in sys.path:
 DEFAULT_ENGINES = "reference,transformers,compressed-tensors,vllm"
 #: the steps of one evaluate() (worker requests, timed as the parent waits on them; parent-side
 #: reads and comparisons) -> what they are for
-LOAD, WEIGHTS, COMPARE = "load (frees the previous model first)", "weights out (engine -> safetensors -> parent)", "weights compared with the truth"
+LOAD, WEIGHTS, COMPARE = (
+    "load (frees the previous model first)",
+    "weights out (engine -> safetensors -> parent)",
+    "weights compared with the truth",
+)
 LOGPROBS, GENERATE, OTHER = "logprobs 3x24 (+ transfer, comparison)", "generate 8 tokens", "other"
 GROUPS = {
-    "worker:load": LOAD, "worker:weights": WEIGHTS, "read:weights": WEIGHTS, "compare:weights": COMPARE,
-    "worker:logprobs": LOGPROBS, "read:logprobs": LOGPROBS, "compare:logprobs": LOGPROBS,
-    "compare:perplexity": LOGPROBS, "worker:generate": GENERATE, "worker:unsupported": OTHER, "read:truth": OTHER,
+    "worker:load": LOAD,
+    "worker:weights": WEIGHTS,
+    "read:weights": WEIGHTS,
+    "compare:weights": COMPARE,
+    "worker:logprobs": LOGPROBS,
+    "read:logprobs": LOGPROBS,
+    "compare:logprobs": LOGPROBS,
+    "compare:perplexity": LOGPROBS,
+    "worker:generate": GENERATE,
+    "worker:unsupported": OTHER,
+    "read:truth": OTHER,
 }
 
 
@@ -75,13 +87,17 @@ def loadavg() -> list[float]:
 
 def source_state() -> dict:
     """The commit, and which harness files differ from it (the harness is measured as it is on disk)."""
+
     def git(*words):
         try:
             return subprocess.run(["git", *words], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
-    return {"commit": git("rev-parse", "HEAD"),
-            "uncommitted": git("status", "--short", "--", "harness", "benchmarks").splitlines()}
+
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "uncommitted": git("status", "--short", "--", "harness", "benchmarks").splitlines(),
+    }
 
 
 def machine_info() -> dict:
@@ -108,9 +124,14 @@ def machine_info() -> dict:
 def summary(values: list[float]) -> dict:
     if not values:
         return {}
-    return {"mean": round(statistics.fmean(values), 4), "median": round(statistics.median(values), 4),
-            "min": round(min(values), 4), "max": round(max(values), 4), "n": len(values),
-            "each": [round(v, 4) for v in values]}
+    return {
+        "mean": round(statistics.fmean(values), 4),
+        "median": round(statistics.median(values), 4),
+        "min": round(min(values), 4),
+        "max": round(max(values), 4),
+        "n": len(values),
+        "each": [round(v, 4) for v in values],
+    }
 
 
 class CpuMeter:
@@ -142,8 +163,11 @@ class CpuMeter:
         if start is None or end is None or end[0] <= start[0]:
             return {}
         wall, busy, mine = end[0] - start[0], end[1] - start[1], end[2] - start[2]
-        return {"machine_busy_cores": round(busy / wall, 2), "this_run_cores": round(mine / wall, 2),
-                "others_cores": round(max(0.0, busy - mine) / wall, 2)}
+        return {
+            "machine_busy_cores": round(busy / wall, 2),
+            "this_run_cores": round(mine / wall, 2),
+            "others_cores": round(max(0.0, busy - mine) / wall, 2),
+        }
 
 
 # ---------------------------------------------------------------- (b) bare engine, in a child process
@@ -165,6 +189,7 @@ def bare_child(spec_path: str) -> int:
         from vllm import LLM, SamplingParams
     else:
         from transformers import AutoConfig, AutoModelForCausalLM
+
         if engine == "compressed-tensors":
             from compressed_tensors.compressors import ModelCompressor
             from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
@@ -206,10 +231,17 @@ def bare_child(spec_path: str) -> int:
             compressor.decompress_model(model)
             return model
         if engine == "vllm":  # the same LLM(...) arguments as vllm_engine.py
-            return LLM(model=directory, tokenizer=directory, dtype=dtype_name, enforce_eager=True,
-                       max_model_len=min(256, raw.get("max_position_embeddings", 256)),
-                       kv_cache_memory_bytes=32 * 2**20, max_logprobs=raw["vocab_size"], seed=0,
-                       trust_remote_code=False)
+            return LLM(
+                model=directory,
+                tokenizer=directory,
+                dtype=dtype_name,
+                enforce_eager=True,
+                max_model_len=min(256, raw.get("max_position_embeddings", 256)),
+                kv_cache_memory_bytes=32 * 2**20,
+                max_logprobs=raw["vocab_size"],
+                seed=0,
+                trust_remote_code=False,
+            )
         raise ValueError(f"no bare path for engine {engine!r}")
 
     def forward(model, directory):
@@ -232,25 +264,48 @@ def bare_child(spec_path: str) -> int:
         if engine == "vllm":  # vllm_engine.py's unload also runs the collector (HF engines drop the reference)
             gc.collect()
         t3 = time.perf_counter()
-        rows.append({"checkpoint": Path(directory).name, "load_s": t1 - t0, "forward_s": t2 - t1,
-                     "unload_s": t3 - t2, "total_s": t3 - t0})
-    Path(spec["out"]).write_text(json.dumps({"import_s": import_s, "python": sys.executable,
-                                             "torch": torch.__version__, "torch_num_threads": torch.get_num_threads(),
-                                             "rows": rows}))
+        rows.append(
+            {
+                "checkpoint": Path(directory).name,
+                "load_s": t1 - t0,
+                "forward_s": t2 - t1,
+                "unload_s": t3 - t2,
+                "total_s": t3 - t0,
+            }
+        )
+    Path(spec["out"]).write_text(
+        json.dumps(
+            {
+                "import_s": import_s,
+                "python": sys.executable,
+                "torch": torch.__version__,
+                "torch_num_threads": torch.get_num_threads(),
+                "rows": rows,
+            }
+        )
+    )
     return 0
 
 
 def run_bare(engine: str, python: str, directories: list[Path], sequences, work: Path) -> dict:
     spec_path, out = work / f"bare-{engine}.json", work / f"bare-{engine}-result.json"
-    spec_path.write_text(json.dumps({"engine": engine, "directories": [str(d) for d in directories],
-                                     "sequences": sequences, "out": str(out)}))
+    spec_path.write_text(
+        json.dumps(
+            {"engine": engine, "directories": [str(d) for d in directories], "sequences": sequences, "out": str(out)}
+        )
+    )
     log = work / f"bare-{engine}.log"
     meter = CpuMeter()
     before = meter.sample()
     t0 = time.perf_counter()
     with log.open("wb") as sink:
-        code = subprocess.call([python, str(Path(__file__).resolve()), "--bare-child", str(spec_path)],
-                               stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT, timeout=900)
+        code = subprocess.call(
+            [python, str(Path(__file__).resolve()), "--bare-child", str(spec_path)],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            timeout=900,
+        )
     wall = time.perf_counter() - t0
     cpu = CpuMeter.between(before, meter.sample())
     if code != 0 or not out.is_file():
@@ -259,14 +314,19 @@ def run_bare(engine: str, python: str, directories: list[Path], sequences, work:
     result = json.loads(out.read_text())
     warmup, timed = result["rows"][0], result["rows"][1:]
     return {
-        "python": python, "torch": result["torch"], "torch_num_threads": result["torch_num_threads"],
-        "process_wall_s": round(wall, 2), "import_s": round(result["import_s"], 3),
+        "python": python,
+        "torch": result["torch"],
+        "torch_num_threads": result["torch_num_threads"],
+        "process_wall_s": round(wall, 2),
+        "import_s": round(result["import_s"], 3),
         "warmup_s": round(warmup["total_s"], 3),
-        "load_s": summary([r["load_s"] for r in timed]), "forward_s": summary([r["forward_s"] for r in timed]),
+        "load_s": summary([r["load_s"] for r in timed]),
+        "forward_s": summary([r["forward_s"] for r in timed]),
         "unload_s": summary([r["unload_s"] for r in timed]),
         "seconds_per_example": summary([r["total_s"] for r in timed]),
         "examples_per_s": round(len(timed) / sum(r["total_s"] for r in timed), 3) if timed else None,
-        "cpu": cpu, "loadavg_after": loadavg(),
+        "cpu": cpu,
+        "loadavg_after": loadavg(),
     }
 
 
@@ -309,6 +369,7 @@ def instrument(clock: Clock) -> None:
                 return function(*args, **kwargs)
             finally:
                 clock.current[(engine_of(args), step)] += time.perf_counter() - t0
+
         return timed
 
     load_file = runner.load_file
@@ -328,13 +389,17 @@ def instrument(clock: Clock) -> None:
 
     runner.load_file = timed_load_file
     # where runner.py has been reorganised, a step it no longer has lands in "(parent) other"
-    for attribute, step, engine_of in (("_judge_weights", "compare:weights", lambda a: a[0]),
-                                       ("compare_logprobs", "compare:logprobs", lambda a: "(parent)"),
-                                       ("perplexity", "compare:perplexity", lambda a: "(parent)")):
+    for attribute, step, engine_of in (
+        ("_judge_weights", "compare:weights", lambda a: a[0]),
+        ("compare_logprobs", "compare:logprobs", lambda a: "(parent)"),
+        ("perplexity", "compare:perplexity", lambda a: "(parent)"),
+    ):
         if callable(getattr(runner, attribute, None)):
             setattr(runner, attribute, wrap(getattr(runner, attribute), step, engine_of))
         else:
-            print(f"note: harness.differential.runner has no {attribute}; its time is counted as other", file=sys.stderr)
+            print(
+                f"note: harness.differential.runner has no {attribute}; its time is counted as other", file=sys.stderr
+            )
 
 
 def live_workers(session):
@@ -354,8 +419,15 @@ def harness_row(label: str, engines: list[str], directories: list[Path], session
         wall = time.perf_counter() - t0
         steps = clock.reset()
         statuses = {e: o.status + (f" ({o.detail[:120]})" if o.detail else "") for e, o in result.outcomes.items()}
-        examples.append({"checkpoint": directory.name, "wall_s": wall, "steps": steps, "statuses": statuses,
-                         "findings": [f"{f.engine}: {f.kind}: {f.message[:160]}" for f in result.findings]})
+        examples.append(
+            {
+                "checkpoint": directory.name,
+                "wall_s": wall,
+                "steps": steps,
+                "statuses": statuses,
+                "findings": [f"{f.engine}: {f.kind}: {f.message[:160]}" for f in result.findings],
+            }
+        )
     cpu = CpuMeter.between(before, meter.sample())
     walls = [e["wall_s"] for e in examples]
     keys = sorted({k for e in examples for k in e["steps"]})
@@ -369,14 +441,16 @@ def harness_row(label: str, engines: list[str], directories: list[Path], session
         grouped[GROUPS.get(step, OTHER)] += seconds / len(examples)
     grouped[OTHER] += breakdown["(parent) other"]
     return {
-        "row": label, "engines": engines,
+        "row": label,
+        "engines": engines,
         "seconds_per_example": summary(walls),
         "examples_per_s": round(len(walls) / sum(walls), 3),
         "breakdown_mean_s": breakdown,
         "grouped_mean_s": {group: round(grouped.get(group, 0.0), 4) for group in dict.fromkeys(GROUPS.values())},
         "statuses": examples[-1]["statuses"],
         "findings": sorted({f for e in examples for f in e["findings"]}),
-        "cpu": cpu, "loadavg_after": loadavg(),
+        "cpu": cpu,
+        "loadavg_after": loadavg(),
     }
 
 
@@ -390,8 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", default="llama")
     parser.add_argument("--examples", type=int, default=5, help="checkpoints (seeds 0..N-1); the first is the warm-up")
     parser.add_argument("--out", default=None, help="default benchmarks/results/engines-<host>.json")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="set OMP_NUM_THREADS for this run, its workers and bare runs (default: leave as is)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="set OMP_NUM_THREADS for this run, its workers and bare runs (default: leave as is)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints and worker logs")
     parser.add_argument("--bare-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -414,17 +492,25 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "bench_engines",
         "command": " ".join([Path(sys.executable).name, "benchmarks/bench_engines.py", *(argv or sys.argv[1:])]),
-        "settings": {"engines": engines, "format": args.format, "arch": args.arch, "examples": args.examples,
-                     "seeds": list(range(args.examples)), "timed_examples": args.examples - 1,
-                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+        "settings": {
+            "engines": engines,
+            "format": args.format,
+            "arch": args.arch,
+            "examples": args.examples,
+            "seeds": list(range(args.examples)),
+            "timed_examples": args.examples - 1,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        },
         "machine": machine_info(),
         "source": source_state(),
         "loadavg_start": loadavg(),
     }
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if report["loadavg_start"][0] > 0.5 * cores:
-        print(f"warning: load average {report['loadavg_start']} on {cores} cores: figures will be inflated",
-              file=sys.stderr)
+        print(
+            f"warning: load average {report['loadavg_start']} on {cores} cores: figures will be inflated",
+            file=sys.stderr,
+        )
 
     temporary = tempfile.TemporaryDirectory(prefix="bench-engines-")
     work = Path(temporary.name)
@@ -439,18 +525,32 @@ def main(argv: list[str] | None = None) -> int:
     report["checkpoints"] = {
         "generate_s_total": round(time.perf_counter() - t0, 3),
         "expectation": manifest["expectation"],
-        "config": {k: config.get(k) for k in ("model_type", "hidden_size", "num_attention_heads", "head_dim",
-                                              "intermediate_size", "num_hidden_layers", "vocab_size", "dtype")},
+        "config": {
+            k: config.get(k)
+            for k in (
+                "model_type",
+                "hidden_size",
+                "num_attention_heads",
+                "head_dim",
+                "intermediate_size",
+                "num_hidden_layers",
+                "vocab_size",
+                "dtype",
+            )
+        },
         "bytes_each": sum(f.stat().st_size for f in directories[0].glob("*.safetensors")),
         "probe": {"sequences": len(sequences), "tokens": len(sequences[0])},
     }
-    print(f"{args.examples} checkpoints ({args.format}, {args.arch}) in {report['checkpoints']['generate_s_total']} s",
-          flush=True)
+    print(
+        f"{args.examples} checkpoints ({args.format}, {args.arch}) in {report['checkpoints']['generate_s_total']} s",
+        flush=True,
+    )
 
     clock = Clock()
     instrument(clock)
-    session = EngineSession(engines if "reference" in engines else ["reference", *engines], work / "session",
-                            Limits(timeout_s=600))
+    session = EngineSession(
+        engines if "reference" in engines else ["reference", *engines], work / "session", Limits(timeout_s=600)
+    )
     warmup, timed = directories[0], directories[1:]
     report["startup"], report["harness"], report["bare"] = {}, [], {}
 
@@ -473,10 +573,16 @@ def main(argv: list[str] | None = None) -> int:
         first_s = time.perf_counter() - t1
         cpu = CpuMeter.between(before, meter.sample())
         outcome = result.outcomes[engine]
-        report["startup"][engine] = {"python": worker.python, "version": session.versions.get(engine),
-                                     "worker_start_s": round(worker_s, 3), "first_example_s": round(first_s, 3),
-                                     "startup_s": round(worker_s + first_s, 3), "status": outcome.status,
-                                     "detail": outcome.detail, "first_example_cpu": cpu}
+        report["startup"][engine] = {
+            "python": worker.python,
+            "version": session.versions.get(engine),
+            "worker_start_s": round(worker_s, 3),
+            "first_example_s": round(first_s, 3),
+            "startup_s": round(worker_s + first_s, 3),
+            "status": outcome.status,
+            "detail": outcome.detail,
+            "first_example_cpu": cpu,
+        }
         print(f"{engine}: worker start {worker_s:.1f} s, first example {first_s:.1f} s ({outcome.status})", flush=True)
         return outcome.status == "loaded"
 
@@ -494,9 +600,11 @@ def main(argv: list[str] | None = None) -> int:
             for label, row_engines in rows:
                 row = harness_row(label, row_engines, timed, session, clock)
                 report["harness"].append(row)
-                print(f"harness [{label}]: {row['seconds_per_example']['mean']:.3f} s/example, "
-                      f"{row['examples_per_s']} examples/s; cores used by others {row['cpu'].get('others_cores')}",
-                      flush=True)
+                print(
+                    f"harness [{label}]: {row['seconds_per_example']['mean']:.3f} s/example, "
+                    f"{row['examples_per_s']} examples/s; cores used by others {row['cpu'].get('others_cores')}",
+                    flush=True,
+                )
             python, how = engine_python(engine)
             bare = run_bare(engine, python, directories, sequences, work)
             bare["interpreter_chosen_by"] = how
@@ -504,10 +612,13 @@ def main(argv: list[str] | None = None) -> int:
             if "error" in bare:
                 print(f"bare {engine}: {bare['error']}\n{bare['log_tail']}", flush=True)
             else:
-                print(f"bare {engine}: import {bare['import_s']:.1f} s, {bare['seconds_per_example']['mean']:.3f} "
-                      f"s/example (load {bare['load_s']['mean']:.3f} + forward {bare['forward_s']['mean']:.3f} + unload "
-                      f"{bare['unload_s']['mean']:.3f}); "
-                      f"cores used by others {bare['cpu'].get('others_cores')}", flush=True)
+                print(
+                    f"bare {engine}: import {bare['import_s']:.1f} s, {bare['seconds_per_example']['mean']:.3f} "
+                    f"s/example (load {bare['load_s']['mean']:.3f} + forward {bare['forward_s']['mean']:.3f} + unload "
+                    f"{bare['unload_s']['mean']:.3f}); "
+                    f"cores used by others {bare['cpu'].get('others_cores')}",
+                    flush=True,
+                )
     finally:
         session.close()
 
@@ -519,15 +630,21 @@ def main(argv: list[str] | None = None) -> int:
     for row in report["harness"]:
         engine = row["engines"][-1]
         bare_engine = bare_mean(engine)
-        entry = {"row": row["row"], "harness_s_per_example": row["seconds_per_example"]["mean"],
-                 "harness_examples_per_s": row["examples_per_s"],
-                 "startup_s": report["startup"][engine]["startup_s"], "bare_s_per_example": bare_engine}
+        entry = {
+            "row": row["row"],
+            "harness_s_per_example": row["seconds_per_example"]["mean"],
+            "harness_examples_per_s": row["examples_per_s"],
+            "startup_s": report["startup"][engine]["startup_s"],
+            "bare_s_per_example": bare_engine,
+        }
         if bare_engine:
             entry["overhead_vs_bare_engine"] = round(row["seconds_per_example"]["mean"] / bare_engine, 2)
             entry["overhead_vs_bare_engine_best"] = round(
-                row["seconds_per_example"]["min"] / report["bare"][engine]["seconds_per_example"]["min"], 2)
+                row["seconds_per_example"]["min"] / report["bare"][engine]["seconds_per_example"]["min"], 2
+            )
             entry["overhead_vs_bare_engine_medians"] = round(
-                row["seconds_per_example"]["median"] / report["bare"][engine]["seconds_per_example"]["median"], 2)
+                row["seconds_per_example"]["median"] / report["bare"][engine]["seconds_per_example"]["median"], 2
+            )
         if len(row["engines"]) == 2 and bare_engine and bare_mean("reference"):
             both = bare_engine + bare_mean("reference")
             entry["bare_s_per_example_reference_plus_engine"] = round(both, 4)
@@ -548,11 +665,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'row':32} {'harness s/ex':>12} {'ex/s':>7} {'bare s/ex':>10} {'overhead':>9} {'startup s':>10}")
     for entry in overhead:
         ratio = entry.get("overhead_vs_bare_reference_plus_engine", entry.get("overhead_vs_bare_engine"))
-        print(f"{entry['row']:32} {entry['harness_s_per_example']:12.3f} {entry['harness_examples_per_s']:7.3f} "
-              f"{entry['bare_s_per_example'] or float('nan'):10.3f} {ratio or float('nan'):8.2f}x "
-              f"{entry['startup_s']:10.1f}")
-    print(f"load average {report['loadavg_start']} -> {report['loadavg_end']}; total {report['total_s']} s; "
-          f"written to {out}")
+        print(
+            f"{entry['row']:32} {entry['harness_s_per_example']:12.3f} {entry['harness_examples_per_s']:7.3f} "
+            f"{entry['bare_s_per_example'] or float('nan'):10.3f} {ratio or float('nan'):8.2f}x "
+            f"{entry['startup_s']:10.1f}"
+        )
+    print(
+        f"load average {report['loadavg_start']} -> {report['loadavg_end']}; total {report['total_s']} s; "
+        f"written to {out}"
+    )
     return 0
 
 

@@ -17,11 +17,17 @@ DEFAULT_ENGINES = ",".join(ENGINE_NAMES)
 
 def pytest_addoption(parser):
     group = parser.getgroup("harness", "quantized-checkpoint loading harness")
-    group.addoption("--harness-engines", default=DEFAULT_ENGINES,
-                    help=f"engines the differential suite runs (default {DEFAULT_ENGINES})")
+    group.addoption(
+        "--harness-engines",
+        default=DEFAULT_ENGINES,
+        help=f"engines the differential suite runs (default {DEFAULT_ENGINES})",
+    )
     group.addoption("--harness-timeout", type=float, default=600.0, help="seconds per engine request")
-    group.addoption("--update-golden", action="store_true",
-                    help="rewrite the goldens the gates read (each rewritten gate fails once, for review)")
+    group.addoption(
+        "--update-golden",
+        action="store_true",
+        help="rewrite the goldens the gates read (each rewritten gate fails once, for review)",
+    )
 
 
 def pytest_configure(config):
@@ -39,8 +45,11 @@ def engine_session(harness_engines, tmp_path_factory, pytestconfig):
     from harness.differential.runner import EngineSession
     from harness.engines.process import Limits
 
-    session = EngineSession(harness_engines, tmp_path_factory.mktemp("engines"),
-                            Limits(timeout_s=pytestconfig.getoption("--harness-timeout")))
+    session = EngineSession(
+        harness_engines,
+        tmp_path_factory.mktemp("engines"),
+        Limits(timeout_s=pytestconfig.getoption("--harness-timeout")),
+    )
     yield session
     session.close()
 

@@ -50,9 +50,24 @@ SOURCES: dict[str, list[str]] = {
     "nan": [*FP8, "--set", "block_size=32", "--set", "nonfinite_scale=nan"],
     "inf": [*FP8, "--set", "block_size=32", "--set", "nonfinite_scale=inf", "--set", "shards=1"],
     # gate/up [160, 64] and down [64, 160] with 32x32 blocks: grids [5, 2] and [2, 5], stored transposed
-    "transposed": ["--format", "fp8-block", "--arch", "qwen2", "--seed", "2", "--set", "hidden_size=64",
-                   "--set", "intermediate_size=160", "--set", "block_size=32", "--set", "scale_layout=transposed",
-                   "--set", "shards=1"],
+    "transposed": [
+        "--format",
+        "fp8-block",
+        "--arch",
+        "qwen2",
+        "--seed",
+        "2",
+        "--set",
+        "hidden_size=64",
+        "--set",
+        "intermediate_size=160",
+        "--set",
+        "block_size=32",
+        "--set",
+        "scale_layout=transposed",
+        "--set",
+        "shards=1",
+    ],
     # every weight fits in one 128x128 block: every scale grid is [1, 1]
     "one-block": [*FP8, "--set", "intermediate_size=64"],
 }
@@ -68,8 +83,15 @@ def cli_env() -> dict[str, str]:
 def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess | None:
     """The real CLI in a subprocess; None when it ran past the timeout (a hang)."""
     try:
-        return subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd, env=cli_env(),
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT_S)
+        return subprocess.run(
+            [sys.executable, "-m", "harness", *args],
+            cwd=cwd,
+            env=cli_env(),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired:
         return None
 
@@ -117,7 +139,7 @@ def snapshot(root: Path) -> dict[str, tuple]:
 def read_shard(path: Path) -> tuple[dict, bytes]:
     raw = path.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8:8 + length]), raw[8 + length:]
+    return json.loads(raw[8 : 8 + length]), raw[8 + length :]
 
 
 def write_shard(path: Path, header: dict | bytes, data: bytes) -> None:
@@ -198,10 +220,12 @@ def case(name: str, source: str = "sharded", cli: bool = False):
     hang (FIFOs): those run `python -m harness` in a subprocess with a timeout. The other
     variants go through the same `main()` in this process, to keep the module fast (each
     subprocess spends ~3 CPU-seconds importing torch)."""
+
     def register(damage):
         assert name not in CASES, name
         CASES[name] = Case(source, damage, cli)
         return damage
+
     return register
 
 
@@ -210,6 +234,7 @@ def dequant_args(sandbox: Path, ck: Path) -> list[str]:
 
 
 # truncated and missing shards
+
 
 @case("truncated-shard-data", cli=True)
 def _(sandbox, ck):
@@ -282,9 +307,11 @@ def _(sandbox, ck):
 
 # index entries and symlinks that leave the checkpoint
 
+
 def point_index_at(ck: Path, old: str, new: str) -> None:
     def edit(index):
         index["weight_map"] = {t: (new if s == old else s) for t, s in index["weight_map"].items()}
+
     edit_json(ck / INDEX, edit)
 
 
@@ -369,6 +396,7 @@ def _(sandbox, ck):
 
 # safetensors headers
 
+
 @case("header-length-2**60", cli=True)
 def _(sandbox, ck):
     set_length_field(ck / SHARD1, 2**60)
@@ -425,6 +453,7 @@ def _(sandbox, ck):
         name = last_tensor(header)
         start, end = header[name]["data_offsets"]
         header[name]["data_offsets"] = [start + 4096, end + 4096]
+
     edit_header(ck / SHARD2, edit)
     return Expect([SHARD2], "past|truncated")
 
@@ -435,6 +464,7 @@ def _(sandbox, ck):
         name = last_tensor(header)
         start, end = header[name]["data_offsets"]
         header[name]["data_offsets"] = [start - 2, end - 2]
+
     edit_header(ck / SHARD2, edit)
     return Expect([SHARD2], "overlap")
 
@@ -444,6 +474,7 @@ def _(sandbox, ck):
     def edit(header):
         name = last_tensor(header)
         header[name]["shape"] = [dim * 2 for dim in header[name]["shape"]]
+
     edit_header(ck / SHARD2, edit)
     return Expect([SHARD2], "shape")
 
@@ -452,6 +483,7 @@ def _(sandbox, ck):
 def _(sandbox, ck):
     def edit(header):
         header[last_tensor(header)]["dtype"] = "Q7"
+
     edit_header(ck / SHARD2, edit)
     return Expect([SHARD2], "dtype")
 
@@ -461,6 +493,7 @@ def _(sandbox, ck):
     def edit(header):
         name = last_tensor(header)
         header[name]["shape"] = [-1, -1 * header[name]["shape"][0] * header[name]["shape"][-1]]
+
     edit_header(ck / SHARD2, edit)
     return Expect([SHARD2], "shape")
 
@@ -469,11 +502,13 @@ def _(sandbox, ck):
 def _(sandbox, ck):
     def edit(header):
         header[last_tensor(header)] = "garbage"
+
     edit_header(ck / SHARD2, edit)
     return Expect([SHARD2], "malformed")
 
 
 # scales
+
 
 @case("nan-scale", source="nan", cli=True)
 def _(sandbox, ck):
@@ -495,12 +530,14 @@ def _(sandbox, ck):
     # store q_proj's [2, 2] grid as [1, 4]: same bytes, wrong shape
     def edit(header):
         header["model.layers.0.self_attn.q_proj.weight_scale_inv"]["shape"] = [1, 4]
+
     shard = json.loads((ck / INDEX).read_text())["weight_map"]["model.layers.0.self_attn.q_proj.weight_scale_inv"]
     edit_header(ck / shard, edit)
     return Expect([shard, "q_proj"], "shape|grid")
 
 
 # config.json and quantization_config
+
 
 def set_quant(ck: Path, value) -> None:
     edit_json(ck / "config.json", lambda config: config.__setitem__("quantization_config", value))
@@ -533,8 +570,14 @@ def _(sandbox, ck):
 @case("quant-config-ct-fp8-garbage-activations")
 def _(sandbox, ck):
     weights = {"num_bits": 8, "type": "float", "strategy": "tensor"}
-    set_quant(ck, {"quant_method": "compressed-tensors", "format": "float-quantized",
-                   "config_groups": {"group_0": {"weights": weights, "input_activations": "garbage"}}})
+    set_quant(
+        ck,
+        {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {"group_0": {"weights": weights, "input_activations": "garbage"}},
+        },
+    )
     return Expect(["config.json"], "no supported format|unknown|unsupported|malformed|invalid|activations")
 
 
@@ -601,8 +644,14 @@ def block_size_case(name: str, value, cli: bool = False) -> None:
 
 for _name, _value in [("0", 0), ("x", "x"), ("three-values", [1, 2, 3])]:
     block_size_case(_name, _value, cli=True)
-for _name, _value in [("empty", []), ("negative", [-32, 32]), ("float", [32.0, 32]), ("bool", True), ("null", None),
-                      ("object", {"rows": 32})]:
+for _name, _value in [
+    ("empty", []),
+    ("negative", [-32, 32]),
+    ("float", [32.0, 32]),
+    ("bool", True),
+    ("null", None),
+    ("object", {"rows": 32}),
+]:
     block_size_case(_name, _value)
 
 
@@ -615,6 +664,7 @@ def _(sandbox, ck):
 
 
 # the index
+
 
 @case("index-without-weight-map", cli=True)
 def _(sandbox, ck):
@@ -648,6 +698,7 @@ def _(sandbox, ck):
 
 # the command line
 
+
 @case("directory-missing")
 def _(sandbox, ck):
     shutil.rmtree(ck)
@@ -679,38 +730,50 @@ def _(sandbox, ck):
 
 @case("gen-out-is-a-file")
 def _(sandbox, ck):
-    return Expect([str(ck / "config.json")], "exists|not empty|not a directory",
-                  args=["gen", *SOURCES["sharded"], "--out", str(ck / "config.json")])
+    return Expect(
+        [str(ck / "config.json")],
+        "exists|not empty|not a directory",
+        args=["gen", *SOURCES["sharded"], "--out", str(ck / "config.json")],
+    )
 
 
 @case("gen-unknown-set-key", cli=True)
 def _(sandbox, ck):
-    return Expect(["no_such_knob"], "unknown",
-                  args=["gen", *FP8, "--set", "no_such_knob=3", "--out", str(sandbox / "new")])
+    return Expect(
+        ["no_such_knob"], "unknown", args=["gen", *FP8, "--set", "no_such_knob=3", "--out", str(sandbox / "new")]
+    )
 
 
 @case("gen-set-without-value")
 def _(sandbox, ck):
-    return Expect(["hidden_size"], "KEY=VALUE",
-                  args=["gen", *FP8, "--set", "hidden_size", "--out", str(sandbox / "new")])
+    return Expect(
+        ["hidden_size"], "KEY=VALUE", args=["gen", *FP8, "--set", "hidden_size", "--out", str(sandbox / "new")]
+    )
 
 
 @case("gen-set-bad-choice")
 def _(sandbox, ck):
-    return Expect(["nonfinite_scale"], "expected one of",
-                  args=["gen", *FP8, "--set", "nonfinite_scale=sometimes", "--out", str(sandbox / "new")])
+    return Expect(
+        ["nonfinite_scale"],
+        "expected one of",
+        args=["gen", *FP8, "--set", "nonfinite_scale=sometimes", "--out", str(sandbox / "new")],
+    )
 
 
 @case("gen-unknown-format", cli=True)
 def _(sandbox, ck):
-    return Expect(["awq"], "unknown format",
-                  args=["gen", "--format", "awq", "--arch", "llama", "--out", str(sandbox / "new")])
+    return Expect(
+        ["awq"], "unknown format", args=["gen", "--format", "awq", "--arch", "llama", "--out", str(sandbox / "new")]
+    )
 
 
 @case("gen-unknown-arch", cli=True)
 def _(sandbox, ck):
-    return Expect(["mamba"], "unknown arch",
-                  args=["gen", "--format", "fp8-block", "--arch", "mamba", "--out", str(sandbox / "new")])
+    return Expect(
+        ["mamba"],
+        "unknown arch",
+        args=["gen", "--format", "fp8-block", "--arch", "mamba", "--out", str(sandbox / "new")],
+    )
 
 
 # --- running them ------------------------------------------------------------------------------------------
@@ -762,8 +825,11 @@ def results(request, tmp_path_factory) -> Results:
         prepared[name] = Result(expect, sandbox, before=snapshot(sandbox))
     beside_before = sorted(os.listdir(root.parent)) + sorted(os.listdir(root))
     with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
-        running = {name: pool.submit(run_cli, result.expect.args, result.sandbox)
-                   for name, result in prepared.items() if CASES[name].cli}
+        running = {
+            name: pool.submit(run_cli, result.expect.args, result.sandbox)
+            for name, result in prepared.items()
+            if CASES[name].cli
+        }
         for name, result in prepared.items():
             if not CASES[name].cli:
                 result.process = run_main(result.expect.args)
@@ -803,7 +869,8 @@ def test_bad_input_is_refused_in_one_line(name, results):
     assert result.after == result.before, (
         f"the sandbox changed: added {sorted(set(result.after) - set(result.before))}, "
         f"removed {sorted(set(result.before) - set(result.after))}, "
-        f"modified {sorted(k for k in result.before if k in result.after and result.before[k] != result.after[k])}")
+        f"modified {sorted(k for k in result.before if k in result.after and result.before[k] != result.after[k])}"
+    )
 
 
 def test_nothing_written_beside_the_sandboxes(results):

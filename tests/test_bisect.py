@@ -25,8 +25,9 @@ from tests.doubles import planted_loader
 
 def cli(*args, timeout=1800):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "harness", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "harness", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 @pytest.fixture
@@ -49,11 +50,14 @@ def test_versions_from_a_find_links_directory(wheels):
     assert versions_between(listed, "1.6.0", "1.3.0") == ["1.6.0", "1.5.0", "1.4.0", "1.3.0"]
 
 
-@pytest.mark.parametrize("good, bad, problem", [
-    ("1.0.0", "1.0.0", "same version"),
-    ("0.9.0", "1.6.0", "0.9.0 is not released"),
-    ("1.0.0", "banana", "not a PEP 440 version"),
-])
+@pytest.mark.parametrize(
+    "good, bad, problem",
+    [
+        ("1.0.0", "1.0.0", "same version"),
+        ("0.9.0", "1.6.0", "0.9.0 is not released"),
+        ("1.0.0", "banana", "not a PEP 440 version"),
+    ],
+)
 def test_bad_version_ranges(good, bad, problem):
     with pytest.raises(HarnessError, match=problem):
         versions_between(["1.0.0", "1.6.0"], good, bad)
@@ -105,25 +109,57 @@ def test_only_skips_left_names_the_candidates():
     assert result.candidates == ["1.1.0", "1.2.0", "1.3.0", "1.4.0", "1.5.0", "1.6.0"]
 
 
-@pytest.mark.parametrize("results, problem", [
-    ({**outcomes("1.0.0")}, "the good version 1.0.0 is bad"),
-    ({**outcomes("1.4.0"), "1.6.0": GOOD}, "the bad version 1.6.0 is good"),
-    ({**outcomes("1.4.0"), "1.0.0": SKIP}, "the good version 1.0.0 cannot be tested"),
-])
+@pytest.mark.parametrize(
+    "results, problem",
+    [
+        ({**outcomes("1.0.0")}, "the good version 1.0.0 is bad"),
+        ({**outcomes("1.4.0"), "1.6.0": GOOD}, "the bad version 1.6.0 is good"),
+        ({**outcomes("1.4.0"), "1.0.0": SKIP}, "the good version 1.0.0 cannot be tested"),
+    ],
+)
 def test_inconsistent_ends(results, problem):
     test, tested = fake(results)
     result = bisect_versions(VERSIONS, test)
     assert result.first_bad is None and problem in result.message
 
 
-@pytest.mark.parametrize("args, problem", [
-    (["--case", "no-such-case", "--package", "x", "--good", "1", "--bad", "2"], "no such case"),
-    (["--case", "transformers-fp8-block-aligned-agrees", "--package", "x", "--good", "1", "--bad", "2",
-      "--engine", "nope"], "unknown engine"),
-    (["--case", "transformers-fp8-block-aligned-agrees", "--package", "planted_loader", "--good", "0.1",
-      "--bad", "1.6.0", "--find-links", "WHEELS"], "0.1 is not released"),
-    (["--package", "x"], "required"),
-])
+@pytest.mark.parametrize(
+    "args, problem",
+    [
+        (["--case", "no-such-case", "--package", "x", "--good", "1", "--bad", "2"], "no such case"),
+        (
+            [
+                "--case",
+                "transformers-fp8-block-aligned-agrees",
+                "--package",
+                "x",
+                "--good",
+                "1",
+                "--bad",
+                "2",
+                "--engine",
+                "nope",
+            ],
+            "unknown engine",
+        ),
+        (
+            [
+                "--case",
+                "transformers-fp8-block-aligned-agrees",
+                "--package",
+                "planted_loader",
+                "--good",
+                "0.1",
+                "--bad",
+                "1.6.0",
+                "--find-links",
+                "WHEELS",
+            ],
+            "0.1 is not released",
+        ),
+        (["--package", "x"], "required"),
+    ],
+)
 def test_usage_errors_exit_2_in_one_line(wheels, args, problem):
     result = cli("bisect", *[str(wheels) if a == "WHEELS" else a for a in args], timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
@@ -138,8 +174,21 @@ def test_bisect_finds_the_planted_regression(wheels, tmp_path):
     case = tmp_path / "planted.toml"
     case.write_text(planted_loader.CASE)
     cache = tmp_path / "cache"
-    result = cli("bisect", "--case", case, "--package", "planted_loader", "--good", "1.0.0", "--bad", "1.6.0",
-                 "--find-links", wheels, "--cache", cache)
+    result = cli(
+        "bisect",
+        "--case",
+        case,
+        "--package",
+        "planted_loader",
+        "--good",
+        "1.0.0",
+        "--bad",
+        "1.6.0",
+        "--find-links",
+        wheels,
+        "--cache",
+        cache,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "first bad version of planted_loader: 1.4.0 (last good: 1.3.0)" in output

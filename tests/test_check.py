@@ -31,8 +31,9 @@ CASE_FILES = sorted(CHECKS_DIR.glob("*.toml"))
 
 def cli(*args, timeout=900):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "harness", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "harness", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def write_case(tmp_path: Path, text: str) -> Path:
@@ -60,20 +61,23 @@ def test_at_least_three_cases_check_known_issues():
     assert len([p for p in CASE_FILES if load_case_file(p).known_issue]) >= 3
 
 
-@pytest.mark.parametrize("text, problem", [
-    ('engine = "transformers"\ncolour = "red"\n' + RECIPE, "unknown key"),
-    ('engine = "transformers"\nexpect = "maybe"\n' + RECIPE, "expect"),
-    ('engine = "transformers"\nexpect = "finding"\n' + RECIPE, "needs `kind`"),
-    ('engine = "transformers"\nexpect = "finding"\nkind = "wrong-kind"\n' + RECIPE, "unknown finding kind"),
-    ('engine = "transformers"\nkind = "load-error"\n' + RECIPE, "belong to expect"),
-    ('engine = "transformers"\nknown_issue = "no-such-issue"\n' + RECIPE, "no known issue"),
-    ('engine = "transformers"\n', "needs a [recipe]"),
-    ('engine = "transformers"\n' + RECIPE + 'colour = "red"\n', "unknown recipe key"),
-    ('engine = "transformers"\n' + RECIPE + 'set = ["block_size=64", "wobble=1"]\n', "unknown setting 'wobble'"),
-    ('engine = "transformers"\n' + RECIPE.replace("fp8-block", "fp9"), "unknown format"),
-    (RECIPE, "no engine"),
-    ('engine = "transformers"\nthis is not toml', "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ('engine = "transformers"\ncolour = "red"\n' + RECIPE, "unknown key"),
+        ('engine = "transformers"\nexpect = "maybe"\n' + RECIPE, "expect"),
+        ('engine = "transformers"\nexpect = "finding"\n' + RECIPE, "needs `kind`"),
+        ('engine = "transformers"\nexpect = "finding"\nkind = "wrong-kind"\n' + RECIPE, "unknown finding kind"),
+        ('engine = "transformers"\nkind = "load-error"\n' + RECIPE, "belong to expect"),
+        ('engine = "transformers"\nknown_issue = "no-such-issue"\n' + RECIPE, "no known issue"),
+        ('engine = "transformers"\n', "needs a [recipe]"),
+        ('engine = "transformers"\n' + RECIPE + 'colour = "red"\n', "unknown recipe key"),
+        ('engine = "transformers"\n' + RECIPE + 'set = ["block_size=64", "wobble=1"]\n', "unknown setting 'wobble'"),
+        ('engine = "transformers"\n' + RECIPE.replace("fp8-block", "fp9"), "unknown format"),
+        (RECIPE, "no engine"),
+        ('engine = "transformers"\nthis is not toml', "not valid TOML"),
+    ],
+)
 def test_bad_case_files_are_one_line_errors(tmp_path, text, problem):
     with pytest.raises(Exception) as raised:
         load_case(str(write_case(tmp_path, text)))
@@ -82,8 +86,11 @@ def test_bad_case_files_are_one_line_errors(tmp_path, text, problem):
 
 
 def test_set_uses_the_gen_vocabulary(tmp_path):
-    path = write_case(tmp_path, 'engine = "transformers"\n[recipe]\nformat = "fp8-block"\narch = "qwen2"\n'
-                      'set = ["hidden_size=200", "block_size=64", "shards=1", "zero_block=true"]\n')
+    path = write_case(
+        tmp_path,
+        'engine = "transformers"\n[recipe]\nformat = "fp8-block"\narch = "qwen2"\n'
+        'set = ["hidden_size=200", "block_size=64", "shards=1", "zero_block=true"]\n',
+    )
     recipe = load_case_file(path).recipe
     assert recipe.config == {"hidden_size": 200} and recipe.knobs == {"block_size": 64}
     assert recipe.layout == {"shards": 1} and recipe.perturb == {"zero_block": True}
@@ -117,23 +124,29 @@ MISMATCH = CheckCase("c", "c", "transformers", expect="finding", kinds=["weight-
 REFUSED = CheckCase("c", "c", "transformers", expect="finding", kinds=["load-error"], message="divisible by scale")
 
 
-@pytest.mark.parametrize("case, result, code", [
-    (AGREE, result_with(), EXIT_GOOD),
-    (AGREE, result_with(findings=[("weight-mismatch", "x")]), EXIT_BAD),
-    (AGREE, result_with("failed", [("load-error", "boom")]), EXIT_BAD),
-    (AGREE, result_with("unavailable"), EXIT_CANNOT_TEST),
-    (AGREE, result_with("unsupported"), EXIT_CANNOT_TEST),
-    (AGREE, result_with(reference_status="failed"), EXIT_CANNOT_TEST),
-    (AGREE, result_with(detail="partly unsupported: no kernel"), EXIT_CANNOT_TEST),
-    (MISMATCH, result_with(findings=[("weight-mismatch", "x"), ("logprobs", "y")]), EXIT_BAD),
-    (MISMATCH, result_with(), EXIT_GOOD),
-    # another bug (a refusal) is not this one: the silent mismatch is absent
-    (MISMATCH, result_with("failed", [("load-error", "must be divisible by block sizes")]), EXIT_GOOD),
-    (MISMATCH, result_with("failed", [("engine-crash", "exited with status 139")]), EXIT_CANNOT_TEST),
-    (REFUSED, result_with("failed", [("load-error", "Weight shape (200, 160) not divisible by scale grid")]),
-     EXIT_BAD),
-    (REFUSED, result_with("failed", [("load-error", "must be divisible by block sizes")]), EXIT_GOOD),
-])
+@pytest.mark.parametrize(
+    "case, result, code",
+    [
+        (AGREE, result_with(), EXIT_GOOD),
+        (AGREE, result_with(findings=[("weight-mismatch", "x")]), EXIT_BAD),
+        (AGREE, result_with("failed", [("load-error", "boom")]), EXIT_BAD),
+        (AGREE, result_with("unavailable"), EXIT_CANNOT_TEST),
+        (AGREE, result_with("unsupported"), EXIT_CANNOT_TEST),
+        (AGREE, result_with(reference_status="failed"), EXIT_CANNOT_TEST),
+        (AGREE, result_with(detail="partly unsupported: no kernel"), EXIT_CANNOT_TEST),
+        (MISMATCH, result_with(findings=[("weight-mismatch", "x"), ("logprobs", "y")]), EXIT_BAD),
+        (MISMATCH, result_with(), EXIT_GOOD),
+        # another bug (a refusal) is not this one: the silent mismatch is absent
+        (MISMATCH, result_with("failed", [("load-error", "must be divisible by block sizes")]), EXIT_GOOD),
+        (MISMATCH, result_with("failed", [("engine-crash", "exited with status 139")]), EXIT_CANNOT_TEST),
+        (
+            REFUSED,
+            result_with("failed", [("load-error", "Weight shape (200, 160) not divisible by scale grid")]),
+            EXIT_BAD,
+        ),
+        (REFUSED, result_with("failed", [("load-error", "must be divisible by block sizes")]), EXIT_GOOD),
+    ],
+)
 def test_judge(case, result, code):
     assert judge_case(case, result).code == code
 
@@ -147,8 +160,15 @@ def test_known_issues_do_not_excuse(tmp_path):
 # ---------------------------------------------------------------- the CLI: exit codes
 
 
-@pytest.mark.parametrize("args", [[], ["no-such-case"], ["transformers-fp8-block-aligned-agrees", "--engine", "nope"],
-                                  ["transformers-fp8-block-aligned-agrees", "--bogus"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["no-such-case"],
+        ["transformers-fp8-block-aligned-agrees", "--engine", "nope"],
+        ["transformers-fp8-block-aligned-agrees", "--bogus"],
+    ],
+)
 def test_user_errors_exit_125_in_one_line(args):
     result = cli("check", *args, timeout=120)
     assert result.returncode == EXIT_CANNOT_TEST, result.stderr
@@ -167,11 +187,26 @@ def test_reproduction_directory_good(tmp_path):
     """A directory as `run --report` leaves it in repro/, the engine taken from report.json."""
     report = tmp_path / "report"
     directory = report / "repro" / "transformers-weight-mismatch-fp8-block"
-    made = cli("gen", "--format", "fp8-block", "--arch", "llama", "--out", directory,
-               "--set", "num_hidden_layers=1", "--set", "intermediate_size=256", timeout=300)
+    made = cli(
+        "gen",
+        "--format",
+        "fp8-block",
+        "--arch",
+        "llama",
+        "--out",
+        directory,
+        "--set",
+        "num_hidden_layers=1",
+        "--set",
+        "intermediate_size=256",
+        timeout=300,
+    )
     assert made.returncode == 0, made.stderr
-    (report / "report.json").write_text(json.dumps({"findings": [
-        {"engine": "transformers", "kind": "weight-mismatch", "reproduction": str(directory)}]}))
+    (report / "report.json").write_text(
+        json.dumps(
+            {"findings": [{"engine": "transformers", "kind": "weight-mismatch", "reproduction": str(directory)}]}
+        )
+    )
     result = cli("check", directory)
     assert result.returncode == EXIT_GOOD, result.stdout + result.stderr
     assert "verdict: good" in result.stdout

@@ -155,8 +155,20 @@ def test_header_of_a_directory_or_fifo_is_refused(tmp_path):
 
 def test_every_accepted_dtype_round_trips_through_safetensors(tmp_path):
     """DTYPE_BYTES agrees with what safetensors itself writes."""
-    dtypes = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-              torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2]
+    dtypes = [
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    ]
     tensors = {str(d): torch.zeros(3, 5, dtype=d) for d in dtypes}
     path = tmp_path / "x.safetensors"
     save_file(tensors, str(path))
@@ -173,13 +185,16 @@ def test_read_json(tmp_path):
     assert read_json(tmp_path / "c.json", "config") == {"a": [1, 2.5, None]}
 
 
-@pytest.mark.parametrize("content, problem", [
-    (b"{", "not valid JSON"),
-    (b"\xff\xfe{}", "not valid JSON"),
-    (b"[" * 100_000, "not valid JSON"),
-    (b"1" * 5000, "not valid JSON"),
-    (b"", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (b"{", "not valid JSON"),
+        (b"\xff\xfe{}", "not valid JSON"),
+        (b"[" * 100_000, "not valid JSON"),
+        (b"1" * 5000, "not valid JSON"),
+        (b"", "not valid JSON"),
+    ],
+)
 def test_read_json_refuses_non_json(tmp_path, content, problem):
     (tmp_path / "c.json").write_bytes(content)
     error = refusal(read_json, tmp_path / "c.json", "config.json")
@@ -224,8 +239,9 @@ def test_contained_file_works_through_a_symlinked_checkpoint_directory(tree, tmp
     assert contained_file(tmp_path / "alias", "a.safetensors", "shard") == tmp_path / "alias" / "a.safetensors"
 
 
-@pytest.mark.parametrize("name", ["../outside.safetensors", "sub/../../outside.safetensors", "/etc/passwd",
-                                  "sub/../../ck/a.safetensors"])
+@pytest.mark.parametrize(
+    "name", ["../outside.safetensors", "sub/../../outside.safetensors", "/etc/passwd", "sub/../../ck/a.safetensors"]
+)
 def test_contained_file_refuses_names_that_escape(tree, name):
     error = refusal(contained_file, tree, name, "shard")
     assert error.path == str(tree / INDEX_FILE)  # the index named it: the index is at fault
@@ -295,8 +311,10 @@ def sharded(tmp_path):
     save_file({"a": TENSORS["a"]}, str(tmp_path / "s1.safetensors"))
     (tmp_path / "sub").mkdir()
     save_file({"b": TENSORS["b"], "c": TENSORS["c"]}, str(tmp_path / "sub" / "s2.safetensors"))
-    index = {"metadata": {}, "weight_map": {"a": "s1.safetensors", "b": "sub/s2.safetensors",
-                                            "c": "sub/s2.safetensors"}}
+    index = {
+        "metadata": {},
+        "weight_map": {"a": "s1.safetensors", "b": "sub/s2.safetensors", "c": "sub/s2.safetensors"},
+    }
     (tmp_path / INDEX_FILE).write_text(json.dumps(index))
     return tmp_path
 
@@ -340,14 +358,17 @@ def test_the_index_names_a_tensor_the_shard_lacks(sharded):
     assert error.path == str(sharded / "s1.safetensors") and "'d'" in error.problem
 
 
-@pytest.mark.parametrize("index, problem", [
-    ({"metadata": {}}, "no weight_map"),
-    ({"weight_map": []}, "not a JSON object"),
-    ({"weight_map": {}}, "empty"),
-    ([], "not a JSON object"),
-    ({"weight_map": {"a": 3}}, "not a file name"),
-    ({"weight_map": {"a": "../s1.safetensors"}}, "escapes"),
-])
+@pytest.mark.parametrize(
+    "index, problem",
+    [
+        ({"metadata": {}}, "no weight_map"),
+        ({"weight_map": []}, "not a JSON object"),
+        ({"weight_map": {}}, "empty"),
+        ([], "not a JSON object"),
+        ({"weight_map": {"a": 3}}, "not a file name"),
+        ({"weight_map": {"a": "../s1.safetensors"}}, "escapes"),
+    ],
+)
 def test_bad_indexes(sharded, index, problem):
     (sharded / INDEX_FILE).write_text(json.dumps(index))
     error = refusal(Checkpoint, sharded)
@@ -418,8 +439,24 @@ def test_hugging_face_cache_snapshot_symlinks_into_blobs_are_accepted(tmp_path):
     from harness.checkpoints.reader import Checkpoint
 
     source = tmp_path / "source"
-    subprocess.run([sys.executable, "-m", "harness", "gen", "--format", "fp8-block", "--arch", "llama",
-                    "--out", str(source), "--set", "num_hidden_layers=1"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "gen",
+            "--format",
+            "fp8-block",
+            "--arch",
+            "llama",
+            "--out",
+            str(source),
+            "--set",
+            "num_hidden_layers=1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     repo = tmp_path / "hub" / "models--org--tiny"
     blobs, snapshot = repo / "blobs", repo / "snapshots" / "abc123"
     blobs.mkdir(parents=True)

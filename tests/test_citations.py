@@ -7,11 +7,22 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CITING = ["README.md", "tox.ini", "pyproject.toml", ".ci/run", *map(str, Path(ROOT).glob("cases/**/*.toml")),
-          *Path(ROOT).glob("**/*.md"), *Path(ROOT).glob("tests/**/*.py"), *Path(ROOT).glob("harness/**/*.py"),
-          *Path(ROOT).glob(".github/workflows/*.yml"), *Path(ROOT).glob("scripts/*")]
-PATH = re.compile(r"(?<![\w./-])((?:harness|tests|scripts|docs|benchmarks|cases|golden|models|\.github)/"
-                  r"[\w./-]*[\w])")
+CITING = [
+    "README.md",
+    "tox.ini",
+    "pyproject.toml",
+    ".ci/run",
+    *map(str, Path(ROOT).glob("cases/**/*.toml")),
+    *Path(ROOT).glob("**/*.md"),
+    *Path(ROOT).glob("tests/**/*.py"),
+    *Path(ROOT).glob("harness/**/*.py"),
+    *Path(ROOT).glob(".github/workflows/*.yml"),
+    *Path(ROOT).glob("scripts/*"),
+]
+PATH = re.compile(
+    r"(?<![\w./-])((?:harness|tests|scripts|docs|benchmarks|cases|golden|models|\.github)/"
+    r"[\w./-]*[\w])"
+)
 
 
 def cited_paths() -> dict[str, set[str]]:
@@ -23,8 +34,11 @@ def cited_paths() -> dict[str, set[str]]:
         for match in PATH.finditer(content):
             text = match.group(1).rstrip(".")
             end = match.end(1)
-            placeholder = any(c in text for c in "<>*{}$") or any(c in content[end:end + 2] for c in "<{*") \
-                or any(part.isupper() for part in text.split("/"))  # models/NAME, results/dequant-<host>.json
+            placeholder = (
+                any(c in text for c in "<>*{}$")
+                or any(c in content[end : end + 2] for c in "<{*")
+                or any(part.isupper() for part in text.split("/"))
+            )  # models/NAME, results/dequant-<host>.json
             if not placeholder:
                 cited.setdefault(text, set()).add(str(source.relative_to(ROOT)))
     return cited
@@ -32,8 +46,9 @@ def cited_paths() -> dict[str, set[str]]:
 
 def test_every_cited_path_exists():
     missing = {path: sorted(sources) for path, sources in cited_paths().items() if not (ROOT / path).exists()}
-    assert not missing, "cited but not in the repository:\n" + "\n".join(f"{p} (in {', '.join(s)})"
-                                                                        for p, s in sorted(missing.items()))
+    assert not missing, "cited but not in the repository:\n" + "\n".join(
+        f"{p} (in {', '.join(s)})" for p, s in sorted(missing.items())
+    )
 
 
 def test_the_scan_sees_the_citations():

@@ -16,15 +16,27 @@ DROPPED = "tests.doubles.buggy_engines:DroppedScaleEngine"
 
 def cli(*args, timeout=900):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "harness", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "harness", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ckpt") / "fp8"
-    result = cli("gen", "--format", "fp8-block", "--arch", "llama", "--out", directory,
-                 "--set", "num_hidden_layers=1", "--set", "intermediate_size=256")
+    result = cli(
+        "gen",
+        "--format",
+        "fp8-block",
+        "--arch",
+        "llama",
+        "--out",
+        directory,
+        "--set",
+        "num_hidden_layers=1",
+        "--set",
+        "intermediate_size=256",
+    )
     assert result.returncode == 0, result.stderr
     return directory
 
@@ -59,21 +71,32 @@ def test_compare_refuses_bad_engine_names_in_one_line(checkpoint):
 
 
 def test_run_campaign_shrinks_a_new_finding_and_leaves_its_reproduction(tmp_path):
-    result = cli("run", "--engines", f"reference,{DROPPED}", "--formats", "fp8-block", "--archs", "llama",
-                 "--max-examples", "3", "--report", tmp_path / "r")
+    result = cli(
+        "run",
+        "--engines",
+        f"reference,{DROPPED}",
+        "--formats",
+        "fp8-block",
+        "--archs",
+        "llama",
+        "--max-examples",
+        "3",
+        "--report",
+        tmp_path / "r",
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     repro = {f["reproduction"] for f in report["findings"] if f["kind"] == "dropped-scale"}
     assert len(repro) == 1
-    manifest = json.loads((tmp_path / "r" / "repro").joinpath(
-        next(iter(repro)).rsplit("/", 1)[-1], "harness_manifest.json").read_text())
+    manifest = json.loads(
+        (tmp_path / "r" / "repro").joinpath(next(iter(repro)).rsplit("/", 1)[-1], "harness_manifest.json").read_text()
+    )
     assert manifest["recipe"]["format"] == "fp8-block"
     assert "reproduce: python -m harness compare" in result.stdout
 
 
 def test_run_with_agreeing_engines_exits_0(tmp_path):
-    result = cli("run", "--engines", "reference", "--formats", "ct-fp8-channel", "--max-examples", "2",
-                 "--no-shrink")
+    result = cli("run", "--engines", "reference", "--formats", "ct-fp8-channel", "--max-examples", "2", "--no-shrink")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 new" in result.stdout
 

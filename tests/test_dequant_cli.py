@@ -22,9 +22,10 @@ from harness.oracle.reference import dequantize_checkpoint, dequantized_names
 def sharded_checkpoint(tmp_path_factory):
     """Odd shapes, partial edge blocks, two shards, a VLM key prefix: the writer sees every layout."""
     directory = tmp_path_factory.mktemp("dequant") / "ckpt"
-    recipe = apply_settings(Recipe(format="fp8-block", arch="qwen2", seed=3),
-                            ["hidden_size=200", "intermediate_size=160", "block_size=64", "shards=2",
-                             "key_prefix=model.language_model."])
+    recipe = apply_settings(
+        Recipe(format="fp8-block", arch="qwen2", seed=3),
+        ["hidden_size=200", "intermediate_size=160", "block_size=64", "shards=2", "key_prefix=model.language_model."],
+    )
     generate(recipe, directory)
     return directory
 
@@ -55,9 +56,11 @@ def test_float64_dequant_equals_the_generators_truth(sharded_checkpoint, tmp_pat
 
 
 def test_streamed_file_reads_like_one_safetensors_writes(tmp_path):
-    tensors = {f"t.{dtype}": torch.arange(6, dtype=torch.float32).reshape(2, 3).to(dtype) for dtype in DTYPE_NAMES
-               if dtype.is_floating_point} | {"scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4),
-                                              "flags": torch.tensor([True, False])}
+    tensors = {
+        f"t.{dtype}": torch.arange(6, dtype=torch.float32).reshape(2, 3).to(dtype)
+        for dtype in DTYPE_NAMES
+        if dtype.is_floating_point
+    } | {"scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "flags": torch.tensor([True, False])}
     path = tmp_path / "s.safetensors"
     with StreamingSafetensorsWriter(path, list(tensors), {"producer": "test"}) as writer:
         for name, tensor in reversed(tensors.items()):  # any order
@@ -71,7 +74,7 @@ def test_streamed_file_reads_like_one_safetensors_writes(tmp_path):
         assert handle.metadata() == {"producer": "test"}
     header_length = struct.unpack("<Q", path.read_bytes()[:8])[0]
     assert header_length % 8 == 0
-    json.loads(path.read_bytes()[8:8 + header_length])  # valid JSON, padding included
+    json.loads(path.read_bytes()[8 : 8 + header_length])  # valid JSON, padding included
 
 
 def test_writer_refuses_what_was_not_declared(tmp_path):

@@ -14,7 +14,8 @@ def test_a_deep_path_does_not_cut_off_the_diagnosis():
 
 def test_a_bare_announcement_takes_its_next_line():
     assert first_line("ValueError:\n  the block grid is 3x4, expected 4x3\n more") == (
-        "ValueError: the block grid is 3x4, expected 4x3")
+        "ValueError: the block grid is 3x4, expected 4x3"
+    )
 
 
 def test_a_runaway_message_is_bounded():

@@ -24,7 +24,8 @@ def assert_tensors_equal(got: dict[str, torch.Tensor], truth: dict[str, torch.Te
     """Same names; each tensor float64 and bit-for-bit the truth."""
     __tracebackhide__ = True
     assert sorted(got) == sorted(truth), (
-        f"reference yields {sorted(set(got) - set(truth))} beyond the truth and misses {sorted(set(truth) - set(got))}")
+        f"reference yields {sorted(set(got) - set(truth))} beyond the truth and misses {sorted(set(truth) - set(got))}"
+    )
     for name, expected in truth.items():
         tensor = got[name]
         assert tensor.dtype == torch.float64, f"{name}: reference gave {tensor.dtype}, expected float64"
@@ -34,7 +35,8 @@ def assert_tensors_equal(got: dict[str, torch.Tensor], truth: dict[str, torch.Te
             worst = int(diff.nan_to_num(float("inf")).argmax())
             raise AssertionError(
                 f"{name}: {int((tensor != expected).sum())} of {expected.numel()} values differ; at flat index "
-                f"{worst}: reference {tensor.flatten()[worst].item()!r}, truth {expected.flatten()[worst].item()!r}")
+                f"{worst}: reference {tensor.flatten()[worst].item()!r}, truth {expected.flatten()[worst].item()!r}"
+            )
 
 
 def assert_refusal_is_justified(error: CheckpointError, manifest: dict) -> None:
@@ -57,7 +59,8 @@ def assert_layout(directory: Path, manifest: dict) -> None:
     names = checkpoint.names()
     modules, plain = group_modules(names, fmt)
     assert sorted(modules) == sorted(manifest["modules"]), (
-        f"quantized modules in the checkpoint {sorted(modules)} != manifest {sorted(manifest['modules'])}")
+        f"quantized modules in the checkpoint {sorted(modules)} != manifest {sorted(manifest['modules'])}"
+    )
     weight_suffix = fmt.suffixes[0]
     for module, parts in modules.items():
         assert weight_suffix in parts and fmt.marker in parts, f"{module} has only {sorted(parts)}"
@@ -68,7 +71,8 @@ def assert_layout(directory: Path, manifest: dict) -> None:
     truth_names = set(load_file(str(directory / TRUTH_FILE)))
     expected_plain = truth_names - {f"{m}.weight" for m in modules}
     assert set(plain) == expected_plain, (
-        f"plain tensors: extra {sorted(set(plain) - expected_plain)}, missing {sorted(expected_plain - set(plain))}")
+        f"plain tensors: extra {sorted(set(plain) - expected_plain)}, missing {sorted(expected_plain - set(plain))}"
+    )
     index = directory / INDEX_FILE
     if layout["shards"] == 1:
         assert not index.exists() and (directory / SINGLE_FILE).is_file(), "one shard must be a lone model.safetensors"
@@ -79,7 +83,8 @@ def assert_layout(directory: Path, manifest: dict) -> None:
     assert sorted(set(weight_map.values())) == shards, f"index names {sorted(set(weight_map.values()))}, disk {shards}"
     stored = {name for header in checkpoint.headers.values() for name in header}
     assert set(weight_map) == stored, (
-        f"index misses {sorted(stored - set(weight_map))}, lists absent {sorted(set(weight_map) - stored)}")
+        f"index misses {sorted(stored - set(weight_map))}, lists absent {sorted(set(weight_map) - stored)}"
+    )
 
 
 def assert_same_files(first: Path, second: Path) -> None:

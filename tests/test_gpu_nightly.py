@@ -14,18 +14,26 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu-nightly"
 def test_cpu_fallback_writes_results(tmp_path):
     out = tmp_path / "nested" / "results.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, str(SCRIPT), str(out), "--formats", "fp8-block,ct-nvfp4a16",
-                             "--size", "128"], capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), "--formats", "fp8-block,ct-nvfp4a16", "--size", "128"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     results = json.loads(out.read_text())
     assert results["fallback"] is True and results["machine"]["device"] == "cpu" and results["errors"] == []
     agreement = results["dequant_agreement"]
     assert {r["format"] for r in agreement} == {"fp8-block", "ct-nvfp4a16"}
-    assert any(r["name"].startswith("case:") for r in agreement) and any(r["name"].startswith("promoted:")
-                                                                          for r in agreement)
+    assert any(r["name"].startswith("case:") for r in agreement) and any(
+        r["name"].startswith("promoted:") for r in agreement
+    )
     assert all(r["status"] in ("bit-exact", "refused") and r["max_ulps"] == 0 for r in agreement)
-    assert {e: r["status"] for e, r in results["engines"].items()} == {"transformers-cuda": "skipped",
-                                                                       "vllm": "skipped"}
+    assert {e: r["status"] for e, r in results["engines"].items()} == {
+        "transformers-cuda": "skipped",
+        "vllm": "skipped",
+    }
     assert all("no CUDA device" in r["reason"] for r in results["engines"].values())
     assert [r["format"] for r in results["throughput"]] == ["fp8-block", "ct-nvfp4a16"]
     assert all(r["dequant_best_s"] > 0 and r["copy_best_s"] > 0 for r in results["throughput"])

@@ -7,8 +7,22 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "harness"
 #: bottom first; a module may import its own layer and any layer before it, never one after
-LAYERS = ("core", "formats", "checkpoints", "oracle", "lm", "engines", "fixes", "differential", "campaign",
-          "gates", "lanes", "commands", "pytest_plugin", "__main__")
+LAYERS = (
+    "core",
+    "formats",
+    "checkpoints",
+    "oracle",
+    "lm",
+    "engines",
+    "fixes",
+    "differential",
+    "campaign",
+    "gates",
+    "lanes",
+    "commands",
+    "pytest_plugin",
+    "__main__",
+)
 
 
 def layer_of(module: str) -> str:
@@ -28,9 +42,12 @@ def imports(path: Path) -> set[str]:
 
 
 def test_every_module_belongs_to_a_layer():
-    stray = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
-             if layer_of("harness." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts)) not in LAYERS
-             and p.name != "__init__.py"]
+    stray = [
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if layer_of("harness." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts)) not in LAYERS
+        and p.name != "__init__.py"
+    ]
     assert not stray, f"modules outside every layer (add the folder to LAYERS): {stray}"
 
 

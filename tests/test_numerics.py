@@ -32,8 +32,9 @@ def test_e4m3_table_landmarks():
 
 
 def test_encode_e4m3_saturates():
-    assert torch.equal(encode_e4m3(torch.tensor([1e6, -1e6])).to(torch.float64), torch.tensor([448.0, -448.0],
-                                                                                                dtype=torch.float64))
+    assert torch.equal(
+        encode_e4m3(torch.tensor([1e6, -1e6])).to(torch.float64), torch.tensor([448.0, -448.0], dtype=torch.float64)
+    )
 
 
 def test_e2m1_table_values():
@@ -83,8 +84,9 @@ def dense_sweep() -> torch.Tensor:
     every_bf16 = bits.view(torch.bfloat16).to(torch.float32)
     every_bf16 = every_bf16[torch.isfinite(every_bf16)]
     midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
-    near = torch.cat([midpoints, torch.nextafter(midpoints, torch.zeros(8)),
-                      torch.nextafter(midpoints, torch.full((8,), 10.0))])
+    near = torch.cat(
+        [midpoints, torch.nextafter(midpoints, torch.zeros(8)), torch.nextafter(midpoints, torch.full((8,), 10.0))]
+    )
     dense = torch.linspace(-7, 7, 200_001)
     values = torch.cat([every_bf16, near, -near, dense])
     return values[: values.numel() // 2 * 2]

@@ -16,15 +16,33 @@ PLUGIN = Path(__file__).resolve().parent / "plugins" / "toy_int8.py"
 
 
 def harness(*args: str, plugins: str = str(PLUGIN), **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "HARNESS_PLUGINS": plugins, **env})
+    return subprocess.run(
+        [sys.executable, "-m", "harness", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HARNESS_PLUGINS": plugins, **env},
+    )
 
 
 @pytest.fixture(scope="module")
 def toy_checkpoint(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("toy") / "ckpt"
-    done = harness("gen", "--format", "toy-int8", "--arch", "qwen2", "--seed", "3", "--out", str(directory),
-                   "--set", "hidden_size=96", "--set", "shards=2")
+    done = harness(
+        "gen",
+        "--format",
+        "toy-int8",
+        "--arch",
+        "qwen2",
+        "--seed",
+        "3",
+        "--out",
+        str(directory),
+        "--set",
+        "hidden_size=96",
+        "--set",
+        "shards=2",
+    )
     assert done.returncode == 0, done.stderr
     return directory
 
@@ -55,8 +73,9 @@ def test_the_buggy_toy_loader_is_caught(toy_checkpoint, tmp_path):
 def test_a_plugin_that_cannot_load_is_one_line_and_exit_2(tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("raise RuntimeError('boom')\n")
-    done = harness("gen", "--format", "fp8-block", "--arch", "llama", "--out", str(tmp_path / "out"),
-                   plugins=str(broken))
+    done = harness(
+        "gen", "--format", "fp8-block", "--arch", "llama", "--out", str(tmp_path / "out"), plugins=str(broken)
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "cannot load plugin" in done.stderr and "boom" in done.stderr and len(done.stderr.splitlines()) == 1
     assert not (tmp_path / "out").exists()

@@ -34,10 +34,17 @@ BLOCK_FORMATS = tuple(n for n in FORMAT_NAMES if "block_rows" in get_format(n).k
 TRANSPOSABLE_FORMATS = tuple(n for n in FORMAT_NAMES if "scale_layout" in get_format(n).knobs)
 CONVENTION_FORMATS = tuple(n for n in FORMAT_NAMES if "global_scale_convention" in get_format(n).knobs)
 WHOLE_GROUP_FORMATS = tuple(n for n in FORMAT_NAMES if column_multiple(n) > 1)
-KNOB_CHOICES = [(name, knob, choice) for name in FORMAT_NAMES
-                for knob, spec in get_format(name).knobs.items() for choice in spec.choices]
-PERTURB_VALUES = [(key, value) for key, default in PERTURB_DEFAULTS.items()
-                  for value in ((False, True) if isinstance(default, bool) else PERTURB_CHOICES[key])]
+KNOB_CHOICES = [
+    (name, knob, choice)
+    for name in FORMAT_NAMES
+    for knob, spec in get_format(name).knobs.items()
+    for choice in spec.choices
+]
+PERTURB_VALUES = [
+    (key, value)
+    for key, default in PERTURB_DEFAULTS.items()
+    for value in ((False, True) if isinstance(default, bool) else PERTURB_CHOICES[key])
+]
 
 
 def reach(strategy, condition):
@@ -77,8 +84,7 @@ def test_layer_counts(layers):
 @pytest.mark.parametrize("attention_bias", [False, True])
 @pytest.mark.parametrize("mlp_bias", [False, True])
 def test_llama_biases(attention_bias, mlp_bias):
-    reach(architectures(("llama",)),
-          lambda a: (a[1]["attention_bias"], a[1]["mlp_bias"]) == (attention_bias, mlp_bias))
+    reach(architectures(("llama",)), lambda a: (a[1]["attention_bias"], a[1]["mlp_bias"]) == (attention_bias, mlp_bias))
 
 
 def test_fully_biased_llama_biases_every_projection():
@@ -101,8 +107,12 @@ def test_attention_width_tied_to_hidden_size():
 @pytest.mark.parametrize("kind", DIMENSION_CLASSES)
 def test_every_dimension_class(block, kind):
     size = reach(dimensions(block), lambda s: dimension_class(s, block) == kind)
-    assert {"smaller-than-block": size < block, "block-plus-one": size == block + 1,
-            "blocks-plus-partial": size > 2 * block and size % block, "exact-multiple": size % block == 0}[kind]
+    assert {
+        "smaller-than-block": size < block,
+        "block-plus-one": size == block + 1,
+        "blocks-plus-partial": size > 2 * block and size % block,
+        "exact-multiple": size % block == 0,
+    }[kind]
 
 
 @given(block=st.sampled_from(BLOCK_EDGES), multiple_of=st.sampled_from((1, 2, 4, 8, 16)), data=st.data())

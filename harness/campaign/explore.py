@@ -45,9 +45,17 @@ class Campaign:
     counts: dict[tuple, int] = field(default_factory=dict)
 
 
-def run_campaign(engines: list[str], formats: tuple[str, ...] | None, archs: tuple[str, ...] | None,
-                 max_examples: int, work: Path, session: EngineSession, known: KnownIssues,
-                 shrink: bool = True, progress=sys.stderr) -> Campaign:
+def run_campaign(
+    engines: list[str],
+    formats: tuple[str, ...] | None,
+    archs: tuple[str, ...] | None,
+    max_examples: int,
+    work: Path,
+    session: EngineSession,
+    known: KnownIssues,
+    shrink: bool = True,
+    progress=sys.stderr,
+) -> Campaign:
     campaign = Campaign()
     examples_dir = work / "examples"
     started = time.monotonic()
@@ -63,8 +71,10 @@ def run_campaign(engines: list[str], formats: tuple[str, ...] | None, archs: tup
         campaign.results.append(result)
         new = [f for f in result.findings if not f.known_issue]
         elapsed = time.monotonic() - started
-        line = (f"[{campaign.examples:4d} examples, {elapsed:6.0f} s] {recipe.format:<15} {recipe.arch:<6} "
-                f"{len(result.findings)} finding(s), {len(campaign.minimal)} new signature(s) so far")
+        line = (
+            f"[{campaign.examples:4d} examples, {elapsed:6.0f} s] {recipe.format:<15} {recipe.arch:<6} "
+            f"{len(result.findings)} finding(s), {len(campaign.minimal)} new signature(s) so far"
+        )
         if progress.isatty():
             print("\r" + line, end="   ", file=progress, flush=True)
         elif campaign.examples % 10 == 1:

@@ -12,8 +12,13 @@ from harness.differential.runner import CheckpointResult, EngineSession, evaluat
 from harness.engines import judged_with_reference
 
 
-def replay_recipe(recipe: Recipe, directory: Path, session: EngineSession,
-                  known: KnownIssues | None = None, engines: list[str] | None = None) -> CheckpointResult:
+def replay_recipe(
+    recipe: Recipe,
+    directory: Path,
+    session: EngineSession,
+    known: KnownIssues | None = None,
+    engines: list[str] | None = None,
+) -> CheckpointResult:
     if not directory.exists():
         generate(recipe, directory)
     return evaluate(directory, session, known, engines)

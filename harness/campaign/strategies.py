@@ -108,12 +108,18 @@ def model_sizes(draw, block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE), col
         width = draw(dimensions(cols, width_multiple))
     event(f"hidden_size: {dimension_class(hidden, cols)}")
     event(f"intermediate_size: {dimension_class(intermediate, rows)}")
-    return {"hidden_size": hidden, "intermediate_size": intermediate, "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads, "head_dim": width // heads}
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": width // heads,
+    }
 
 
-def architectures(archs=None, block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE),
-                  column_multiple: int = 1) -> st.SearchStrategy[tuple[str, dict]]:
+def architectures(
+    archs=None, block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE), column_multiple: int = 1
+) -> st.SearchStrategy[tuple[str, dict]]:
     """(architecture name, config overrides): sizes from `model_sizes`, 1-2 layers, tied
     embeddings or not, and every boolean the architecture adds (llama's attention_bias and
     mlp_bias; both set bias every projection; qwen2 always biases q/k/v)."""
@@ -203,8 +209,10 @@ def _mostly(default: Any, values: tuple) -> st.SearchStrategy:
     return st.one_of(st.just(default), st.sampled_from(values))
 
 
-PERTURBATION_VALUES = {key: _mostly(default, (False, True) if isinstance(default, bool) else PERTURB_CHOICES[key])
-                       for key, default in PERTURB_DEFAULTS.items()}
+PERTURBATION_VALUES = {
+    key: _mostly(default, (False, True) if isinstance(default, bool) else PERTURB_CHOICES[key])
+    for key, default in PERTURB_DEFAULTS.items()
+}
 
 
 @cache  # one strategy object per arguments: Hypothesis validates each new one
@@ -244,10 +252,19 @@ def _recipes(draw, formats: tuple[str, ...], archs: tuple[str, ...]) -> Recipe:
     event(f"format: {name}")
     knobs = draw(format_knobs(name))
     arch, config = draw(architectures(archs, size_edges(name, knobs), column_multiple(name)))
-    recipe = Recipe(format=name, arch=arch, seed=draw(SEEDS), config=config, knobs=knobs,
-                    layout=draw(layouts()), perturb=draw(perturbations()))
+    recipe = Recipe(
+        format=name,
+        arch=arch,
+        seed=draw(SEEDS),
+        config=config,
+        knobs=knobs,
+        layout=draw(layouts()),
+        perturb=draw(perturbations()),
+    )
     if knobs.get("scale_layout") == "transposed":
         grids = scale_grids(recipe).values()
-        event(f"transposed grids: {'some' if any(r != c for r, c in grids) else 'no'} non-square, "
-              f"{'some' if any(r == c > 1 for r, c in grids) else 'no'} square > 1x1")
+        event(
+            f"transposed grids: {'some' if any(r != c for r, c in grids) else 'no'} non-square, "
+            f"{'some' if any(r == c > 1 for r, c in grids) else 'no'} square > 1x1"
+        )
     return recipe

@@ -47,7 +47,9 @@ def judge_reference(directory: str | Path) -> Verdict:
     truth = read_truth(directory, manifest)
     if set(got) != set(truth):
         missing, extra = sorted(set(truth) - set(got)), sorted(set(got) - set(truth))
-        return Verdict(directory, manifest["expectation"], f"MISMATCH: names differ (missing {missing[:3]}, extra {extra[:3]})")
+        return Verdict(
+            directory, manifest["expectation"], f"MISMATCH: names differ (missing {missing[:3]}, extra {extra[:3]})"
+        )
     worst = max(float((got[n] - truth[n]).abs().max()) if got[n].numel() else 0.0 for n in truth)
     exact = all(torch.equal(got[n], truth[n]) for n in truth)
     return Verdict(directory, manifest["expectation"], "exact" if exact else "MISMATCH: values differ", worst)

@@ -24,8 +24,15 @@ TINY_DEFAULTS: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 @dataclass(frozen=True)
@@ -42,8 +49,15 @@ class Architecture:
             if key not in values:
                 raise KeyError(key)
             values[key] = value
-        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "vocab_size"):
+        for key in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+        ):
             if not isinstance(values[key], int) or isinstance(values[key], bool) or values[key] < 1:
                 raise ValueError(f"{key} must be a positive integer, got {values[key]!r}")
         if values["hidden_size"] % values["num_attention_heads"]:

@@ -31,9 +31,25 @@ MAX_JSON_BYTES = 64 * 2**20
 
 #: bytes per element of each safetensors dtype this reader accepts (sub-byte dtypes are refused)
 DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1,
-    "F8_E8M0": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4,
-    "U64": 8, "I64": 8, "F64": 8, "C64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2FNUZ": 1,
+    "F8_E8M0": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+    "C64": 8,
 }
 
 
@@ -91,7 +107,7 @@ def read_json(path: Path, what: str) -> Any:
         raise CheckpointError(path, f"{what} is not valid JSON ({error})") from None
 
 
-def read_safetensors_header(path: Path) -> dict[str, dict]:
+def read_safetensors_header(path: Path) -> dict[str, dict]:  # noqa: C901  (one branch per refusal of untrusted bytes)
     """Parse and check a safetensors header without trusting it; tensor name -> entry.
 
     Checks what the safetensors library would refuse later, so that the refusal names the
@@ -108,11 +124,16 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
                 raise CheckpointError(path, f"truncated: {size} bytes, not even a header length")
             (header_length,) = struct.unpack("<Q", prefix)
             if header_length > MAX_HEADER_BYTES:
-                raise CheckpointError(path, f"header length {header_length} is absurd (the limit is "
-                                            f"{MAX_HEADER_BYTES}; the file has {size} bytes)")
+                raise CheckpointError(
+                    path,
+                    f"header length {header_length} is absurd (the limit is "
+                    f"{MAX_HEADER_BYTES}; the file has {size} bytes)",
+                )
             if header_length > size - 8:
-                raise CheckpointError(path, f"truncated: header length {header_length} exceeds the "
-                                            f"{size - 8} bytes after the length field")
+                raise CheckpointError(
+                    path,
+                    f"truncated: header length {header_length} exceeds the {size - 8} bytes after the length field",
+                )
             raw = handle.read(header_length)
     except OSError as error:
         raise CheckpointError(path, f"cannot be read ({error.strerror or error})") from None
@@ -125,9 +146,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     if not isinstance(header, dict):
         raise CheckpointError(path, "header is not a JSON object")
     metadata = header.pop("__metadata__", None)
-    if metadata is not None and not (
-        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
-    ):
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise CheckpointError(path, "header __metadata__ is not a map of strings")
     data_size = size - 8 - header_length
     ranges = []
@@ -139,19 +158,28 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
             raise CheckpointError(path, f"tensor {name!r} has unsupported dtype {dtype!r}")
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
             raise CheckpointError(path, f"tensor {name!r} has an invalid shape {shape!r}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(_is_int(o) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
             raise CheckpointError(path, f"tensor {name!r} has invalid data_offsets {offsets!r}")
         start, end = offsets
         count = 1
         for dim in shape:
             count *= dim
         if end - start != count * DTYPE_BYTES[dtype]:
-            raise CheckpointError(path, f"tensor {name!r} data_offsets {offsets} hold {end - start} bytes "
-                                        f"but shape {shape} {dtype} needs {count * DTYPE_BYTES[dtype]}")
+            raise CheckpointError(
+                path,
+                f"tensor {name!r} data_offsets {offsets} hold {end - start} bytes "
+                f"but shape {shape} {dtype} needs {count * DTYPE_BYTES[dtype]}",
+            )
         if end > data_size:
-            raise CheckpointError(path, f"truncated: tensor {name!r} data_offsets {offsets} extend past the "
-                                        f"{data_size} data bytes in the file")
+            raise CheckpointError(
+                path,
+                f"truncated: tensor {name!r} data_offsets {offsets} extend past the {data_size} data bytes in the file",
+            )
         ranges.append((start, end, name))
     position = 0
     for start, end, name in sorted(ranges):
@@ -191,8 +219,7 @@ def contained_file(directory: Path, name: Any, what: str, referrer: Path | None 
     except (OSError, RuntimeError) as error:  # RuntimeError: a symlink loop (Python < 3.13)
         raise CheckpointError(path, f"{what} cannot be resolved ({error})") from None
     if not (real_path.is_relative_to(real_directory) or _in_hub_cache_blobs(directory, real_path)):
-        raise CheckpointError(path, f"{what} {name!r} is a symlink to {real_path}, outside the checkpoint "
-                                    "directory")
+        raise CheckpointError(path, f"{what} {name!r} is a symlink to {real_path}, outside the checkpoint directory")
     _regular_file(path, what)
     return path
 

@@ -117,7 +117,7 @@ def apply_settings(recipe: Recipe, assignments: list[str]) -> Recipe:
         if not sep or not key:
             raise HarnessError(f"--set expects KEY=VALUE, got '{assignment}'")
         value = parse_value(text)
-        if arch and (key in arch.settings({}) ):
+        if arch and (key in arch.settings({})):
             recipe.config[key] = value
         elif fmt and (key in fmt.knobs or key == "block_size"):
             recipe.knobs[key] = value
@@ -126,7 +126,8 @@ def apply_settings(recipe: Recipe, assignments: list[str]) -> Recipe:
         elif key in PERTURB_DEFAULTS:
             recipe.perturb[key] = value
         else:
-            known = sorted({*(arch.settings({}) if arch else {}), *(fmt.knobs if fmt else {}),
-                            *LAYOUT_DEFAULTS, *PERTURB_DEFAULTS})
+            known = sorted(
+                {*(arch.settings({}) if arch else {}), *(fmt.knobs if fmt else {}), *LAYOUT_DEFAULTS, *PERTURB_DEFAULTS}
+            )
             raise HarnessError(f"unknown setting '{key}' (known: {', '.join(known)})")
     return recipe

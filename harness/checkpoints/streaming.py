@@ -15,9 +15,20 @@ from pathlib import Path
 
 import torch
 
-DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-               torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64",
-               torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+DTYPE_NAMES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 #: an entry's length beyond its quoted name: dtype, up to 8 dimensions and 2 offsets of 20 digits each
 ENTRY_BOUND = len('{"dtype":"F8_E4M3","shape":[],"data_offsets":[,]},') + 8 * 21 + 2 * 20 + 8
 ALIGNMENT = 8  # the data starts on an 8-byte boundary, as safetensors' own writer does
@@ -45,8 +56,11 @@ class StreamingSafetensorsWriter:
             raise ValueError(f"{name}: dtype {tensor.dtype} has no safetensors name")
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         self.file.write(memoryview(data))
-        self.entries[name] = {"dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
-                              "data_offsets": [self.offset, self.offset + data.nbytes]}
+        self.entries[name] = {
+            "dtype": DTYPE_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [self.offset, self.offset + data.nbytes],
+        }
         self.offset += data.nbytes
 
     def close(self) -> None:
@@ -55,8 +69,9 @@ class StreamingSafetensorsWriter:
             missing = [name for name in self.expected if name not in self.entries]
             if missing:
                 raise ValueError(f"{len(missing)} declared tensor(s) never written, e.g. {missing[0]}")
-            header = json.dumps(({"__metadata__": self.metadata} if self.metadata else {}) | self.entries,
-                                separators=(",", ":")).encode()
+            header = json.dumps(
+                ({"__metadata__": self.metadata} if self.metadata else {}) | self.entries, separators=(",", ":")
+            ).encode()
             if len(header) > self.room:  # cannot happen with ENTRY_BOUND; never write a corrupt file
                 raise ValueError(f"header of {len(header)} bytes exceeds the {self.room} reserved")
             self.file.seek(0)

@@ -16,8 +16,9 @@ BYTE_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 
 def byte_symbols() -> list[str]:
     """GPT-2's printable stand-ins for the 256 byte values (the ByteLevel alphabet)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     codes = printable[:]
     extra = 0
     for byte in range(256):
@@ -38,8 +39,15 @@ def write_tokenizer(directory: Path, vocab_size: int) -> None:
     if vocab_size < BYTE_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be at least {BYTE_VOCAB_SIZE} for the byte-level tokenizer")
     added = [
-        {"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": True}
+        {
+            "id": i,
+            "content": token,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
         for i, token in enumerate(SPECIAL_TOKENS)
     ]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": True}
@@ -52,9 +60,18 @@ def write_tokenizer(directory: Path, vocab_size: int) -> None:
         "pre_tokenizer": byte_level,
         "post_processor": None,
         "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
-                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
-                  "ignore_merges": False, "vocab": vocabulary(), "merges": []},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": "",
+            "end_of_word_suffix": "",
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocabulary(),
+            "merges": [],
+        },
     }
     (directory / "tokenizer.json").write_text(json.dumps(tokenizer, indent=1, ensure_ascii=False))
     config = {

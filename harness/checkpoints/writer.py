@@ -58,7 +58,9 @@ def float_weights(resolved: ResolvedRecipe) -> dict[str, torch.Tensor]:
     return weights
 
 
-def perturb_weight(weight: torch.Tensor, block: tuple[int, int], perturb: dict, fmt, knobs) -> tuple[torch.Tensor, list[str]]:
+def perturb_weight(
+    weight: torch.Tensor, block: tuple[int, int], perturb: dict, fmt, knobs
+) -> tuple[torch.Tensor, list[str]]:
     """Weight-level perturbations, applied before quantization so the truth includes them."""
     notes = []
     weight = weight.clone()
@@ -143,8 +145,9 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
         weight, notes = perturb_weight(weight, block, resolved.perturb, fmt, resolved.knobs)
         originals[name] = weight
         try:
-            quantized = fmt.quantize(weight, resolved.knobs, model_dtype=dtype,
-                                     activation_amax=resolved.layout["activation_amax"])
+            quantized = fmt.quantize(
+                weight, resolved.knobs, model_dtype=dtype, activation_amax=resolved.layout["activation_amax"]
+            )
         except FormatError as error:
             raise HarnessError(f"{recipe.format} cannot quantize {name} {list(weight.shape)}: {error}") from None
         quantized.notes[:0] = notes
@@ -158,15 +161,17 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
             scale = next(s for s in quantized.tensors if s != weight_name)
             split_pairs[f"{module}.{scale}"] = f"{module}.{weight_name}"
         truth[name] = quantized.truth
-        modules[module] = {"shape": list(weight.shape), "expectation": quantized.expectation,
-                           "notes": quantized.notes}
+        modules[module] = {"shape": list(weight.shape), "expectation": quantized.expectation, "notes": quantized.notes}
     checkpoint_notes = []
     prefix = resolved.layout["key_prefix"]
     if prefix == VLM_PREFIX:
-        checkpoint_notes.append("keys stored under 'model.language_model.': a text-model loader must map "
-                                "them onto 'model.' or refuse the checkpoint, never load random weights")
+        checkpoint_notes.append(
+            "keys stored under 'model.language_model.': a text-model loader must map "
+            "them onto 'model.' or refuse the checkpoint, never load random weights"
+        )
     expectation = combined_expectation(
-        [m["expectation"] for m in modules.values()] + (["exact-or-refuse"] if checkpoint_notes else []))
+        [m["expectation"] for m in modules.values()] + (["exact-or-refuse"] if checkpoint_notes else [])
+    )
 
     rename = {name: rename_key(name, prefix) for name in tensors}
     names = [rename[n] for n in tensors]
@@ -177,8 +182,9 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
     config = arch.config_json(resolved.settings, resolved.layout["dtype"])
     config["quantization_config"] = fmt.quantization_config(resolved.knobs, IGNORED_MODULES)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}, indent=2) + "\n"
+    )
     write_tokenizer(out, resolved.settings["vocab_size"])
 
     (out / TRUTH_DIR).mkdir()
@@ -187,8 +193,12 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
     manifest = {
         "harness_version": __version__,
         "recipe": recipe.to_json(),
-        "resolved": {"config": resolved.settings, "knobs": resolved.knobs, "layout": resolved.layout,
-                     "perturb": resolved.perturb},
+        "resolved": {
+            "config": resolved.settings,
+            "knobs": resolved.knobs,
+            "layout": resolved.layout,
+            "perturb": resolved.perturb,
+        },
         "format": recipe.format,
         "expectation": expectation,
         "notes": checkpoint_notes,
@@ -200,8 +210,9 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def _write_shards(out: Path, tensors: dict[str, torch.Tensor], names: list[str], shards: int,
-                  split_pairs: dict[str, str]) -> None:
+def _write_shards(
+    out: Path, tensors: dict[str, torch.Tensor], names: list[str], shards: int, split_pairs: dict[str, str]
+) -> None:
     if shards == 1:
         save_file({n: tensors[n].contiguous() for n in names}, str(out / SINGLE_FILE), metadata={"format": "pt"})
         return

@@ -32,8 +32,10 @@ def command_gen(args) -> int:
         raise HarnessError(f"unknown architecture '{args.arch}' (known: {', '.join(ARCHITECTURES)})")
     recipe = apply_settings(Recipe(format=args.format, arch=args.arch, seed=args.seed), args.set or [])
     manifest = generate(recipe, args.out)
-    print(f"wrote {args.out}: {args.format} {args.arch}, {len(manifest['modules'])} quantized modules, "
-          f"expectation {manifest['expectation']}")
+    print(
+        f"wrote {args.out}: {args.format} {args.arch}, {len(manifest['modules'])} quantized modules, "
+        f"expectation {manifest['expectation']}"
+    )
     return EXIT_OK
 
 
@@ -132,10 +134,13 @@ def command_compare(args) -> int:
             item.command = reproduce_command(directory.resolve(), item.engine)
         print_outcomes(result)
         if args.report:
-            engines_info = {e: {"version": session.versions.get(e, ""), "status": session.unavailable.get(e, "ran")}
-                            for e in engines}
-            path = write_report(Path(args.report), result.findings, [checkpoint_json(result)], engines_info,
-                                f"compare {directory}")
+            engines_info = {
+                e: {"version": session.versions.get(e, ""), "status": session.unavailable.get(e, "ran")}
+                for e in engines
+            }
+            path = write_report(
+                Path(args.report), result.findings, [checkpoint_json(result)], engines_info, f"compare {directory}"
+            )
             print(f"report: {path} and {path.with_suffix('.md')}")
     new = [f for f in result.findings if not f.known_issue]
     return EXIT_FINDING if new else EXIT_OK
@@ -144,8 +149,12 @@ def command_compare(args) -> int:
 def checkpoint_json(result) -> dict:
     from dataclasses import asdict
 
-    return {"directory": result.directory, "format": result.format, "expectation": result.expectation,
-            "outcomes": {e: asdict(o) for e, o in result.outcomes.items()}}
+    return {
+        "directory": result.directory,
+        "format": result.format,
+        "expectation": result.expectation,
+        "outcomes": {e: asdict(o) for e, o in result.outcomes.items()},
+    }
 
 
 def print_outcomes(result) -> None:
@@ -192,8 +201,10 @@ def command_run(args) -> int:
         report = Path(args.report) if args.report else None
         work = (report / "work") if report else Path(scratch)
         session = EngineSession(engines, work, Limits(args.timeout, args.memory_mb))
-        print(f"campaign: {len(formats)} format(s) x {len(archs)} arch(s), engines {', '.join(engines)}, "
-              f"profile {args.profile}, {max_examples} examples" + ("" if args.shrink else ", no shrinking"))
+        print(
+            f"campaign: {len(formats)} format(s) x {len(archs)} arch(s), engines {', '.join(engines)}, "
+            f"profile {args.profile}, {max_examples} examples" + ("" if args.shrink else ", no shrinking")
+        )
         try:
             campaign = run_campaign(engines, formats, archs, max_examples, work, session, known, shrink=args.shrink)
         finally:
@@ -220,10 +231,17 @@ def command_run(args) -> int:
         if report:
             from harness.commands.cli import checkpoint_json
 
-            engines_info = {e: {"version": session.versions.get(e, ""), "status": session.unavailable.get(e, "ran")}
-                            for e in engines}
-            path = write_report(report, findings, [checkpoint_json(r) for r in campaign.results[-50:]],
-                                engines_info, f"run: {campaign.examples} examples")
+            engines_info = {
+                e: {"version": session.versions.get(e, ""), "status": session.unavailable.get(e, "ran")}
+                for e in engines
+            }
+            path = write_report(
+                report,
+                findings,
+                [checkpoint_json(r) for r in campaign.results[-50:]],
+                engines_info,
+                f"run: {campaign.examples} examples",
+            )
             print(f"report: {path} and {path.with_suffix('.md')}")
     new = sum(1 for s in campaign.counts if s in campaign.minimal)
     print(f"{campaign.examples} examples, {len(campaign.counts)} finding signature(s), {new} new")
@@ -238,8 +256,10 @@ def command_fixes(args) -> int:
         print(f"{fix.name}: {fix.repairs}")
         print(f"  applies to: {', '.join(fix.engines)} {fix.versions}; formats {', '.join(fix.formats)}")
         print(f"  detection: {fix.detection}")
-        print(f"  apply: {fix.apply.__module__}.{fix.apply.__name__}(model, checkpoint_dir)"
-              + (f"; hook: {fix.hook.__module__}.{fix.hook.__name__}" if fix.hook else ""))
+        print(
+            f"  apply: {fix.apply.__module__}.{fix.apply.__name__}(model, checkpoint_dir)"
+            + (f"; hook: {fix.hook.__module__}.{fix.hook.__name__}" if fix.hook else "")
+        )
         if fix.known_issues or fix.report:
             print(f"  repairs: {', '.join([*fix.known_issues, *([f'report {fix.report}'] if fix.report else [])])}")
     print(f"{len(fixes)} fix module(s)")
@@ -258,22 +278,36 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--arch", required=True, help=" or ".join(ARCHITECTURES))
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--out", required=True, help="output directory (created; must be empty)")
-    gen.add_argument("--set", action="append", metavar="KEY=VALUE",
-                     help="config size (hidden_size=200), format knob (block_size=64), layout (shards=3) "
-                          "or perturbation (zero_block=true); repeatable")
+    gen.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="config size (hidden_size=200), format knob (block_size=64), layout (shards=3) "
+        "or perturbation (zero_block=true); repeatable",
+    )
     gen.set_defaults(run=command_gen)
 
-    dequant = commands.add_parser("dequant", help="reference-dequantize a checkpoint to safetensors (float32 by default), one tensor in memory at a time")
+    dequant = commands.add_parser(
+        "dequant",
+        help="reference-dequantize a checkpoint to safetensors (float32 by default), one tensor in memory at a time",
+    )
     dequant.add_argument("directory", help="checkpoint directory (format detected from config.json)")
     dequant.add_argument("--out", required=True, help="output .safetensors file")
-    dequant.add_argument("--dtype", choices=DEQUANT_DTYPES, default="float32",
-                         help="dtype written (default float32; float64 keeps the reference's exact values)")
+    dequant.add_argument(
+        "--dtype",
+        choices=DEQUANT_DTYPES,
+        default="float32",
+        help="dtype written (default float32; float64 keeps the reference's exact values)",
+    )
     dequant.set_defaults(run=command_dequant)
 
     compare = commands.add_parser("compare", help="load one checkpoint in several engines and judge each")
     compare.add_argument("directory", help="checkpoint directory (generated or not)")
-    compare.add_argument("--engines", default="reference,transformers",
-                         help="comma-separated: reference, transformers, compressed-tensors, vllm, or package.module:Class")
+    compare.add_argument(
+        "--engines",
+        default="reference,transformers",
+        help="comma-separated: reference, transformers, compressed-tensors, vllm, or package.module:Class",
+    )
     compare.add_argument("--report", help="write OUTDIR/report.json and report.md here")
     compare.add_argument("--timeout", type=float, default=600.0, help="seconds an engine may take per request")
     compare.add_argument("--memory-mb", type=float, default=16000.0, help="resident memory limit per engine worker")
@@ -291,8 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--memory-mb", type=float, default=16000.0)
     run.set_defaults(run=command_run)
 
-    sweep = commands.add_parser("sweep", help="gen + dequant every format x architecture at odd sizes, "
-                                "judged against the recorded truth")
+    sweep = commands.add_parser(
+        "sweep", help="gen + dequant every format x architecture at odd sizes, judged against the recorded truth"
+    )
     sweep.add_argument("--out", required=True, help="output directory (created; must be empty)")
     sweep.add_argument("--seed", type=int, default=0)
     sweep.set_defaults(run=command_sweep)
@@ -328,6 +363,5 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # a bug in the harness: still one line, unless debugging
         if os.environ.get("HARNESS_DEBUG"):
             raise
-        print(f"internal error: {type(error).__name__}: {error} (set HARNESS_DEBUG=1 for a traceback)",
-              file=sys.stderr)
+        print(f"internal error: {type(error).__name__}: {error} (set HARNESS_DEBUG=1 for a traceback)", file=sys.stderr)
         return EXIT_ERROR

@@ -21,8 +21,10 @@ EXIT_OK, EXIT_FAIL, EXIT_ERROR, EXIT_UNTESTABLE = 0, 1, 2, 125
 GOLDEN_FORMATS = FORMAT_NAMES
 
 #: goldens read outside the model x format x engine matrix, and by what
-OTHER_READERS = {("tiny-qwen2", "bf16", "vllm"): "tests/fixes/test_materialize_meta_only.py (online FP8 loads "
-                                                  "of the bf16 model, clobbered and repaired)"}
+OTHER_READERS = {
+    ("tiny-qwen2", "bf16", "vllm"): "tests/fixes/test_materialize_meta_only.py (online FP8 loads "
+    "of the bf16 model, clobbered and repaired)"
+}
 
 
 def loaded_scorer(session, engine: str, directory: Path, fmt: str):
@@ -47,8 +49,14 @@ def loaded_scorer(session, engine: str, directory: Path, fmt: str):
 
 def provenance(session, engine: str, producer: str, command: str) -> dict:
     info = session.infos.get(engine, {})
-    return {"engine_version": session.versions.get(engine, ""), "isa": info.get("isa", ""),
-            "threads": int(info.get("threads", 0)), "dtype": "bfloat16", "producer": producer, "command": command}
+    return {
+        "engine_version": session.versions.get(engine, ""),
+        "isa": info.get("isa", ""),
+        "threads": int(info.get("threads", 0)),
+        "dtype": "bfloat16",
+        "producer": producer,
+        "command": command,
+    }
 
 
 def unsupported_record(session, model: str, fmt: str, engine: str, why: str) -> dict:
@@ -57,9 +65,15 @@ def unsupported_record(session, model: str, fmt: str, engine: str, why: str) -> 
 
     from harness.core.machine import isa_class
 
-    return {"model": model, "format": fmt, "engine": engine, "reason": why.removeprefix("unsupported: "),
-            "engine_version": session.versions.get(engine, ""), "isa": isa_class(),
-            "date": datetime.date.today().isoformat()}
+    return {
+        "model": model,
+        "format": fmt,
+        "engine": engine,
+        "reason": why.removeprefix("unsupported: "),
+        "engine_version": session.versions.get(engine, ""),
+        "isa": isa_class(),
+        "date": datetime.date.today().isoformat(),
+    }
 
 
 def command_quantize(args) -> int:
@@ -121,8 +135,14 @@ def command_gate(args) -> int:
     model, fmt = model_and_format(directory)
     with scorer_for(args, directory, fmt) as (scorer, session):
         command = f"python -m harness gate {directory} --engine {args.engine} --update-golden"
-        verdict = gate(scorer, model, fmt, args.engine, update=args.update_golden,
-                       provenance=provenance(session, args.engine, "harness", command))
+        verdict = gate(
+            scorer,
+            model,
+            fmt,
+            args.engine,
+            update=args.update_golden,
+            provenance=provenance(session, args.engine, "harness", command),
+        )
     print(f"{model} / {fmt} / {args.engine}")
     print(verdict)
     if verdict.skipped:
@@ -160,21 +180,30 @@ def command_golden(args) -> int:
                         if scorer is None:
                             print(f"{model:<11} {fmt:<15} {engine:<19} skipped ({why[:90]})")
                             if why.startswith("unsupported: "):
-                                could_not_run[(model, fmt, engine)] = unsupported_record(session, model, fmt,
-                                                                                         engine, why)
+                                could_not_run[(model, fmt, engine)] = unsupported_record(
+                                    session, model, fmt, engine, why
+                                )
                             continue
                         expected.add((model, fmt, engine))
-                        command = (f"python -m harness golden --update --models {model} --formats {fmt} "
-                                   f"--engines {engine}")
-                        verdict = gate(scorer, model, fmt, engine, update=args.update,
-                                       provenance=provenance(session, engine, "harness", command))
+                        command = (
+                            f"python -m harness golden --update --models {model} --formats {fmt} --engines {engine}"
+                        )
+                        verdict = gate(
+                            scorer,
+                            model,
+                            fmt,
+                            engine,
+                            update=args.update,
+                            provenance=provenance(session, engine, "harness", command),
+                        )
                         if verdict.skipped:
                             skipped += 1
                             print(f"{model:<11} {fmt:<15} {engine:<19} SKIP: {verdict.skipped}")
                             continue
                         failed += not verdict.ok
-                        print(f"{model:<11} {fmt:<15} {engine:<19} {'PASS' if verdict.ok else 'FAIL'}: "
-                              f"{verdict.lines[0]}")
+                        print(
+                            f"{model:<11} {fmt:<15} {engine:<19} {'PASS' if verdict.ok else 'FAIL'}: {verdict.lines[0]}"
+                        )
                         if not verdict.ok:
                             print("\n".join("    " + line for line in verdict.lines[1:]))
         finally:
@@ -197,17 +226,21 @@ def add_parsers(commands) -> None:
     quantize.add_argument("--producer", default="harness", choices=["harness", "compressed-tensors"])
     quantize.set_defaults(run=command_quantize)
 
-    for name, function, text in (("ppl", command_ppl, "perplexity on the held-out slice and greedy continuations"),
-                                 ("gate", command_gate, "judge a tiny model's variant against its goldens "
-                                  "(exit 0 pass, 1 fail, 2 error)")):
+    for name, function, text in (
+        ("ppl", command_ppl, "perplexity on the held-out slice and greedy continuations"),
+        ("gate", command_gate, "judge a tiny model's variant against its goldens (exit 0 pass, 1 fail, 2 error)"),
+    ):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("directory")
         sub.add_argument("--engine", default="reference")
         sub.add_argument("--timeout", type=float, default=600.0)
         sub.add_argument("--memory-mb", type=float, default=16000.0)
         if name == "gate":
-            sub.add_argument("--update-golden", action="store_true",
-                             help="rewrite the golden from this run (the gate still fails once)")
+            sub.add_argument(
+                "--update-golden",
+                action="store_true",
+                help="rewrite the golden from this run (the gate still fails once)",
+            )
         sub.set_defaults(run=function)
 
     golden = commands.add_parser("golden", help="gate every tiny model x format x engine; report orphaned goldens")

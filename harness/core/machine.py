@@ -10,8 +10,13 @@ from functools import cache
 from pathlib import Path
 
 #: most capable first: the class a CPU belongs to is the first whose flags it has
-ISA_CLASSES = (("amx-fp8", {"amx_fp8"}), ("amx", {"amx_tile", "amx_bf16"}), ("avx512-bf16", {"avx512_bf16"}),
-               ("avx512", {"avx512f"}), ("avx2", {"avx2"}))
+ISA_CLASSES = (
+    ("amx-fp8", {"amx_fp8"}),
+    ("amx", {"amx_tile", "amx_bf16"}),
+    ("avx512-bf16", {"avx512_bf16"}),
+    ("avx512", {"avx512f"}),
+    ("avx2", {"avx2"}),
+)
 
 
 @cache
@@ -30,8 +35,10 @@ def cpu_model() -> str:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
         return platform.processor() or platform.machine()
-    return next((line.partition(":")[2].strip() for line in text.splitlines() if line.startswith("model name")),
-                platform.processor() or platform.machine())
+    return next(
+        (line.partition(":")[2].strip() for line in text.splitlines() if line.startswith("model name")),
+        platform.processor() or platform.machine(),
+    )
 
 
 def isa_class(flags: frozenset[str] | None = None) -> str:

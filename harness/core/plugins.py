@@ -50,7 +50,8 @@ def load_plugins() -> None:
                 else:
                     importlib.import_module(entry)
             except Exception as error:  # noqa: BLE001  (any failure of the user's file is one line)
-                raise HarnessError(f"{VARIABLE}: cannot load plugin {entry!r}: {type(error).__name__}: {error}") \
-                    from None
+                raise HarnessError(
+                    f"{VARIABLE}: cannot load plugin {entry!r}: {type(error).__name__}: {error}"
+                ) from None
     finally:
         _loading = False

@@ -47,5 +47,11 @@ def load_tolerances(format_name: str, dtype: str, path: Path = DEFAULT_FILE) -> 
     perplexity.update(override.get("perplexity", {}))
     _check_keys("logprobs", logprobs, {"max_abs_delta", "top_k", "max_topk_miss_fraction"})
     _check_keys("perplexity", perplexity, {"rel"})
-    return Tolerances(weights["rel"], weights["abs"], logprobs["max_abs_delta"], int(logprobs["top_k"]),
-                      float(logprobs["max_topk_miss_fraction"]), perplexity["rel"])
+    return Tolerances(
+        weights["rel"],
+        weights["abs"],
+        logprobs["max_abs_delta"],
+        int(logprobs["top_k"]),
+        float(logprobs["max_topk_miss_fraction"]),
+        perplexity["rel"],
+    )

@@ -29,13 +29,20 @@ class WeightDiff:
         return self.bad_elements == 0 and self.nan == 0 and self.inf == 0
 
     def metrics(self) -> dict:
-        return {"max_abs": self.max_abs, "max_rel": self.max_rel, "bad_elements": self.bad_elements,
-                "nan": self.nan, "inf": self.inf, "bad_blocks": [list(b) for b in self.bad_blocks[:32]],
-                "bad_block_count": len(self.bad_blocks)}
+        return {
+            "max_abs": self.max_abs,
+            "max_rel": self.max_rel,
+            "bad_elements": self.bad_elements,
+            "nan": self.nan,
+            "inf": self.inf,
+            "bad_blocks": [list(b) for b in self.bad_blocks[:32]],
+            "bad_block_count": len(self.bad_blocks),
+        }
 
 
-def compare_weight(name: str, got: torch.Tensor, truth: torch.Tensor, dtype: str, tol: Tolerances,
-                   block: tuple[int, int] | None) -> WeightDiff:
+def compare_weight(
+    name: str, got: torch.Tensor, truth: torch.Tensor, dtype: str, tol: Tolerances, block: tuple[int, int] | None
+) -> WeightDiff:
     """`got` is what the engine holds (any float dtype); `truth` float64, cast once to `dtype`."""
     want = truth.to(DTYPES[dtype]).to(torch.float64)
     got = got.to(torch.float64)
@@ -81,15 +88,20 @@ class LogprobDiff:
 def perplexity(rows: list[torch.Tensor], sequences: list[list[int]]) -> float:
     """exp(mean negative log-likelihood) of each sequence's own next tokens; inf when any is
     non-finite (a NaN perplexity would pass every `>` comparison a gate or a judge makes)."""
-    picked = torch.cat([row[torch.arange(len(seq) - 1), torch.tensor(seq[1:])].double()
-                        for row, seq in zip(rows, sequences, strict=True)])
+    picked = torch.cat(
+        [
+            row[torch.arange(len(seq) - 1), torch.tensor(seq[1:])].double()
+            for row, seq in zip(rows, sequences, strict=True)
+        ]
+    )
     if not torch.isfinite(picked).all():
         return math.inf
     return float(torch.exp(-picked.mean()))
 
 
-def compare_logprobs(got: list[torch.Tensor], reference: list[torch.Tensor], sequences: list[list[int]],
-                     tol: Tolerances) -> LogprobDiff:
+def compare_logprobs(
+    got: list[torch.Tensor], reference: list[torch.Tensor], sequences: list[list[int]], tol: Tolerances
+) -> LogprobDiff:
     worst, misses, positions, nonfinite = 0.0, 0, 0, 0
     for g, r in zip(got, reference, strict=True):
         nonfinite += int((~torch.isfinite(g)).sum())
@@ -98,4 +110,6 @@ def compare_logprobs(got: list[torch.Tensor], reference: list[torch.Tensor], seq
         worst = max(worst, float(torch.nan_to_num(delta, nan=math.inf).max()))
         misses += int((~(g.argmax(-1, keepdim=True) == top).any(-1)).sum())
         positions += g.shape[0]
-    return LogprobDiff(worst, misses, positions, nonfinite, perplexity(got, sequences), perplexity(reference, sequences))
+    return LogprobDiff(
+        worst, misses, positions, nonfinite, perplexity(got, sequences), perplexity(reference, sequences)
+    )

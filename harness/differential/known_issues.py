@@ -18,8 +18,21 @@ from harness.core.findings import KINDS, Finding
 from harness.core.paths import CASES_DIR
 
 DEFAULT_FILE = CASES_DIR / "known_issues.toml"
-FIELDS = {"id", "engine", "versions", "formats", "archs", "dtypes", "kind", "message", "partial_blocks", "reason",
-          "upstream", "reproducer", "status"}
+FIELDS = {
+    "id",
+    "engine",
+    "versions",
+    "formats",
+    "archs",
+    "dtypes",
+    "kind",
+    "message",
+    "partial_blocks",
+    "reason",
+    "upstream",
+    "reproducer",
+    "status",
+}
 CONSEQUENCES = {"logprobs", "topk", "perplexity", "nonfinite-logits"}
 REQUIRED = {"id", "engine", "versions", "formats", "kind", "reason", "reproducer"}
 
@@ -90,12 +103,24 @@ class KnownIssues:
                 versions = SpecifierSet(entry["versions"])
             except InvalidSpecifier:
                 raise HarnessError(f"{where}: bad version range {entry['versions']!r}") from None
-            issues.append(KnownIssue(
-                id=entry["id"], engine=entry["engine"], versions=versions, formats=list(entry["formats"]),
-                kinds=kinds, reason=entry["reason"], reproducer=dict(entry["reproducer"]),
-                message=entry.get("message"), partial_blocks=entry.get("partial_blocks"), archs=entry.get("archs"),
-                dtypes=entry.get("dtypes"),
-                upstream=entry.get("upstream", ""), status=entry.get("status", "open"), raw=entry))
+            issues.append(
+                KnownIssue(
+                    id=entry["id"],
+                    engine=entry["engine"],
+                    versions=versions,
+                    formats=list(entry["formats"]),
+                    kinds=kinds,
+                    reason=entry["reason"],
+                    reproducer=dict(entry["reproducer"]),
+                    message=entry.get("message"),
+                    partial_blocks=entry.get("partial_blocks"),
+                    archs=entry.get("archs"),
+                    dtypes=entry.get("dtypes"),
+                    upstream=entry.get("upstream", ""),
+                    status=entry.get("status", "open"),
+                    raw=entry,
+                )
+            )
         ids = [i.id for i in issues]
         if len(ids) != len(set(ids)):
             raise HarnessError(f"{path}: duplicate issue ids")

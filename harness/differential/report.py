@@ -54,8 +54,13 @@ def render_markdown(payload: dict) -> str:
     lines += ["", "## Engines", "", "| engine | version | python |", "|---|---|---|"]
     for name, info in payload["engines"].items():
         lines.append(f"| {name} | {info.get('version', '')} | {info.get('python', info.get('status', ''))} |")
-    lines += ["", "## Checkpoints", "", "| checkpoint | format | expectation | " + " | ".join(payload["engines"]) + " |",
-              "|---|---|---|" + "---|" * len(payload["engines"])]
+    lines += [
+        "",
+        "## Checkpoints",
+        "",
+        "| checkpoint | format | expectation | " + " | ".join(payload["engines"]) + " |",
+        "|---|---|---|" + "---|" * len(payload["engines"]),
+    ]
     for checkpoint in payload["checkpoints"]:
         cells = []
         for engine in payload["engines"]:
@@ -64,14 +69,22 @@ def render_markdown(payload: dict) -> str:
             if outcome.get("perplexity") is not None:
                 text += f" (ppl {outcome['perplexity']:.4g})"
             cells.append(text)
-        lines.append(f"| `{checkpoint['directory']}` | {checkpoint['format']} | {checkpoint['expectation']} | "
-                     + " | ".join(cells) + " |")
+        lines.append(
+            f"| `{checkpoint['directory']}` | {checkpoint['format']} | {checkpoint['expectation']} | "
+            + " | ".join(cells)
+            + " |"
+        )
     if payload["findings"]:
         lines += ["", "## Findings", ""]
     for index, item in enumerate(payload["findings"]):
         known = f" — known issue `{item['known_issue']}`" if item["known_issue"] else " — **new**"
-        lines += [f"### {index + 1}. {item['engine']} {item['engine_version']}: {item['kind']} ({item['format']}){known}",
-                  "", f"{KINDS[item['kind']]}.", "", f"- {item['message']}"]
+        lines += [
+            f"### {index + 1}. {item['engine']} {item['engine_version']}: {item['kind']} ({item['format']}){known}",
+            "",
+            f"{KINDS[item['kind']]}.",
+            "",
+            f"- {item['message']}",
+        ]
         if item.get("module"):
             lines.append(f"- module: `{item['module']}`")
         if item.get("command"):
@@ -79,7 +92,11 @@ def render_markdown(payload: dict) -> str:
         if item.get("fix"):
             lines.append(f"- repair after load: fix `{item['fix']}` (`python -m harness fixes`)")
         if item.get("heatmap"):
-            lines += ["", f"![per-block error]({item['heatmap']})",
-                      "", "(one cell per scale block: white exact, yellow within tolerance, red over, black NaN/inf)"]
+            lines += [
+                "",
+                f"![per-block error]({item['heatmap']})",
+                "",
+                "(one cell per scale block: white exact, yellow within tolerance, red over, black NaN/inf)",
+            ]
         lines.append("")
     return "\n".join(lines) + "\n"

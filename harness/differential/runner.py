@@ -17,7 +17,7 @@ from harness.core.naming import canonical_name
 from harness.core.tolerances import load_tolerances
 from harness.differential.compare import compare_logprobs, compare_weight, perplexity
 from harness.differential.known_issues import KnownIssues
-from harness.engines import engine_spec
+from harness.engines import REFERENCE, engine_spec
 from harness.engines.environments import engine_python
 from harness.engines.process import EngineError, EngineFailure, EngineProcess, Limits
 from harness.oracle.reference import dequantize_checkpoint, format_and_knobs
@@ -74,8 +74,9 @@ class EngineSession:
         if python is None:
             self.unavailable[engine] = why
             return None
-        worker = EngineProcess(engine_spec(engine), python, self.work / "logs" / f"{engine.replace(':', '_')}.log",
-                               self.limits)
+        worker = EngineProcess(
+            engine_spec(engine), python, self.work / "logs" / f"{engine.replace(':', '_')}.log", self.limits
+        )
         try:
             info = worker.start()
         except EngineFailure as failure:
@@ -92,111 +93,204 @@ class EngineSession:
         self.processes.clear()
 
 
-def evaluate(directory: str | Path, session: EngineSession, known: KnownIssues | None = None,
-             engines: list[str] | None = None) -> CheckpointResult:
-    """Load `directory` in each engine (default: all of the session's) and judge each."""
-    directory = Path(directory).resolve()
-    manifest = read_manifest(directory) if (directory / MANIFEST_FILE).is_file() else None
-    fmt, knobs = format_and_knobs(directory)
-    config = json.loads((directory / "config.json").read_text())
-    dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
-    if manifest:
-        expectation = manifest["expectation"]
-        truth = read_truth(directory, manifest)
-    else:
-        try:
-            truth, expectation = dict(dequantize_checkpoint(directory)), "exact"
-        except CheckpointError:
-            truth, expectation = {}, "refuse"
-    truth = {canonical_name(n): t for n, t in truth.items()}
-    module_notes = {canonical_name(m): info.get("notes", []) for m, info in (manifest or {}).get("modules", {}).items()}
-    tol = load_tolerances(fmt.name, dtype)
-    result = CheckpointResult(str(directory), fmt.name, expectation)
-    sequences = probe_sequences(int(config.get("vocab_size", 260)))
-    logprobs: dict[str, list[torch.Tensor]] = {}
-    scratch = session.work / "scratch"
-    scratch.mkdir(parents=True, exist_ok=True)
+@dataclass
+class Judgement:
+    """One checkpoint being judged: what a correct loader must do and hold, and the findings so far."""
 
-    def finding(engine: str, kind: str, message: str, **extra) -> Finding:
-        item = Finding(engine=engine, engine_version=session.versions.get(engine, "?"), kind=kind,
-                       format=fmt.name, message=message, arch=config.get("model_type"), dtype=dtype,
-                       checkpoint=str(directory),
-                       **extra)
-        result.findings.append(item)
+    directory: Path
+    session: EngineSession
+    manifest: dict | None
+    fmt: object
+    knobs: dict
+    config: dict
+    dtype: str
+    expectation: str
+    truth: dict[str, torch.Tensor]
+    module_notes: dict[str, list[str]]
+    tol: object
+    result: CheckpointResult
+    sequences: list[list[int]]
+    scratch: Path
+
+    @classmethod
+    def of(cls, directory: Path, session: EngineSession) -> Judgement:
+        manifest = read_manifest(directory) if (directory / MANIFEST_FILE).is_file() else None
+        fmt, knobs = format_and_knobs(directory)
+        config = json.loads((directory / "config.json").read_text())
+        dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+        if manifest:
+            expectation, truth = manifest["expectation"], read_truth(directory, manifest)
+        else:  # a checkpoint the harness did not write: the oracle says what it holds, or that it must be refused
+            try:
+                truth, expectation = dict(dequantize_checkpoint(directory)), "exact"
+            except CheckpointError:
+                truth, expectation = {}, "refuse"
+        notes = {canonical_name(m): info.get("notes", []) for m, info in (manifest or {}).get("modules", {}).items()}
+        scratch = session.work / "scratch"
+        scratch.mkdir(parents=True, exist_ok=True)
+        return cls(
+            directory,
+            session,
+            manifest,
+            fmt,
+            knobs,
+            config,
+            dtype,
+            expectation,
+            {canonical_name(n): t for n, t in truth.items()},
+            notes,
+            load_tolerances(fmt.name, dtype),
+            CheckpointResult(str(directory), fmt.name, expectation),
+            probe_sequences(int(config.get("vocab_size", 260))),
+            scratch,
+        )
+
+    def finding(self, engine: str, kind: str, message: str, **extra) -> Finding:
+        item = Finding(
+            engine=engine,
+            engine_version=self.session.versions.get(engine, "?"),
+            kind=kind,
+            format=self.fmt.name,
+            message=message,
+            arch=self.config.get("model_type"),
+            dtype=self.dtype,
+            checkpoint=str(self.directory),
+            **extra,
+        )
+        self.result.findings.append(item)
         return item
 
-    for engine in engines or session.engines:
-        outcome = result.outcomes.setdefault(engine, EngineOutcome(engine))
-        worker = session.process(engine)
-        if worker is None:
-            outcome.status, outcome.detail = "unavailable", session.unavailable[engine]
-            continue
-        outcome.version = session.versions[engine]
-        try:
-            reason = worker.unsupported(fmt.name)
-            if reason:
-                outcome.status, outcome.detail = "unsupported", reason
-                continue
-            try:
-                outcome.report = worker.load(directory)
-            except EngineError as error:
-                if expectation in ("refuse", "exact-or-refuse"):
-                    outcome.status, outcome.detail = "refused", first_line(error)
-                else:
-                    outcome.status, outcome.detail = "failed", first_line(error)
-                    finding(engine, "load-error", first_line(error), metrics={"traceback_tail": error.traceback[-1500:]})
-                continue
-            if expectation == "refuse":
-                reasons = _module_notes(manifest) + (manifest or {}).get("notes", [])
-                finding(engine, "accepted-invalid", "loaded a checkpoint that must be refused: " + "; ".join(reasons))
-                continue
-            anomalies = _judge_report(engine, outcome.report, finding)
-            held = worker.weights(scratch / f"{engine.replace(':', '_')}-weights.safetensors")
-            # a module whose tensors the load report names as missing is that finding's consequence
-            missing = {canonical_name(k).rpartition(".")[0] for k in outcome.report.get("missing", [])}
-            judged = {n: t for n, t in truth.items() if n.rpartition(".")[0] not in missing}
-            _judge_weights(engine, held, judged, dtype, tol, fmt, knobs, finding, module_notes)
-            if anomalies:
-                outcome.detail = "logits not judged: the load report already explains them"
-            logprobs[engine] = worker.logprobs(sequences, scratch / f"{engine.replace(':', '_')}-logprobs.safetensors")
-            outcome.generated = worker.generate(sequences[0][:8], GENERATE_TOKENS)
-        except EngineFailure as failure:
-            outcome.status, outcome.detail = "failed", str(failure)
-            finding(engine, f"engine-{failure.kind}", str(failure), metrics={"log_tail": failure.log_tail})
-        except EngineError as error:
-            if error.unsupported:  # e.g. no kernel for this head size: not the checkpoint's fault
-                outcome.detail = f"partly unsupported: {first_line(error)}"
-                continue
-            outcome.status, outcome.detail = "failed", first_line(error)
-            finding(engine, "load-error", f"after loading: {first_line(error)}",
-                    metrics={"traceback_tail": error.traceback[-1500:]})
+    def scratch_file(self, engine: str, what: str) -> Path:
+        return self.scratch / f"{engine.replace(':', '_')}-{what}.safetensors"
 
-    baseline = logprobs.get("reference")
+
+def evaluate(
+    directory: str | Path, session: EngineSession, known: KnownIssues | None = None, engines: list[str] | None = None
+) -> CheckpointResult:
+    """Load `directory` in each engine (default: all of the session's) and judge each."""
+    judgement = Judgement.of(Path(directory).resolve(), session)
+    logprobs: dict[str, list[torch.Tensor]] = {}
+    for engine in engines or session.engines:
+        rows = _load_and_judge(judgement, engine)
+        if rows is not None:
+            logprobs[engine] = rows
+    _judge_logits(judgement, logprobs)
+    if known is not None:
+        known.annotate(judgement.result.findings)
+    return judgement.result
+
+
+def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | None:
+    """Load the checkpoint in `engine`'s worker, judge its load report and weights; its logprobs."""
+    outcome = judgement.result.outcomes.setdefault(engine, EngineOutcome(engine))
+    worker = judgement.session.process(engine)
+    if worker is None:
+        outcome.status, outcome.detail = "unavailable", judgement.session.unavailable[engine]
+        return None
+    outcome.version = judgement.session.versions[engine]
+    finding = judgement.finding
+    try:
+        reason = worker.unsupported(judgement.fmt.name)
+        if reason:
+            outcome.status, outcome.detail = "unsupported", reason
+            return None
+        try:
+            outcome.report = worker.load(judgement.directory)
+        except EngineError as error:
+            if judgement.expectation in ("refuse", "exact-or-refuse"):
+                outcome.status, outcome.detail = "refused", first_line(error)
+            else:
+                outcome.status, outcome.detail = "failed", first_line(error)
+                finding(engine, "load-error", first_line(error), metrics={"traceback_tail": error.traceback[-1500:]})
+            return None
+        if judgement.expectation == "refuse":
+            reasons = _module_notes(judgement.manifest) + (judgement.manifest or {}).get("notes", [])
+            finding(engine, "accepted-invalid", "loaded a checkpoint that must be refused: " + "; ".join(reasons))
+            return None
+        anomalies = _judge_report(engine, outcome.report, finding)
+        held = worker.weights(judgement.scratch_file(engine, "weights"))
+        # a module whose tensors the load report names as missing is that finding's consequence
+        missing = {canonical_name(k).rpartition(".")[0] for k in outcome.report.get("missing", [])}
+        judged = {n: t for n, t in judgement.truth.items() if n.rpartition(".")[0] not in missing}
+        _judge_weights(
+            engine,
+            held,
+            judged,
+            judgement.dtype,
+            judgement.tol,
+            judgement.fmt,
+            judgement.knobs,
+            finding,
+            judgement.module_notes,
+        )
+        if anomalies:
+            outcome.detail = "logits not judged: the load report already explains them"
+        rows = worker.logprobs(judgement.sequences, judgement.scratch_file(engine, "logprobs"))
+        outcome.generated = worker.generate(judgement.sequences[0][:8], GENERATE_TOKENS)
+        return rows
+    except EngineFailure as failure:
+        outcome.status, outcome.detail = "failed", str(failure)
+        finding(engine, f"engine-{failure.kind}", str(failure), metrics={"log_tail": failure.log_tail})
+    except EngineError as error:
+        if error.unsupported:  # e.g. no kernel for this head size: not the checkpoint's fault
+            outcome.detail = f"partly unsupported: {first_line(error)}"
+            return None
+        outcome.status, outcome.detail = "failed", first_line(error)
+        finding(
+            engine,
+            "load-error",
+            f"after loading: {first_line(error)}",
+            metrics={"traceback_tail": error.traceback[-1500:]},
+        )
+    return None
+
+
+def _judge_logits(judgement: Judgement, logprobs: dict[str, list[torch.Tensor]]) -> None:
+    """Each engine's perplexity, and its log-probabilities against the reference engine's."""
+    result, sequences, tol = judgement.result, judgement.sequences, judgement.tol
+    baseline = logprobs.get(REFERENCE)
     if baseline is not None and not all(torch.isfinite(r).all() for r in baseline):
         # the model itself overflows in its dtype (e.g. float16 with x1000 weights): no oracle for logits
-        result.outcomes["reference"].detail = "logits not judged: the reference's own are non-finite"
+        result.outcomes[REFERENCE].detail = "logits not judged: the reference's own are non-finite"
         baseline = None
     for engine, rows in logprobs.items():
         result.outcomes[engine].perplexity = perplexity(rows, sequences)
-        if baseline is None or engine == "reference" or result.outcomes[engine].detail:
+        if baseline is None or engine == REFERENCE or result.outcomes[engine].detail:
             continue
         diff = compare_logprobs(rows, baseline, sequences, tol)
-        metrics = {"max_abs_delta": diff.max_abs_delta, "topk_misses": diff.topk_misses, "positions": diff.positions,
-                   "perplexity": diff.perplexity, "reference_perplexity": diff.reference_perplexity}
+        metrics = {
+            "max_abs_delta": diff.max_abs_delta,
+            "topk_misses": diff.topk_misses,
+            "positions": diff.positions,
+            "perplexity": diff.perplexity,
+            "reference_perplexity": diff.reference_perplexity,
+        }
         if diff.nonfinite:
-            finding(engine, "nonfinite-logits", f"{diff.nonfinite} non-finite log-probabilities", metrics=metrics)
-        elif diff.max_abs_delta > tol.logprob_max_abs_delta:
-            finding(engine, "logprobs", f"max |delta logprob| {diff.max_abs_delta:.3g} > {tol.logprob_max_abs_delta}",
-                    metrics=metrics)
-        if not diff.nonfinite and diff.topk_misses > tol.max_topk_miss_fraction * diff.positions:
-            finding(engine, "topk", f"top-1 outside reference top-{tol.top_k} at {diff.topk_misses}/{diff.positions} "
-                    "positions", metrics=metrics)
-        if not diff.nonfinite and diff.perplexity > diff.reference_perplexity * (1 + tol.perplexity_rel):
-            finding(engine, "perplexity", f"perplexity {diff.perplexity:.4g} vs reference {diff.reference_perplexity:.4g}",
-                    metrics=metrics)
-    if known is not None:
-        known.annotate(result.findings)
-    return result
+            judgement.finding(
+                engine, "nonfinite-logits", f"{diff.nonfinite} non-finite log-probabilities", metrics=metrics
+            )
+            continue
+        if diff.max_abs_delta > tol.logprob_max_abs_delta:
+            judgement.finding(
+                engine,
+                "logprobs",
+                f"max |delta logprob| {diff.max_abs_delta:.3g} > {tol.logprob_max_abs_delta}",
+                metrics=metrics,
+            )
+        if diff.topk_misses > tol.max_topk_miss_fraction * diff.positions:
+            judgement.finding(
+                engine,
+                "topk",
+                f"top-1 outside reference top-{tol.top_k} at {diff.topk_misses}/{diff.positions} positions",
+                metrics=metrics,
+            )
+        if diff.perplexity > diff.reference_perplexity * (1 + tol.perplexity_rel):
+            judgement.finding(
+                engine,
+                "perplexity",
+                f"perplexity {diff.perplexity:.4g} vs reference {diff.reference_perplexity:.4g}",
+                metrics=metrics,
+            )
 
 
 def _module_notes(manifest) -> list[str]:
@@ -208,9 +302,11 @@ def _module_notes(manifest) -> list[str]:
 
 def _judge_report(engine: str, report: dict, finding) -> bool:
     """Scale keys missing or unexpected are their own kind of finding; True if any anomaly."""
+
     def describe(missing: list[str], unexpected: list[str]) -> str:
-        examples = ", ".join(f"{what} {keys[0]}" for what, keys in (("missing", missing), ("unexpected", unexpected))
-                             if keys)
+        examples = ", ".join(
+            f"{what} {keys[0]}" for what, keys in (("missing", missing), ("unexpected", unexpected)) if keys
+        )
         return f"{len(missing)} missing, {len(unexpected)} unexpected key(s): e.g. {examples}"
 
     missing, unexpected = report.get("missing", []), report.get("unexpected", [])
@@ -219,11 +315,19 @@ def _judge_report(engine: str, report: dict, finding) -> bool:
     other_missing = [k for k in missing if "scale" not in k]
     other_unexpected = [k for k in unexpected if "scale" not in k]
     if scale_missing or scale_unexpected:
-        finding(engine, "dropped-scale", "scale " + describe(scale_missing, scale_unexpected),
-                metrics={"missing": scale_missing[:50], "unexpected": scale_unexpected[:50]})
+        finding(
+            engine,
+            "dropped-scale",
+            "scale " + describe(scale_missing, scale_unexpected),
+            metrics={"missing": scale_missing[:50], "unexpected": scale_unexpected[:50]},
+        )
     if other_missing or other_unexpected:
-        finding(engine, "load-report", describe(other_missing, other_unexpected),
-                metrics={"missing": missing[:50], "unexpected": unexpected[:50]})
+        finding(
+            engine,
+            "load-report",
+            describe(other_missing, other_unexpected),
+            metrics={"missing": missing[:50], "unexpected": unexpected[:50]},
+        )
     return bool(missing or unexpected)
 
 
@@ -236,18 +340,27 @@ def _judge_weights(engine, held, truth, dtype, tol, fmt, knobs, finding, module_
             continue
         got = held[name]
         if tuple(got.shape) != tuple(want.shape):
-            finding(engine, "weight-mismatch", f"{name}: shape {list(got.shape)} vs truth {list(want.shape)}", module=name)
+            finding(
+                engine, "weight-mismatch", f"{name}: shape {list(got.shape)} vs truth {list(want.shape)}", module=name
+            )
             continue
         block = fmt.scale_block(knobs, tuple(want.shape)) if want.dim() == 2 else None
         diff = compare_weight(name, got, want, dtype, tol, block)
         if diff.ok:
             continue
         kind = "weight-nonfinite" if (diff.nan or diff.inf) else "weight-mismatch"
-        message = (f"{name}: {diff.bad_elements}/{want.numel()} elements differ, max |err| {diff.max_abs:.3g}, "
-                   f"max rel {diff.max_rel:.3g}, {len(diff.bad_blocks)} scale block(s) differ")
+        message = (
+            f"{name}: {diff.bad_elements}/{want.numel()} elements differ, max |err| {diff.max_abs:.3g}, "
+            f"max rel {diff.max_rel:.3g}, {len(diff.bad_blocks)} scale block(s) differ"
+        )
         notes = module_notes.get(name.removesuffix(".weight"), [])
         if notes:
             message += f" [checkpoint: {'; '.join(notes)}]"
-        item = finding(engine, kind, message, module=name,
-                       metrics={**diff.metrics(), "shape": list(want.shape), "block": list(block) if block else None})
+        item = finding(
+            engine,
+            kind,
+            message,
+            module=name,
+            metrics={**diff.metrics(), "shape": list(want.shape), "block": list(block) if block else None},
+        )
         item.metrics["block_ratio"] = diff.block_ratio

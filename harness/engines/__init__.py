@@ -24,8 +24,9 @@ ENGINES: dict[str, EngineEntry] = {
     "reference": EngineEntry("harness.engines.reference_engine:ReferenceEngine", "transformers"),
     "transformers": EngineEntry("harness.engines.transformers_engine:TransformersEngine", "transformers"),
     "compressed-tensors": EngineEntry("harness.engines.ct_engine:CompressedTensorsEngine", "compressed_tensors"),
-    "vllm": EngineEntry("harness.engines.vllm_engine:VllmEngine", "vllm",
-                        (".venv-vllm/bin/python", ".tox/vllm-cpu/bin/python")),
+    "vllm": EngineEntry(
+        "harness.engines.vllm_engine:VllmEngine", "vllm", (".venv-vllm/bin/python", ".tox/vllm-cpu/bin/python")
+    ),
 }
 #: the engines a full run uses, in order
 ENGINE_NAMES = tuple(ENGINES)

@@ -33,5 +33,7 @@ def engine_python(engine: str) -> tuple[str | None, str]:
         if candidate.exists():
             return str(candidate), str(candidate)
     where = ", ".join(map(str, candidates)) or "nowhere else"
-    return None, (f"{engine} is not installed here ({package} not importable), ${variable} is not set, "
-                  f"and no environment at {where}")
+    return None, (
+        f"{engine} is not installed here ({package} not importable), ${variable} is not set, "
+        f"and no environment at {where}"
+    )

@@ -69,9 +69,15 @@ def model_logprobs(model, sequences: list[list[int]]) -> list[torch.Tensor]:
 @torch.no_grad()
 def model_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt], device=model.device)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def held_weights(model, fmt=None, knobs=None) -> dict[str, torch.Tensor]:
@@ -110,8 +116,9 @@ class _Collect(logging.Handler):
 
 
 @contextmanager
-def captured_warnings(sink: list[str], loggers=("transformers", "compressed_tensors", "vllm"),
-                      full: list[str] | None = None):
+def captured_warnings(
+    sink: list[str], loggers=("transformers", "compressed_tensors", "vllm"), full: list[str] | None = None
+):
     """Collect warnings and WARNING log records raised while loading: the first line of each
     into `sink`, and whole messages (multi-line load reports) into `full` when given."""
     handler = _Collect(sink, full)

@@ -79,8 +79,12 @@ class EngineProcess:
         self._log = self.log_path.open("ab")
         self.process = subprocess.Popen(
             [self.python, "-m", "harness.engines.worker", self.spec],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-            start_new_session=True, text=True, bufsize=1,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            start_new_session=True,
+            text=True,
+            bufsize=1,
         )
         self.info = self._receive(self.limits.timeout_s)
         return self.info
@@ -118,12 +122,16 @@ class EngineProcess:
             self.peak_mb = max(self.peak_mb, memory)
             if memory > self.limits.memory_mb:
                 self._kill()
-                raise EngineFailure("memory", f"worker for {self.spec} used {memory:.0f} MB, over the "
-                                    f"{self.limits.memory_mb:.0f} MB limit", self.log_tail())
+                raise EngineFailure(
+                    "memory",
+                    f"worker for {self.spec} used {memory:.0f} MB, over the {self.limits.memory_mb:.0f} MB limit",
+                    self.log_tail(),
+                )
             if time.monotonic() > deadline:
                 self._kill()
-                raise EngineFailure("timeout", f"worker for {self.spec} gave no answer within {timeout_s:.0f} s",
-                                    self.log_tail())
+                raise EngineFailure(
+                    "timeout", f"worker for {self.spec} gave no answer within {timeout_s:.0f} s", self.log_tail()
+                )
             if self.process.poll() is not None and not select.select([stdout], [], [], 0)[0]:
                 code = self.process.returncode
                 self._kill()

@@ -48,7 +48,8 @@ class TransformersEngine(HFModelEngine):
         with captured_warnings(report.warnings, full=logged):
             try:
                 self.model, info = AutoModelForCausalLM.from_pretrained(
-                    directory, output_loading_info=True, local_files_only=True, **self.load_options)
+                    directory, output_loading_info=True, local_files_only=True, **self.load_options
+                )
             except Exception as error:
                 raise RuntimeError(explain(error, logged)) from error
         self.model.eval()

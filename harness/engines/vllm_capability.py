@@ -24,13 +24,21 @@ from harness.core.machine import cpu_flags, cpu_model
 
 #: vLLM's words for "no kernel here": its kernel selection (searched, or forced for a scheme), and a
 #: GPU-only op its CPU build stubs out
-MISSING_KERNEL = re.compile(r"Failed to find a kernel that can implement|"
-                            r"Forced \w+ kernel \w+ is not supported|"
-                            r"_C::\w+\(\) expected at most 0 argument\(s\)")
+MISSING_KERNEL = re.compile(
+    r"Failed to find a kernel that can implement|"
+    r"Forced \w+ kernel \w+ is not supported|"
+    r"_C::\w+\(\) expected at most 0 argument\(s\)"
+)
 #: the shape the probe writes: every fused part a multiple of 128 rows, a head size vLLM's CPU
 #: attention supports (tests/engines/test_vllm_engine.py runs the same)
-PROBE_SHAPE = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32,
-               "intermediate_size": 256, "num_hidden_layers": 1}
+PROBE_SHAPE = {
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "intermediate_size": 256,
+    "num_hidden_layers": 1,
+}
 CACHE_FILE = "vllm-capabilities.json"
 
 
@@ -41,7 +49,7 @@ def missing_kernel(error: BaseException | str) -> str | None:
         return None
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     start = next(i for i, line in enumerate(lines) if MISSING_KERNEL.search(line))
-    return " ".join(lines[start:start + 6]).removeprefix("Value error, ").partition(" [type=")[0]
+    return " ".join(lines[start : start + 6]).removeprefix("Value error, ").partition(" [type=")[0]
 
 
 def environment_key() -> str:
@@ -52,11 +60,19 @@ def environment_key() -> str:
 
     package = Path(vllm.__file__).parent
     libraries = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in package.glob("*.so"))
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
-        if torch.cuda.is_available() else []
-    facts = {"vllm": getattr(vllm, "__version__", "?"), "libraries": libraries, "torch": torch.__version__,
-             "python": sys.executable, "cpu": cpu_model(), "flags": sorted(cpu_flags()), "gpus": gpus,
-             "probe": [MISSING_KERNEL.pattern, PROBE_SHAPE]}  # a new classifier or probe asks again
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
+    facts = {
+        "vllm": getattr(vllm, "__version__", "?"),
+        "libraries": libraries,
+        "torch": torch.__version__,
+        "python": sys.executable,
+        "cpu": cpu_model(),
+        "flags": sorted(cpu_flags()),
+        "gpus": gpus,
+        "probe": [MISSING_KERNEL.pattern, PROBE_SHAPE],
+    }  # a new classifier or probe asks again
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
 
 

@@ -37,9 +37,18 @@ SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
 MAX_MODEL_LEN = 256
 KV_CACHE_BYTES = 32 * 2**20
 #: vLLM's start-up chatter about the host and its own re-imports, not about the checkpoint
-HOST_NOISE = ("LD_PRELOAD", "Unknown vLLM environment variable", "The global random seed",
-              "Model Runner V2 requires Triton", "Enforce eager set", "NUMA binding", "is already registered",
-              "torch.set_num_threads", "torch.distributed.reduce_op", "oneDNN")
+HOST_NOISE = (
+    "LD_PRELOAD",
+    "Unknown vLLM environment variable",
+    "The global random seed",
+    "Model Runner V2 requires Triton",
+    "Enforce eager set",
+    "NUMA binding",
+    "is already registered",
+    "torch.set_num_threads",
+    "torch.distributed.reduce_op",
+    "oneDNN",
+)
 
 
 def find_vllm_python() -> str | None:
@@ -70,8 +79,10 @@ def expected_widths(config: dict) -> dict[str, list[int]]:
         return {}
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
-    return {"qkv_proj": [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
-            "gate_up_proj": [intermediate] * 2}
+    return {
+        "qkv_proj": [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
+        "gate_up_proj": [intermediate] * 2,
+    }
 
 
 class VllmEngine(Engine):
@@ -100,10 +111,17 @@ class VllmEngine(Engine):
         from vllm import LLM
 
         dtype = config.get("dtype") or config.get("torch_dtype") or "auto"
-        return LLM(model=directory, tokenizer=directory, dtype=dtype, enforce_eager=True,
-                   max_model_len=min(MAX_MODEL_LEN, config.get("max_position_embeddings", MAX_MODEL_LEN)),
-                   kv_cache_memory_bytes=KV_CACHE_BYTES, max_logprobs=config["vocab_size"], seed=0,
-                   trust_remote_code=False)
+        return LLM(
+            model=directory,
+            tokenizer=directory,
+            dtype=dtype,
+            enforce_eager=True,
+            max_model_len=min(MAX_MODEL_LEN, config.get("max_position_embeddings", MAX_MODEL_LEN)),
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+            max_logprobs=config["vocab_size"],
+            seed=0,
+            trust_remote_code=False,
+        )
 
     def load(self, directory: str) -> LoadReport:
         from harness.oracle.reference import format_and_knobs
@@ -118,8 +136,9 @@ class VllmEngine(Engine):
         except BaseException as error:
             self.unload()  # vLLM refused: nothing it half-loaded may answer for this checkpoint
             if missing_kernel(error):  # a limit of this machine or build, never a finding
-                raise EngineUnsupported(f"vLLM has no kernel for this checkpoint here: {missing_kernel(error)}") \
-                    from error
+                raise EngineUnsupported(
+                    f"vLLM has no kernel for this checkpoint here: {missing_kernel(error)}"
+                ) from error
             refusal = [line for line in str(error).splitlines() if "is not supported for quantization method" in line]
             if isinstance(error, ValueError) and refusal:
                 # e.g. quant_method fp8 declares bfloat16/float16 activations only (compressed-tensors
@@ -131,8 +150,10 @@ class VllmEngine(Engine):
         report.warnings = list(dict.fromkeys(relevant))
         report.warnings += self.layout_notes(config)
         if not self.snapshot:
-            report.warnings.append("no weights captured: vLLM ran its engine core in another process "
-                                   "(VLLM_ENABLE_V1_MULTIPROCESSING is not 0)")
+            report.warnings.append(
+                "no weights captured: vLLM ran its engine core in another process "
+                "(VLLM_ENABLE_V1_MULTIPROCESSING is not 0)"
+            )
         return report
 
     @contextmanager
@@ -150,9 +171,12 @@ class VllmEngine(Engine):
             return original(model, *args, **kwargs)
 
         # base_loader imported the function by name: replace it wherever vLLM holds it
-        holders = [module for name, module in list(sys.modules.items())
-                   if name.startswith("vllm.model_executor.model_loader")
-                   and getattr(module, "process_weights_after_loading", None) is original]
+        holders = [
+            module
+            for name, module in list(sys.modules.items())
+            if name.startswith("vllm.model_executor.model_loader")
+            and getattr(module, "process_weights_after_loading", None) is original
+        ]
         for module in holders:
             module.process_weights_after_loading = snapshot_then_process
         try:
@@ -176,11 +200,17 @@ class VllmEngine(Engine):
             if hasattr(module, "org_vocab_size"):
                 info["vocab"] = int(module.org_vocab_size)
             backend, head_size = getattr(module, "attn_backend", None), getattr(module, "head_size", None)
-            if self.forward_unsupported is None and backend is not None and head_size is not None \
-                    and hasattr(backend, "supports_head_size") and not backend.supports_head_size(head_size):
+            if (
+                self.forward_unsupported is None
+                and backend is not None
+                and head_size is not None
+                and hasattr(backend, "supports_head_size")
+                and not backend.supports_head_size(head_size)
+            ):
                 self.forward_unsupported = (
                     f"vLLM's {backend.__name__} supports head sizes {backend.get_supported_head_sizes()}, "
-                    f"not {head_size}: its forward fails ('Unsupported CPU attention configuration')")
+                    f"not {head_size}: its forward fails ('Unsupported CPU attention configuration')"
+                )
             if info:
                 self.modules[name] = info
 
@@ -196,9 +226,11 @@ class VllmEngine(Engine):
             if leaf in expected and widths != expected[leaf]:
                 notes.append(f"{name}: vLLM allocated rows {widths}, config.json implies {expected[leaf]}")
             if "block" in info and any(rows % info["block"][0] for rows in widths[:-1]):
-                notes.append(f"{name}: parts {widths} are not multiples of block_n={info['block'][0]}; vLLM "
-                             f"writes each part's scales at grid row ceil(offset/{info['block'][0]}), its kernel "
-                             "reads row r // block_n of the fused weight")
+                notes.append(
+                    f"{name}: parts {widths} are not multiples of block_n={info['block'][0]}; vLLM "
+                    f"writes each part's scales at grid row ceil(offset/{info['block'][0]}), its kernel "
+                    "reads row r // block_n of the fused weight"
+                )
         return notes
 
     def weights(self):
@@ -214,10 +246,13 @@ class VllmEngine(Engine):
             if "weight" in tensors and tensors["weight"].dtype in PACKED_DTYPES:
                 weights = self.dequantized_parts(module, tensors, info)
             else:
-                weights = {suffix: tensor for suffix, tensor in tensors.items()
-                           if suffix in ("weight", "bias") and tensor.is_floating_point()}
+                weights = {
+                    suffix: tensor
+                    for suffix, tensor in tensors.items()
+                    if suffix in ("weight", "bias") and tensor.is_floating_point()
+                }
                 if "vocab" in info and "weight" in weights:  # vLLM pads the vocabulary rows
-                    weights["weight"] = weights["weight"][:info["vocab"]]
+                    weights["weight"] = weights["weight"][: info["vocab"]]
             if "bias" in tensors:
                 weights["bias"] = tensors["bias"]
             if "parts" in info:
@@ -231,18 +266,27 @@ class VllmEngine(Engine):
     def dequantized_parts(self, module: str, tensors: dict, info: dict) -> dict[str, torch.Tensor]:
         """Dequantize one packed Linear as vLLM's kernel reads it; fused parts come back split."""
         if self.fmt is None:
-            raise RuntimeError(f"{module} holds {tensors['weight'].dtype} weights but config.json declares "
-                               "no quantization format")
+            raise RuntimeError(
+                f"{module} holds {tensors['weight'].dtype} weights but config.json declares no quantization format"
+            )
         held = {suffix: tensors[suffix] for suffix in self.fmt.suffixes if suffix in tensors}
         parts = info.get("parts", [])
         scale_name = next((s for s in SCALE_SUFFIXES if s in held), None)
-        per_part_scale = (len(parts) > 1 and scale_name is not None and held[scale_name].dim() == 1
-                          and held[scale_name].numel() == len(parts))
+        per_part_scale = (
+            len(parts) > 1
+            and scale_name is not None
+            and held[scale_name].dim() == 1
+            and held[scale_name].numel() == len(parts)
+        )
         if per_part_scale:  # per-tensor FP8: one scale per fused part, as loaded (before requantizing)
             result, start = {}, 0
             for index, (part, rows) in enumerate(parts):
-                piece = {suffix: tensor[index:index + 1] if tensor.dim() == 1 and tensor.numel() == len(parts)
-                         else tensor[start:start + rows] for suffix, tensor in held.items()}
+                piece = {
+                    suffix: tensor[index : index + 1]
+                    if tensor.dim() == 1 and tensor.numel() == len(parts)
+                    else tensor[start : start + rows]
+                    for suffix, tensor in held.items()
+                }
                 result[f"{module.rpartition('.')[0]}.{part}.weight"] = self.fmt.dequantize(piece, self.knobs)
                 start += rows
             return result
@@ -262,8 +306,9 @@ class VllmEngine(Engine):
         todo = [i for i, sequence in enumerate(sequences) if len(sequence) > 1]
         params = SamplingParams(max_tokens=1, prompt_logprobs=self.vocab_size, detokenize=False)
         with kernel_limits():
-            outputs = self.llm.generate([{"prompt_token_ids": list(sequences[i])} for i in todo], params,
-                                        use_tqdm=False)
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": list(sequences[i])} for i in todo], params, use_tqdm=False
+            )
         for i, output in zip(todo, outputs, strict=True):
             table = torch.full((len(sequences[i]) - 1, self.vocab_size), -math.inf)
             for position, entries in enumerate(output.prompt_logprobs[1:]):
@@ -278,8 +323,9 @@ class VllmEngine(Engine):
         self.require_forward()
         if max_new_tokens <= 0:
             return []
-        params = SamplingParams(max_tokens=max_new_tokens, min_tokens=max_new_tokens, temperature=0.0,
-                                ignore_eos=True, detokenize=False)
+        params = SamplingParams(
+            max_tokens=max_new_tokens, min_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, detokenize=False
+        )
         with kernel_limits():
             output = self.llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)[0]
         return list(output.outputs[0].token_ids)
@@ -312,7 +358,7 @@ def split_rows(module: str, suffix: str, tensor: torch.Tensor, parts: list[tuple
     parent = module.rpartition(".")[0]
     result, start = {}, 0
     for part, rows in parts:
-        result[f"{parent}.{part}.{suffix}"] = tensor[start:start + rows]
+        result[f"{parent}.{part}.{suffix}"] = tensor[start : start + rows]
         start += rows
     if start != tensor.shape[0]:
         raise RuntimeError(f"{module}.{suffix} has {tensor.shape[0]} rows, its parts {parts} add up to {start}")

@@ -31,8 +31,14 @@ def serve(spec: str) -> int:
         return 1
     from harness.core.machine import isa_class, thread_count
 
-    answer(ok=True, name=engine.name or spec, version=engine.version(), python=sys.executable, isa=isa_class(),
-           threads=thread_count())
+    answer(
+        ok=True,
+        name=engine.name or spec,
+        version=engine.version(),
+        python=sys.executable,
+        isa=isa_class(),
+        threads=thread_count(),
+    )
     for line in sys.stdin:
         request = json.loads(line)
         op = request.pop("op")
@@ -41,8 +47,12 @@ def serve(spec: str) -> int:
         try:
             answer(ok=True, **handle(engine, op, request))
         except BaseException as error:
-            answer(ok=False, error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc(),
-                   unsupported=type(error).__name__ == "EngineUnsupported")
+            answer(
+                ok=False,
+                error=f"{type(error).__name__}: {error}",
+                traceback=traceback.format_exc(),
+                unsupported=type(error).__name__ == "EngineUnsupported",
+            )
     return 0
 
 
@@ -58,14 +68,18 @@ def handle(engine, op: str, request: dict) -> dict:
         engine.unload()
         return {"report": engine.load(request["directory"]).to_json()}
     if op == "weights":
-        weights = {name: tensor.detach().to("cpu", torch.float32, copy=True).contiguous()
-                   for name, tensor in engine.weights().items()}
+        weights = {
+            name: tensor.detach().to("cpu", torch.float32, copy=True).contiguous()
+            for name, tensor in engine.weights().items()
+        }
         save_file(weights, request["out"])
         return {"count": len(weights)}
     if op == "logprobs":
         rows = engine.logprobs(request["sequences"])
-        save_file({sequence_key(i): r.detach().to("cpu", torch.float32).contiguous() for i, r in enumerate(rows)},
-                  request["out"])
+        save_file(
+            {sequence_key(i): r.detach().to("cpu", torch.float32).contiguous() for i, r in enumerate(rows)},
+            request["out"],
+        )
         return {"count": len(rows)}
     if op == "generate":
         return {"tokens": engine.generate(request["prompt"], request["max_new_tokens"])}

@@ -39,7 +39,10 @@ def fix_for_finding(finding) -> Fix | None:
             if finding.known_issue in fix.known_issues:
                 return fix
     for fix in fixes:
-        if (finding.engine in fix.engines and finding.kind in fix.kinds
-                and ("*" in fix.formats or finding.format in fix.formats)):
+        if (
+            finding.engine in fix.engines
+            and finding.kind in fix.kinds
+            and ("*" in fix.formats or finding.format in fix.formats)
+        ):
             return fix
     return None

@@ -56,8 +56,7 @@ class ModuleTarget:
     """One checkpoint module under repair; `key` is what the report calls it: the checkpoint's
     weight name until the live module is found, the live weight's name after."""
 
-    def __init__(self, live_modules: Mapping[str, torch.nn.Module], module: str,
-                 key_mapping: Mapping[str, str] | None):
+    def __init__(self, live_modules: Mapping[str, torch.nn.Module], module: str, key_mapping: Mapping[str, str] | None):
         self.live_modules, self.module, self.key_mapping = live_modules, module, key_mapping
         self.key = f"{module}.weight"
 
@@ -67,9 +66,13 @@ class ModuleTarget:
         return name, module, weight
 
 
-def repair_each_module(model: torch.nn.Module, source: QuantizedCheckpoint, report: FixReport,
-                       key_mapping: Mapping[str, str] | None,
-                       repair_one: Callable[[ModuleTarget], str]) -> FixReport:
+def repair_each_module(
+    model: torch.nn.Module,
+    source: QuantizedCheckpoint,
+    report: FixReport,
+    key_mapping: Mapping[str, str] | None,
+    repair_one: Callable[[ModuleTarget], str],
+) -> FixReport:
     """Run `repair_one` on every quantized module of `source`, in name order. It returns the
     warning that describes its repair, or raises SkipTensor with the reason; any other error
     (a malformed module) skips that module only, so one bad tensor never stops the others; a
@@ -104,8 +107,9 @@ def mismatches(live: torch.Tensor, want: torch.Tensor, rel: float, abs_: float) 
     return int((~(delta <= abs_ + rel * rounded.abs())).sum())
 
 
-def live_weight(model_modules: Mapping[str, torch.nn.Module], checkpoint_module: str,
-                key_mapping: Mapping[str, str] | None = None) -> tuple[str, torch.nn.Module, torch.Tensor]:
+def live_weight(
+    model_modules: Mapping[str, torch.nn.Module], checkpoint_module: str, key_mapping: Mapping[str, str] | None = None
+) -> tuple[str, torch.nn.Module, torch.Tensor]:
     """(live module name, module, weight) for a checkpoint module, or SkipTensor with the reason:
     not found, no weight, an FP8 weight (a converted module that applies its scales itself),
     meta or offloaded, not 2-D."""
@@ -118,8 +122,10 @@ def live_weight(model_modules: Mapping[str, torch.nn.Module], checkpoint_module:
     if problem:
         raise SkipTensor(problem.replace("its dropped scale was NOT applied", "NOT repaired"))
     if weight.dtype in FP8_DTYPES or weight.dtype == torch.uint8:
-        raise SkipTensor(f"live weight is {weight.dtype}: still quantized (not dequantized by the engine yet, or "
-                         "a converted module that applies its scales itself)")
+        raise SkipTensor(
+            f"live weight is {weight.dtype}: still quantized (not dequantized by the engine yet, or "
+            "a converted module that applies its scales itself)"
+        )
     if not weight.is_floating_point() or weight.dim() != 2:
         raise SkipTensor(f"live weight is {weight.dtype} with {weight.dim()} dimensions, not a dense 2-D weight")
     return name, module, weight
@@ -143,8 +149,10 @@ def decompression_pending(model: torch.nn.Module) -> bool:
     return handle is not None and hooks is not None and getattr(handle, "id", None) in hooks
 
 
-DEFERRED = ("deferred: compressed-tensors decompresses this model at its first forward; the repair runs then, "
-            "from a one-shot forward pre-hook right after the decompression, and this report fills in")
+DEFERRED = (
+    "deferred: compressed-tensors decompresses this model at its first forward; the repair runs then, "
+    "from a one-shot forward pre-hook right after the decompression, and this report fills in"
+)
 
 
 @dataclass
@@ -162,8 +170,9 @@ class DeferredRepair:
             self.handle = None
 
 
-def after_decompression(model: torch.nn.Module, report: FixReport,
-                        repair: Callable[[FixReport], None]) -> DeferredRepair:
+def after_decompression(
+    model: torch.nn.Module, report: FixReport, repair: Callable[[FixReport], None]
+) -> DeferredRepair:
     """Run `repair(report)` now when the model holds its final weights. When compressed-tensors'
     decompression is still pending, run it from a one-shot forward pre-hook registered after
     compressed-tensors' own: pre-hooks run in registration order, so it sees the decompressed
@@ -185,8 +194,14 @@ def after_decompression(model: torch.nn.Module, report: FixReport,
     return deferred
 
 
-def install_deferred_repair(model: torch.nn.Module, checkpoint_dir: str | Path, name: str, formats: tuple[str, ...],
-                            repair_modules: Callable, key_mapping: Mapping[str, str] | None = None) -> DeferredRepair:
+def install_deferred_repair(
+    model: torch.nn.Module,
+    checkpoint_dir: str | Path,
+    name: str,
+    formats: tuple[str, ...],
+    repair_modules: Callable,
+    key_mapping: Mapping[str, str] | None = None,
+) -> DeferredRepair:
     """Open the checkpoint and run `repair_modules(model, source, report, key_mapping)` now when the
     model is decompressed, else right after compressed-tensors' decompression at the first forward."""
     report = FixReport(name)
@@ -197,8 +212,15 @@ def install_deferred_repair(model: torch.nn.Module, checkpoint_dir: str | Path, 
     return after_decompression(model, report, lambda into: repair_modules(model, source, into, key_mapping))
 
 
-def repair_misread(weight: torch.Tensor, correct: torch.Tensor, misread: torch.Tensor, format_name: str,
-                   correct_label: str, misread_label: str, misread_dtype: torch.dtype | None = None) -> int:
+def repair_misread(
+    weight: torch.Tensor,
+    correct: torch.Tensor,
+    misread: torch.Tensor,
+    format_name: str,
+    correct_label: str,
+    misread_label: str,
+    misread_dtype: torch.dtype | None = None,
+) -> int:
     """The rule the re-dequantizing fixes share: write `correct` (rounded once) into `weight` only when
     the weight differs from it and equals `misread`, the reading the bug produces (compared at the
     tolerance of `misread_dtype`, default the weight's); otherwise raise SkipTensor saying which.
@@ -211,7 +233,9 @@ def repair_misread(weight: torch.Tensor, correct: torch.Tensor, misread: torch.T
         rel, abs_ = weight_tolerance(misread_dtype, format_name)
     off_misread = mismatches(weight, misread, rel, abs_)
     if off_misread:
-        raise SkipTensor(f"differs from the {correct_label} ({wrong_now} elements) and from the {misread_label} "
-                         f"({off_misread}): changed by something else; left as is")
+        raise SkipTensor(
+            f"differs from the {correct_label} ({wrong_now} elements) and from the {misread_label} "
+            f"({off_misread}): changed by something else; left as is"
+        )
     write_rounded_once(weight, correct)
     return wrong_now

@@ -10,8 +10,11 @@ import torch
 
 from harness.core.naming import VLM_PREFIX, canonical_name
 
-FP8_DTYPES = tuple(getattr(torch, name) for name in
-                   ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, name))
+FP8_DTYPES = tuple(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
 
 
 class SkipTensor(Exception):
@@ -26,8 +29,9 @@ def apply_key_mapping(name: str, key_mapping: Mapping[str, str] | None) -> str:
     return name
 
 
-def live_module_name(checkpoint_module: str, live_modules: Mapping[str, torch.nn.Module],
-                     key_mapping: Mapping[str, str] | None) -> str:
+def live_module_name(
+    checkpoint_module: str, live_modules: Mapping[str, torch.nn.Module], key_mapping: Mapping[str, str] | None
+) -> str:
     """The live module a checkpoint module maps to: the key_mapping's result if it exists, else the
     one VLM-prefix reading (`model.language_model.X` <-> `model.X`) that exists."""
     mapped = apply_key_mapping(checkpoint_module, key_mapping)
@@ -41,8 +45,10 @@ def live_module_name(checkpoint_module: str, live_modules: Mapping[str, torch.nn
         candidates.add(VLM_PREFIX + mapped.removeprefix("language_model.model."))
     found = sorted(c for c in candidates if c in live_modules)
     if not found:
-        raise SkipTensor(f"no module {mapped!r} (or its VLM-prefix counterpart) in the model; pass key_mapping "
-                         "if the load renamed it")
+        raise SkipTensor(
+            f"no module {mapped!r} (or its VLM-prefix counterpart) in the model; pass key_mapping "
+            "if the load renamed it"
+        )
     if len(found) > 1:
         raise SkipTensor(f"ambiguous: {mapped!r} could be any of {found}")
     return found[0]
@@ -54,10 +60,14 @@ def offload_problem(module: torch.nn.Module, weight: torch.Tensor) -> str | None
     hooks = getattr(hook, "hooks", None) or ([hook] if hook is not None else [])
     offloaded = any(getattr(h, "offload", False) for h in hooks)
     if offloaded:
-        return ("offloaded by accelerate (its values live in the hook's weights_map and are reloaded on every "
-                "forward): its dropped scale was NOT applied; load without offloading this module and apply "
-                "the fix again")
+        return (
+            "offloaded by accelerate (its values live in the hook's weights_map and are reloaded on every "
+            "forward): its dropped scale was NOT applied; load without offloading this module and apply "
+            "the fix again"
+        )
     if weight.device.type == "meta":
-        return ("on the meta device (never materialized): its dropped scale was NOT applied; materialize the "
-                "weight and apply the fix again")
+        return (
+            "on the meta device (never materialized): its dropped scale was NOT applied; materialize the "
+            "weight and apply the fix again"
+        )
     return None

@@ -22,8 +22,9 @@ class FixReport:
         return bool(self.repaired)
 
     def summary(self) -> str:
-        return (f"{self.fix}: {len(self.repaired)} repaired, {len(self.skipped)} skipped"
-                + (f", {len(self.warnings)} warning(s)" if self.warnings else ""))
+        return f"{self.fix}: {len(self.repaired)} repaired, {len(self.skipped)} skipped" + (
+            f", {len(self.warnings)} warning(s)" if self.warnings else ""
+        )
 
 
 @dataclass(frozen=True)

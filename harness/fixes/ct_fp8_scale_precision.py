@@ -62,8 +62,9 @@ FORMATS = ("ct-fp8-tensor", "ct-fp8-channel", "ct-fp8-block")
 KNOWN_ISSUES = ("ct-fp8-float32-scales-flushed-in-float16", "transformers-ct-fp8-float32-scales-flushed-in-float16")
 
 
-def cast_first_reading(source: QuantizedCheckpoint, tensors: Mapping[str, torch.Tensor],
-                       dtype: torch.dtype) -> torch.Tensor:
+def cast_first_reading(
+    source: QuantizedCheckpoint, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
     """What the buggy decompression computes: e4m3 codes times the scale rounded to `dtype` first
     (the product is exact in float64; the live weight is it rounded once more)."""
     codes = tensors["weight"].to(torch.float64)  # every e4m3 value is exact in float64
@@ -73,32 +74,42 @@ def cast_first_reading(source: QuantizedCheckpoint, tensors: Mapping[str, torch.
     return codes * expand_block_grid(grid, rows, cols, source.fmt.scale_block(source.knobs, (rows, cols)))
 
 
-def repair_modules(model: torch.nn.Module, source: QuantizedCheckpoint, report: FixReport,
-                   key_mapping: Mapping[str, str] | None = None) -> None:
+def repair_modules(
+    model: torch.nn.Module, source: QuantizedCheckpoint, report: FixReport, key_mapping: Mapping[str, str] | None = None
+) -> None:
     def repair_one(target: ModuleTarget) -> str:
         _, _, weight = target.live_weight()
         tensors = source.tensors(target.module)
         scale = tensors["weight_scale"]
         if torch.equal(scale.to(weight.dtype).to(scale.dtype), scale):
             raise SkipTensor(f"its {scale.dtype} weight_scale is exact in {weight.dtype}: not affected")
-        wrong_now = repair_misread(weight, source.reference(target.module, tensors),
-                                   cast_first_reading(source, tensors, weight.dtype), source.fmt.name,
-                                   "reference dequantization", "scale-cast-first reading")
-        return (f"decompressed with its {scale.dtype} scale cast to {weight.dtype} first ({wrong_now} elements "
-                f"off, min |scale| {scale.abs().min().item():.3g}); re-dequantized")
+        wrong_now = repair_misread(
+            weight,
+            source.reference(target.module, tensors),
+            cast_first_reading(source, tensors, weight.dtype),
+            source.fmt.name,
+            "reference dequantization",
+            "scale-cast-first reading",
+        )
+        return (
+            f"decompressed with its {scale.dtype} scale cast to {weight.dtype} first ({wrong_now} elements "
+            f"off, min |scale| {scale.abs().min().item():.3g}); re-dequantized"
+        )
 
     repair_each_module(model, source, report, key_mapping, repair_one)
 
 
-def install_scale_precision_repair(model: torch.nn.Module, checkpoint_dir: str | Path, *,
-                                   key_mapping: Mapping[str, str] | None = None) -> DeferredRepair:
+def install_scale_precision_repair(
+    model: torch.nn.Module, checkpoint_dir: str | Path, *, key_mapping: Mapping[str, str] | None = None
+) -> DeferredRepair:
     """Repair now if the model is decompressed, else right after compressed-tensors' decompression
     at the first forward (module docstring); the returned object's `report` fills in then."""
     return install_deferred_repair(model, checkpoint_dir, NAME, FORMATS, repair_modules, key_mapping)
 
 
-def repair_ct_fp8_scale_precision(model: torch.nn.Module, checkpoint_dir: str | Path, *,
-                                  key_mapping: Mapping[str, str] | None = None) -> FixReport:
+def repair_ct_fp8_scale_precision(
+    model: torch.nn.Module, checkpoint_dir: str | Path, *, key_mapping: Mapping[str, str] | None = None
+) -> FixReport:
     """The fix's `apply`: its report is complete on return when the model is already decompressed,
     and fills in at the first forward otherwise (a warning says so until then)."""
     return install_scale_precision_repair(model, checkpoint_dir, key_mapping=key_mapping).report
@@ -106,16 +117,20 @@ def repair_ct_fp8_scale_precision(model: torch.nn.Module, checkpoint_dir: str | 
 
 FIX = Fix(
     name=NAME,
-    repairs=("compressed-tensors FP8 weights with float32 scales in a float16 model are decompressed with the "
-             "scales cast to float16 first: small scales flush to subnormals or zero and the weights lose "
-             "their precision or become 0, silently."),
+    repairs=(
+        "compressed-tensors FP8 weights with float32 scales in a float16 model are decompressed with the "
+        "scales cast to float16 first: small scales flush to subnormals or zero and the weights lose "
+        "their precision or become 0, silently."
+    ),
     engines=("compressed-tensors", "transformers"),
     versions=">=0.12",  # compressed-tensors' range; through transformers >=5.0 (known issues); measured on 0.20 / 5.23
     formats=FORMATS,
-    detection=("ct FP8 checkpoint; dense live weight; checkpoint weight_scale not exact in the live dtype; the live "
-               "weight differs from the reference beyond the dtype's weight tolerance and equals codes x "
-               "scale.to(live dtype) within it. Through transformers the check runs right after compressed-tensors' "
-               "decompression at the first forward (one-shot pre-hook)."),
+    detection=(
+        "ct FP8 checkpoint; dense live weight; checkpoint weight_scale not exact in the live dtype; the live "
+        "weight differs from the reference beyond the dtype's weight tolerance and equals codes x "
+        "scale.to(live dtype) within it. Through transformers the check runs right after compressed-tensors' "
+        "decompression at the first forward (one-shot pre-hook)."
+    ),
     apply=repair_ct_fp8_scale_precision,
     hook=install_scale_precision_repair,
     known_issues=KNOWN_ISSUES,

@@ -61,8 +61,9 @@ def inferred_block(rows: int, cols: int, grid: tuple[int, int]) -> tuple[int, in
     return rows // grid[0], cols // grid[1]
 
 
-def repair_fp8_block_grid(model: torch.nn.Module, checkpoint_dir: str | Path, *,
-                          key_mapping: Mapping[str, str] | None = None) -> FixReport:
+def repair_fp8_block_grid(
+    model: torch.nn.Module, checkpoint_dir: str | Path, *, key_mapping: Mapping[str, str] | None = None
+) -> FixReport:
     """Write the declared-grid dequantization into every dense weight that holds transformers'
     inferred-grid one (module docstring). `key_mapping` is the load's, as in transformers."""
     report = FixReport(NAME)
@@ -79,36 +80,52 @@ def repair_fp8_block_grid(model: torch.nn.Module, checkpoint_dir: str | Path, *,
         effective = (min(block[0], rows), min(block[1], cols))
         inferred = inferred_block(rows, cols, grid)
         if inferred is None:
-            raise SkipTensor(f"[{rows}, {cols}] does not divide by the grid {list(grid)}: transformers refuses "
-                             "this shape at load, so it did not dequantize it")
+            raise SkipTensor(
+                f"[{rows}, {cols}] does not divide by the grid {list(grid)}: transformers refuses "
+                "this shape at load, so it did not dequantize it"
+            )
         if inferred == effective:
             raise SkipTensor(f"the inferred block {list(inferred)} is the declared one: not affected")
         tensors = source.tensors(target.module)
         if tuple(tensors["weight_scale_inv"].shape) != grid:
-            raise SkipTensor(f"weight_scale_inv is {list(tensors['weight_scale_inv'].shape)}, not the grid "
-                             f"{list(grid)} of block {list(block)}: not this bug's layout")
+            raise SkipTensor(
+                f"weight_scale_inv is {list(tensors['weight_scale_inv'].shape)}, not the grid "
+                f"{list(grid)} of block {list(block)}: not this bug's layout"
+            )
         codes = tensors["weight"].to(torch.float64)  # every e4m3 value is exact in float64
         misread = codes * expand_block_grid(tensors["weight_scale_inv"].to(torch.float64), rows, cols, inferred)
-        wrong_now = repair_misread(weight, source.reference(target.module, tensors), misread, source.fmt.name,
-                                   "declared-grid dequantization", "inferred-grid reading")
-        return (f"scaled with blocks {list(inferred)} inferred from the shape instead of the declared "
-                f"{list(block)} ({wrong_now} elements off); re-dequantized")
+        wrong_now = repair_misread(
+            weight,
+            source.reference(target.module, tensors),
+            misread,
+            source.fmt.name,
+            "declared-grid dequantization",
+            "inferred-grid reading",
+        )
+        return (
+            f"scaled with blocks {list(inferred)} inferred from the shape instead of the declared "
+            f"{list(block)} ({wrong_now} elements off); re-dequantized"
+        )
 
     return repair_each_module(model, source, report, key_mapping, repair_one)
 
 
 FIX = Fix(
     name=NAME,
-    repairs=("transformers' CPU fallback dequantizes FineGrainedFP8 weights with a block inferred from "
-             "shape // scale grid instead of the declared weight_block_size: for shapes that are not a multiple of "
-             "the block but divide by the grid (160 rows, blocks of 128), whole row or column ranges get a "
-             "neighbouring block's scale, silently."),
+    repairs=(
+        "transformers' CPU fallback dequantizes FineGrainedFP8 weights with a block inferred from "
+        "shape // scale grid instead of the declared weight_block_size: for shapes that are not a multiple of "
+        "the block but divide by the grid (160 rows, blocks of 128), whole row or column ranges get a "
+        "neighbouring block's scale, silently."
+    ),
     engines=("transformers",),
     versions=">=5.0",
     formats=("fp8-block",),
-    detection=("fp8-block checkpoint; dense live weight; shape divisible by the ceil grid with shape // grid "
-               "different from the declared block; the live weight differs from the reference (declared grid) "
-               "beyond the dtype's weight tolerance and equals the inferred-grid reading within it"),
+    detection=(
+        "fp8-block checkpoint; dense live weight; shape divisible by the ceil grid with shape // grid "
+        "different from the declared block; the live weight differs from the reference (declared grid) "
+        "beyond the dtype's weight tolerance and equals the inferred-grid reading within it"
+    ),
     apply=repair_fp8_block_grid,
     known_issues=(KNOWN_ISSUE,),
     kinds=("weight-mismatch",),

@@ -101,8 +101,11 @@ def install_meta_only_materialize() -> Callable[[], None]:
         importlib.import_module(f"{VLLM_RELOAD_PACKAGE}.reload.layerwise")
     except ImportError as error:
         raise RuntimeError(f"this vLLM has no layer-wise loader ({error}): nothing to wrap") from error
-    holders = [module for name, module in list(sys.modules.items())
-               if name.startswith(VLLM_RELOAD_PACKAGE) and callable(getattr(module, "materialize_layer", None))]
+    holders = [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith(VLLM_RELOAD_PACKAGE) and callable(getattr(module, "materialize_layer", None))
+    ]
     if not any(module is meta for module in holders):
         raise RuntimeError(f"{meta.__name__} defines no materialize_layer: this vLLM has no layer-wise loader")
     originals = {module: module.materialize_layer for module in holders}
@@ -136,8 +139,9 @@ class LiveModel:
 
     def __init__(self, model: torch.nn.Module):
         self.modules = dict(model.named_modules())
-        self.tensors = (dict(model.named_parameters(remove_duplicate=False))
-                        | dict(model.named_buffers(remove_duplicate=False)))
+        self.tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(
+            model.named_buffers(remove_duplicate=False)
+        )
         self.packed = _packed_parts(model)
 
 
@@ -159,11 +163,15 @@ def live_view(model: LiveModel, name: str, shape: tuple[int, ...], rows_of) -> t
             if f"{fused_name}.{suffix}" not in live:
                 continue
             tensor = live[f"{fused_name}.{suffix}"]
-            offset = _part_offset(modules[fused_name], parts, leaf,
-                                  lambda part, p=parent, s=suffix: rows_of(f"{p}.{part}.{s}" if p else f"{part}.{s}"))
+            offset = _part_offset(
+                modules[fused_name],
+                parts,
+                leaf,
+                lambda part, p=parent, s=suffix: rows_of(f"{p}.{part}.{s}" if p else f"{part}.{s}"),
+            )
             if tensor.dim() == 0 or offset + shape[0] > tensor.shape[0]:
                 return None, f"{fused_name}.{suffix} has {tuple(tensor.shape)}, no rows {offset}..{offset + shape[0]}"
-            return tensor[offset:offset + shape[0]], ""
+            return tensor[offset : offset + shape[0]], ""
     return None, "no live tensor of that name (nor a fused one holding it)"
 
 
@@ -190,8 +198,9 @@ def verbatim_reason(model: LiveModel, name: str) -> str:
 
 
 @torch.no_grad()
-def restore_clobbered_tensors(model: torch.nn.Module, checkpoint_dir: str | Path, *, dry_run: bool = False,
-                              **_options) -> FixReport:
+def restore_clobbered_tensors(
+    model: torch.nn.Module, checkpoint_dir: str | Path, *, dry_run: bool = False, **_options
+) -> FixReport:
     """Compare every checkpoint tensor the engine loads verbatim with the live tensor holding it
     and copy the checkpoint's value back where they differ (not equal, or not finite); each
     restored tensor is reported with how it differed. `dry_run` reports without writing."""
@@ -230,8 +239,10 @@ def restore_clobbered_tensors(model: torch.nn.Module, checkpoint_dir: str | Path
             report.warnings.append(f"{name}: still on the meta device after loading")
             continue
         if tuple(live.shape) != tuple(tensor.shape) or not live.is_floating_point() or live.dtype in LOW_PRECISION:
-            report.skipped[name] = (f"held as {live.dtype} {tuple(live.shape)} for {tensor.dtype} {tuple(tensor.shape)}: "
-                                    "transformed by the engine")
+            report.skipped[name] = (
+                f"held as {live.dtype} {tuple(live.shape)} for {tensor.dtype} {tuple(tensor.shape)}: "
+                "transformed by the engine"
+            )
             continue
         expected = tensor.to(device=live.device, dtype=live.dtype)
         if torch.equal(live, expected):
@@ -247,13 +258,17 @@ def restore_clobbered_tensors(model: torch.nn.Module, checkpoint_dir: str | Path
 
 FIX = Fix(
     name=NAME,
-    repairs=("vLLM's layer-wise loader (online quantization) re-materializes already-loaded tensors such as "
-             "biases with torch.empty_strided: garbage or NaN biases, '!!!!' or NaN output"),
+    repairs=(
+        "vLLM's layer-wise loader (online quantization) re-materializes already-loaded tensors such as "
+        "biases with torch.empty_strided: garbage or NaN biases, '!!!!' or NaN output"
+    ),
     engines=("vllm",),
     versions=">=0.19.0,<0.21.0",  # measured on the released wheels (module docstring)
     formats=("bf16",),  # an unquantized checkpoint quantized online by the engine
-    detection=("a checkpoint tensor the engine loads verbatim (bias, norm, embedding) differs from the live tensor "
-               "holding it after loading (not bit-equal in the model dtype, or not finite)"),
+    detection=(
+        "a checkpoint tensor the engine loads verbatim (bias, norm, embedding) differs from the live tensor "
+        "holding it after loading (not bit-equal in the model dtype, or not finite)"
+    ),
     apply=restore_clobbered_tensors,
     hook=install_meta_only_materialize,
     report="000-vllm-fp8-bias-materialize",

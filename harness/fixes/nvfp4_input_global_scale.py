@@ -72,9 +72,11 @@ class Decision:
     log_expected: float  # a
 
     def describe(self) -> str:
-        return (f"divisor {self.stored_divisor:.6g}, first activation amax {self.activation_amax:.4g} "
-                f"(2688/amax = {FULL_RANGE / self.activation_amax:.4g}; ln: stored {self.log_stored:+.2f}, "
-                f"expected {self.log_expected:+.2f})")
+        return (
+            f"divisor {self.stored_divisor:.6g}, first activation amax {self.activation_amax:.4g} "
+            f"(2688/amax = {FULL_RANGE / self.activation_amax:.4g}; ln: stored {self.log_stored:+.2f}, "
+            f"expected {self.log_expected:+.2f})"
+        )
 
 
 def decide(stored_divisor: float, activation_amax: float, margin: float = MARGIN) -> Decision | None:
@@ -163,16 +165,19 @@ class InputScaleRepair:
                 flip(module, slot)
                 self.report.repaired.append(f"{name}.{slot}: {decision.describe()} -> {1.0 / stored:.6g}")
             elif decision.verdict == "ambiguous":
-                self.report.warnings.append(f"{name}.{slot}: left alone, too close to 1 to tell the conventions "
-                                            f"apart (within {self.margin:g}x): {decision.describe()}")
+                self.report.warnings.append(
+                    f"{name}.{slot}: left alone, too close to 1 to tell the conventions "
+                    f"apart (within {self.margin:g}x): {decision.describe()}"
+                )
             self.handles.pop(name).remove()
             return None
 
         return repair_before_first_forward
 
 
-def install_input_scale_prehooks(model: torch.nn.Module, margin: float = MARGIN,
-                                 report: FixReport | None = None) -> InputScaleRepair:
+def install_input_scale_prehooks(
+    model: torch.nn.Module, margin: float = MARGIN, report: FixReport | None = None
+) -> InputScaleRepair:
     """Register the one-shot pre-hook on every module holding an NVFP4 activation global scale."""
     repair = InputScaleRepair(report or FixReport(NAME), margin)
     for name, module in model.named_modules():
@@ -184,15 +189,22 @@ def install_input_scale_prehooks(model: torch.nn.Module, margin: float = MARGIN,
             if float(weight.detach().float().reshape(-1).max()) < 1:
                 repair.report.warnings.append(
                     f"{name}.weight_global_scale < 1: the weights hold ModelOpt multipliers too (a whole-checkpoint "
-                    "convention swap; not repaired by this fix)")
+                    "convention swap; not repaired by this fix)"
+                )
         repair.handles[name] = module.register_forward_pre_hook(repair.hook_for(name), with_kwargs=True)
     if not repair.handles:
         repair.report.skipped["*"] = "no module holds an NVFP4 activation global scale (not W4A4)"
     return repair
 
 
-def apply(model: torch.nn.Module, checkpoint_dir: str | Path | None = None, *, margin: float = MARGIN,
-          sample_input_ids: list[int] | None = None, **_options) -> FixReport:
+def apply(
+    model: torch.nn.Module,
+    checkpoint_dir: str | Path | None = None,
+    *,
+    margin: float = MARGIN,
+    sample_input_ids: list[int] | None = None,
+    **_options,
+) -> FixReport:
     """Install the pre-hooks and return their report, which fills in on the model's first forward:
     the live model is judged after the engine's post-load processing (`checkpoint_dir` is not read).
     `sample_input_ids` runs that first forward now (a transformers-style model), so the report is
@@ -208,16 +220,20 @@ def apply(model: torch.nn.Module, checkpoint_dir: str | Path | None = None, *, m
 
 FIX = Fix(
     name=NAME,
-    repairs=("an NVFP4 W4A4 activation global scale stored in the other convention (ModelOpt's multiplier "
-             "amax/2688 in compressed-tensors' divisor slot 2688/amax, or the reverse): activations quantized "
-             "with scales off by (2688/amax)^2, garbage output, no warning"),
+    repairs=(
+        "an NVFP4 W4A4 activation global scale stored in the other convention (ModelOpt's multiplier "
+        "amax/2688 in compressed-tensors' divisor slot 2688/amax, or the reverse): activations quantized "
+        "with scales off by (2688/amax)^2, garbage output, no warning"
+    ),
     engines=("transformers", "compressed-tensors", "vllm"),
     versions=">=0",  # no engine checks the convention (see module docstring); the input scale is not in the
     # harness's known issues, which cover the weight global scale
     formats=("ct-nvfp4", "modelopt-nvfp4"),
-    detection=("at a module's first forward with a non-zero input x: t = ln(stored divisor), a = ln(2688/amax(x)); "
-               f"swapped when t and a have opposite signs and both |t|, |a| >= ln {MARGIN:g}; left alone and "
-               "reported when either is within that margin"),
+    detection=(
+        "at a module's first forward with a non-zero input x: t = ln(stored divisor), a = ln(2688/amax(x)); "
+        f"swapped when t and a have opposite signs and both |t|, |a| >= ln {MARGIN:g}; left alone and "
+        "reported when either is within that margin"
+    ),
     apply=apply,
     hook=install_input_scale_prehooks,
     report="002-nvfp4-activation-global-scale",

@@ -71,8 +71,9 @@ def convention(global_scale: float, largest_block_scale: float) -> str:
     return "ambiguous"
 
 
-def repair_modules(model: torch.nn.Module, source: QuantizedCheckpoint, report: FixReport,
-                   key_mapping: Mapping[str, str] | None = None) -> None:
+def repair_modules(
+    model: torch.nn.Module, source: QuantizedCheckpoint, report: FixReport, key_mapping: Mapping[str, str] | None = None
+) -> None:
     def repair_one(target: ModuleTarget) -> str:
         tensors = source.tensors(target.module)
         stored = nv.read_per_tensor("weight_global_scale", tensors["weight_global_scale"])
@@ -81,34 +82,48 @@ def repair_modules(model: torch.nn.Module, source: QuantizedCheckpoint, report: 
         if verdict == "divisor":
             raise SkipTensor(f"weight_global_scale {stored:.6g} >= 1: a divisor, as compressed-tensors means it")
         if verdict == "ambiguous":
-            report.warnings.append(f"{target.key}: weight_global_scale {stored:.6g} < 1 but the block scales (max "
-                                   f"{largest:.4g}) imply amax {6 * largest / stored:.4g} <= 2688: left alone")
+            report.warnings.append(
+                f"{target.key}: weight_global_scale {stored:.6g} < 1 but the block scales (max "
+                f"{largest:.4g}) imply amax {6 * largest / stored:.4g} <= 2688: left alone"
+            )
             raise SkipTensor("ambiguous: fits neither convention cleanly")
         _, live_module, weight = target.live_weight()
-        intended = nv.dequantize_nvfp4(tensors, "weight_packed", "weight_scale", "weight_global_scale",
-                                       nv.MULTIPLY, None)
+        intended = nv.dequantize_nvfp4(
+            tensors, "weight_packed", "weight_scale", "weight_global_scale", nv.MULTIPLY, None
+        )
         misread = intended / stored / stored  # the divisor reading: product / g, and intended = product x g
-        repair_misread(weight, intended, misread, source.fmt.name, "multiplier reading", "divisor reading",
-                       misread_dtype=torch.bfloat16)
+        repair_misread(
+            weight,
+            intended,
+            misread,
+            source.fmt.name,
+            "multiplier reading",
+            "divisor reading",
+            misread_dtype=torch.bfloat16,
+        )
         live_scale = getattr(live_module, "weight_global_scale", None)
         if isinstance(live_scale, torch.Tensor) and live_scale.numel() == 1 and float(live_scale) < 1:
             with torch.no_grad():  # still the stored multiplier: put the divisor it stands for
                 live_scale.fill_(1.0 / stored)
-        return (f"weight_global_scale {stored:.6g} is a multiplier (divisor reading implies amax "
-                f"{6 * largest / stored:.3g} > 2688); re-dequantized with divisor {1 / stored:.6g}")
+        return (
+            f"weight_global_scale {stored:.6g} is a multiplier (divisor reading implies amax "
+            f"{6 * largest / stored:.3g} > 2688); re-dequantized with divisor {1 / stored:.6g}"
+        )
 
     repair_each_module(model, source, report, key_mapping, repair_one)
 
 
-def install_weight_global_scale_repair(model: torch.nn.Module, checkpoint_dir: str | Path, *,
-                                       key_mapping: Mapping[str, str] | None = None) -> DeferredRepair:
+def install_weight_global_scale_repair(
+    model: torch.nn.Module, checkpoint_dir: str | Path, *, key_mapping: Mapping[str, str] | None = None
+) -> DeferredRepair:
     """Repair now if the model is decompressed, else right after compressed-tensors' decompression
     at the first forward; the returned object's `report` fills in then."""
     return install_deferred_repair(model, checkpoint_dir, NAME, FORMATS, repair_modules, key_mapping)
 
 
-def repair_nvfp4_weight_global_scale(model: torch.nn.Module, checkpoint_dir: str | Path, *,
-                                     key_mapping: Mapping[str, str] | None = None) -> FixReport:
+def repair_nvfp4_weight_global_scale(
+    model: torch.nn.Module, checkpoint_dir: str | Path, *, key_mapping: Mapping[str, str] | None = None
+) -> FixReport:
     """The fix's `apply`: complete on return when the model is decompressed, else filled in at the
     first forward (a warning says so until then)."""
     return install_weight_global_scale_repair(model, checkpoint_dir, key_mapping=key_mapping).report
@@ -116,14 +131,18 @@ def repair_nvfp4_weight_global_scale(model: torch.nn.Module, checkpoint_dir: str
 
 FIX = Fix(
     name=NAME,
-    repairs=("a compressed-tensors NVFP4 weight_global_scale holding ModelOpt's multiplier amax/2688 instead of the "
-             "divisor 2688/amax is read as a divisor without a check: the weight comes out scaled by 1/g^2 (~1e8)."),
+    repairs=(
+        "a compressed-tensors NVFP4 weight_global_scale holding ModelOpt's multiplier amax/2688 instead of the "
+        "divisor 2688/amax is read as a divisor without a check: the weight comes out scaled by 1/g^2 (~1e8)."
+    ),
     engines=("transformers", "compressed-tensors"),
     versions=">=0",  # transformers >=5.0 and compressed-tensors >=0.12 (known issues); measured on 5.23 / 0.20
     formats=FORMATS,
-    detection=("from the checkpoint: weight_global_scale g < 1 and 6 x max(weight_scale) / g > 2688 (the divisor "
-               "reading implies a weight amax the format cannot hold); the dense live weight matches the divisor "
-               "reading, not yet the multiplier one"),
+    detection=(
+        "from the checkpoint: weight_global_scale g < 1 and 6 x max(weight_scale) / g > 2688 (the divisor "
+        "reading implies a weight amax the format cannot hold); the dense live weight matches the divisor "
+        "reading, not yet the multiplier one"
+    ),
     apply=repair_nvfp4_weight_global_scale,
     hook=install_weight_global_scale_repair,
     known_issues=KNOWN_ISSUES,

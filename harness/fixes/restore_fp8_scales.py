@@ -96,15 +96,20 @@ def checkpoint_files(directory: Path, variant: str | None) -> dict[str, Path]:
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(index_path, "index has no weight_map")
-        files = {shard: contained_file(directory, shard, "shard", referrer=index_path)
-                 for shard in set(weight_map.values())}
+        files = {
+            shard: contained_file(directory, shard, "shard", referrer=index_path) for shard in set(weight_map.values())
+        }
         return {name: files[shard] for name, shard in weight_map.items()}
     if single_path.exists():
         single = contained_file(directory, single_name, single_name, referrer=directory)
         return {name: single for name in read_safetensors_header(single)}
-    found = sorted({part for path in directory.glob("model*.safetensors*")
-                    for part in re.findall(r"^model(?:\.safetensors\.index)?\.([^.]+)\.(?:safetensors|json)$",
-                                           path.name)})
+    found = sorted(
+        {
+            part
+            for path in directory.glob("model*.safetensors*")
+            for part in re.findall(r"^model(?:\.safetensors\.index)?\.([^.]+)\.(?:safetensors|json)$", path.name)
+        }
+    )
     hint = f"; variant files found ({', '.join(found)}): pass variant=" if found and variant is None else ""
     raise CheckpointError(directory, f"neither {index_name} nor {single_name} found{hint}")
 
@@ -153,15 +158,17 @@ def scale_as_float64(scale: torch.Tensor, scale_fmt: str | None) -> torch.Tensor
     return values
 
 
-def orient_scale_grid(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int] | None,
-                      declared: bool) -> tuple[torch.Tensor, tuple[int, int], bool]:
+def orient_scale_grid(
+    scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int] | None, declared: bool
+) -> tuple[torch.Tensor, tuple[int, int], bool]:
     """(grid [ceil(N/bn), ceil(K/bk)], block, transposed): the scale read as the format defines
     it, a non-square transposed grid turned back when the block size is declared (see the module
     docstring for why a square grid is read literally and a defaulted block refuses a transpose)."""
     if block is None:
         if scale.numel() != 1:
-            raise SkipTensor(f"per-tensor quantization (weight_block_size null) needs one scale, got "
-                             f"shape {list(scale.shape)}")
+            raise SkipTensor(
+                f"per-tensor quantization (weight_block_size null) needs one scale, got shape {list(scale.shape)}"
+            )
         return scale.reshape(1, 1), (rows, cols), False
     grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
     shape = tuple(scale.shape)
@@ -169,12 +176,16 @@ def orient_scale_grid(scale: torch.Tensor, rows: int, cols: int, block: tuple[in
         return scale, block, False
     if shape == grid[::-1]:
         if not declared:
-            raise SkipTensor(f"ambiguous scale grid {list(shape)}: it is the transposed grid for the default block "
-                             f"{list(block)} but weight_block_size is not declared, so it may equally be the grid "
-                             "of another block size; refusing to guess")
+            raise SkipTensor(
+                f"ambiguous scale grid {list(shape)}: it is the transposed grid for the default block "
+                f"{list(block)} but weight_block_size is not declared, so it may equally be the grid "
+                "of another block size; refusing to guess"
+            )
         return scale.t(), block, True
-    raise SkipTensor(f"scale has shape {list(shape)} but weight [{rows}, {cols}] with block {list(block)} needs "
-                     f"{list(grid)} (or its transpose)")
+    raise SkipTensor(
+        f"scale has shape {list(shape)} but weight [{rows}, {cols}] with block {list(block)} needs "
+        f"{list(grid)} (or its transpose)"
+    )
 
 
 def check_raw_codes(weight: torch.Tensor, checkpoint: CheckpointTensors, weight_key: str | None) -> None:
@@ -186,10 +197,12 @@ def check_raw_codes(weight: torch.Tensor, checkpoint: CheckpointTensors, weight_
             raise SkipTensor(f"the checkpoint has no {weight_key} to compare the live weight with")
         header = checkpoint.header(weight_key)
         if header["dtype"] != "F8_E4M3" or header["shape"] != [rows, cols]:
-            raise SkipTensor(f"checkpoint {weight_key} is {header['dtype']} {header['shape']}, not F8_E4M3 "
-                             f"[{rows}, {cols}] like the live weight")
+            raise SkipTensor(
+                f"checkpoint {weight_key} is {header['dtype']} {header['shape']}, not F8_E4M3 "
+                f"[{rows}, {cols}] like the live weight"
+            )
     for start in range(0, rows, CHUNK_ROWS):
-        live = weight[start:start + CHUNK_ROWS]
+        live = weight[start : start + CHUNK_ROWS]
         if weight_key is not None:
             same = torch.equal(live, checkpoint.rows(weight_key, start, start + CHUNK_ROWS).to(live))
             problem = "does not hold the checkpoint's raw FP8 values"
@@ -197,8 +210,9 @@ def check_raw_codes(weight: torch.Tensor, checkpoint: CheckpointTensors, weight_
             same = torch.equal(live, live.to(torch.float8_e4m3fn).to(live.dtype))
             problem = "holds values not representable in float8_e4m3fn, so they are not raw FP8 codes"
         if not same:
-            raise SkipTensor(f"live weight {problem} (rows {start}..): already dequantized or changed after load; "
-                             "left as is")
+            raise SkipTensor(
+                f"live weight {problem} (rows {start}..): already dequantized or changed after load; left as is"
+            )
 
 
 def multiply_block_rows(weight: torch.Tensor, grid: torch.Tensor, block: tuple[int, int]) -> None:
@@ -210,8 +224,8 @@ def multiply_block_rows(weight: torch.Tensor, grid: torch.Tensor, block: tuple[i
     buffer = torch.empty(min(bn, CHUNK_ROWS), cols, dtype=torch.float64, device=weight.device)
     for index, block_start in enumerate(range(0, rows, bn)):
         for start in range(block_start, min(block_start + bn, rows), CHUNK_ROWS):
-            target = weight[start:min(start + CHUNK_ROWS, block_start + bn)]
-            work = buffer[:target.shape[0]]
+            target = weight[start : min(start + CHUNK_ROWS, block_start + bn)]
+            work = buffer[: target.shape[0]]
             work.copy_(target)
             work.mul_(column_scales[index])
             target.copy_(work)
@@ -220,13 +234,36 @@ def multiply_block_rows(weight: torch.Tensor, grid: torch.Tensor, block: tuple[i
 def restore_rows(weight: torch.Tensor, checkpoint: CheckpointTensors, weight_key: str) -> None:
     """Put the checkpoint's raw codes back into a weight whose repair failed midway."""
     for start in range(0, weight.shape[0], CHUNK_ROWS):
-        weight[start:start + CHUNK_ROWS].copy_(checkpoint.rows(weight_key, start, start + CHUNK_ROWS))
+        weight[start : start + CHUNK_ROWS].copy_(checkpoint.rows(weight_key, start, start + CHUNK_ROWS))
 
 
-def restore_dropped_fp8_scales(model: torch.nn.Module, checkpoint_dir: str | Path, *,
-                               key_mapping: Mapping[str, str] | None = None,
-                               already_dequantized: bool | None = None,
-                               variant: str | None = None) -> FixReport:
+def unconverted_weight(module: torch.nn.Module, key: str, report: FixReport) -> torch.Tensor:
+    """The module's 2-D floating weight that transformers left unconverted and that may be written
+    in place; SkipTensor with the reason otherwise (an offloaded one also warns)."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise SkipTensor(f"module {type(module).__name__} has no weight tensor")
+    if weight.dtype in FP8_DTYPES:
+        raise SkipTensor(f"live weight is {weight.dtype}: the module was converted and uses its scale")
+    problem = offload_problem(module, weight)
+    if problem:
+        report.warnings.append(f"{key}: {problem}")
+        raise SkipTensor(problem)
+    if not weight.is_floating_point():
+        raise SkipTensor(f"live weight is {weight.dtype}, not a floating weight holding FP8 codes")
+    if weight.dim() != 2:
+        raise SkipTensor(f"live weight has {weight.dim()} dimensions; block scales are 2-D")
+    return weight
+
+
+def restore_dropped_fp8_scales(
+    model: torch.nn.Module,
+    checkpoint_dir: str | Path,
+    *,
+    key_mapping: Mapping[str, str] | None = None,
+    already_dequantized: bool | None = None,
+    variant: str | None = None,
+) -> FixReport:
     """For every checkpoint `*.weight_scale_inv` whose live module weight is not FP8 and holds the
     raw codes, multiply the block scale in, in place. `key_mapping` is the mapping the load used
     (regex -> replacement, as transformers' `key_mapping`); `variant` the load's `variant=`.
@@ -256,20 +293,7 @@ def restore_dropped_fp8_scales(model: torch.nn.Module, checkpoint_dir: str | Pat
             try:
                 module_name = live_module_name(checkpoint_module, live_modules, key_mapping)
                 key = f"{module_name}.weight"
-                module = live_modules[module_name]
-                weight = getattr(module, "weight", None)
-                if not isinstance(weight, torch.Tensor):
-                    raise SkipTensor(f"module {type(module).__name__} has no weight tensor")
-                if weight.dtype in FP8_DTYPES:
-                    raise SkipTensor(f"live weight is {weight.dtype}: the module was converted and uses its scale")
-                problem = offload_problem(module, weight)
-                if problem:
-                    report.warnings.append(f"{key}: {problem}")
-                    raise SkipTensor(problem)
-                if not weight.is_floating_point():
-                    raise SkipTensor(f"live weight is {weight.dtype}, not a floating weight holding FP8 codes")
-                if weight.dim() != 2:
-                    raise SkipTensor(f"live weight has {weight.dim()} dimensions; block scales are 2-D")
+                weight = unconverted_weight(live_modules[module_name], key, report)
                 if already_dequantized:
                     raise SkipTensor("the caller says the load already dequantized (already_dequantized=True)")
                 if weight.data_ptr() in repaired_tensors:
@@ -294,8 +318,10 @@ def restore_dropped_fp8_scales(model: torch.nn.Module, checkpoint_dir: str | Pat
                     report.skipped[key] = reason + "; raw values restored from the checkpoint"
                 except Exception:
                     report.skipped[key] = reason
-                    report.warnings.append(f"{key}: {reason}; could not restore the raw values: the weight is "
-                                           "partially scaled, reload the model")
+                    report.warnings.append(
+                        f"{key}: {reason}; could not restore the raw values: the weight is "
+                        "partially scaled, reload the model"
+                    )
                 continue
             repaired_tensors.add(data.data_ptr())
             report.repaired.append(key)
@@ -306,16 +332,20 @@ def restore_dropped_fp8_scales(model: torch.nn.Module, checkpoint_dir: str | Pat
 
 FIX = Fix(
     name=NAME,
-    repairs=("A block-FP8 Linear that transformers left unconverted (listed in modules_to_not_convert while its "
-             "weight is FP8) holds the raw e4m3 codes in bf16 and its weight_scale_inv is dropped as an "
-             "unexpected key: the layer runs unscaled and the model's output is garbage."),
+    repairs=(
+        "A block-FP8 Linear that transformers left unconverted (listed in modules_to_not_convert while its "
+        "weight is FP8) holds the raw e4m3 codes in bf16 and its weight_scale_inv is dropped as an "
+        "unexpected key: the layer runs unscaled and the model's output is garbage."
+    ),
     engines=("transformers",),
     versions=">=5.0",  # reproduced with 5.23 on the FP8 (non-dequantize) load path; earlier releases untested
     formats=("fp8-block",),
-    detection=("The checkpoint is quant_method fp8 and has a <module>.weight_scale_inv whose live module weight is "
-               "a floating, non-FP8 2-D tensor equal, element for element, to the checkpoint's float8_e4m3fn "
-               "<module>.weight (the raw codes); converted modules (FP8 weights) and weights transformers already "
-               "dequantized (not equal to their codes) do not match."),
+    detection=(
+        "The checkpoint is quant_method fp8 and has a <module>.weight_scale_inv whose live module weight is "
+        "a floating, non-FP8 2-D tensor equal, element for element, to the checkpoint's float8_e4m3fn "
+        "<module>.weight (the raw codes); converted modules (FP8 weights) and weights transformers already "
+        "dequantized (not equal to their codes) do not match."
+    ),
     apply=restore_dropped_fp8_scales,
     report="003-unsloth-restore-dropped-fp8-scales",
     kinds=("dropped-scale",),

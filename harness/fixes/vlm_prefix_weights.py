@@ -136,14 +136,18 @@ def load_prefixed_weights(model: torch.nn.Module, checkpoint_dir: str | Path) ->
 
 FIX = Fix(
     name=NAME,
-    repairs=("a text-model checkpoint whose keys sit under model.language_model. loads into a *ForCausalLM with "
-             "every decoder weight missing and randomly initialised; transformers only lists the keys."),
+    repairs=(
+        "a text-model checkpoint whose keys sit under model.language_model. loads into a *ForCausalLM with "
+        "every decoder weight missing and randomly initialised; transformers only lists the keys."
+    ),
     engines=("transformers",),
     versions=">=5.0",
     formats=("fp8-block", "bf16"),
-    detection=("the checkpoint has keys under model.language_model., the live model has no model.language_model "
-               "module, and the live tensor at the mapped name (canonical_name) does not hold the checkpoint's value "
-               "(plain tensors: bit-equal after the cast; quantized: the reference within the weight tolerance)"),
+    detection=(
+        "the checkpoint has keys under model.language_model., the live model has no model.language_model "
+        "module, and the live tensor at the mapped name (canonical_name) does not hold the checkpoint's value "
+        "(plain tensors: bit-equal after the cast; quantized: the reference within the weight tolerance)"
+    ),
     apply=load_prefixed_weights,
     known_issues=(KNOWN_ISSUE,),
     kinds=("load-report", "dropped-scale"),

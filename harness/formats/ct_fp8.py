@@ -42,19 +42,40 @@ CT_VERSION = "0.20.0"
 SCALE_DTYPES = ("model", "float32")
 
 # activation args exactly as ct serializes its presets (FP8, FP8_DYNAMIC, FP8_BLOCK)
-STATIC_TENSOR_INPUT = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
-                       "strategy": "tensor", "dynamic": False, "observer": "static_minmax"}
-DYNAMIC_TOKEN_INPUT = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
-                       "strategy": "token", "dynamic": True}
-DYNAMIC_GROUP_INPUT = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": 128,
-                       "strategy": "group", "dynamic": True}
+STATIC_TENSOR_INPUT = {
+    "num_bits": 8,
+    "type": "float",
+    "symmetric": True,
+    "group_size": None,
+    "strategy": "tensor",
+    "dynamic": False,
+    "observer": "static_minmax",
+}
+DYNAMIC_TOKEN_INPUT = {
+    "num_bits": 8,
+    "type": "float",
+    "symmetric": True,
+    "group_size": None,
+    "strategy": "token",
+    "dynamic": True,
+}
+DYNAMIC_GROUP_INPUT = {
+    "num_bits": 8,
+    "type": "float",
+    "symmetric": True,
+    "group_size": 128,
+    "strategy": "group",
+    "dynamic": True,
+}
 
 
 def scale_dtype_for(knobs: Mapping[str, Any], model_dtype: torch.dtype) -> torch.dtype:
     """ct stores qparams in the dtype of the observed weight (float16 for non-float models)."""
     if knobs["scale_dtype"] == "float32":
         return torch.float32
-    return model_dtype if model_dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float16
+    return (
+        model_dtype if model_dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float16
+    )
 
 
 def ct_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -100,8 +121,7 @@ class CtFp8(QuantFormat):
             self.knobs |= {
                 "block_rows": Knob(128, help="block height bn"),
                 "block_cols": Knob(128, help="block width bk"),
-                "scale_layout": Knob("normal", ("normal", "transposed"),
-                                     "store the grid transposed (a perturbation)"),
+                "scale_layout": Knob("normal", ("normal", "transposed"), "store the grid transposed (a perturbation)"),
             }
 
     def resolve_knobs(self, overrides):
@@ -117,16 +137,27 @@ class CtFp8(QuantFormat):
         return group is not None and group["weights"].get("strategy") == self.strategy
 
     def quantization_config(self, knobs, ignore):
-        weights = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
-                   "strategy": self.strategy, "dynamic": False}
+        weights = {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "group_size": None,
+            "strategy": self.strategy,
+            "dynamic": False,
+        }
         if self.strategy == "block":
             weights["block_structure"] = [knobs["block_rows"], knobs["block_cols"]]
         if knobs["input_scale"]:
             inputs = STATIC_TENSOR_INPUT
         else:
             inputs = DYNAMIC_GROUP_INPUT if self.strategy == "block" else DYNAMIC_TOKEN_INPUT
-        group = {"targets": ["Linear"], "weights": weights, "input_activations": dict(inputs),
-                 "output_activations": None, "format": "float-quantized"}
+        group = {
+            "targets": ["Linear"],
+            "weights": weights,
+            "input_activations": dict(inputs),
+            "output_activations": None,
+            "format": "float-quantized",
+        }
         return {
             "version": CT_VERSION,
             "quant_method": "compressed-tensors",
@@ -149,8 +180,11 @@ class CtFp8(QuantFormat):
         knobs = {"input_scale": inputs.get("dynamic") is False}
         if self.strategy == "block":
             structure = group["weights"].get("block_structure")
-            if not (isinstance(structure, list) and len(structure) == 2
-                    and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in structure)):
+            if not (
+                isinstance(structure, list)
+                and len(structure) == 2
+                and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in structure)
+            ):
                 raise FormatError(f"block_structure {structure!r} is not [rows, cols] of positive ints")
             knobs |= {"block_rows": structure[0], "block_cols": structure[1]}
         return knobs
@@ -164,14 +198,17 @@ class CtFp8(QuantFormat):
         scale = ct_scale(block_amax(weight, block).to(dtype))
         quantized = encode_e4m3(weight / expand_block_grid(scale, *weight.shape, block))
         stored = scale.reshape(1) if self.strategy == "tensor" else scale
-        result = QuantizedWeight({"weight": quantized, "weight_scale": stored},
-                                 truth=block_truth(quantized, scale, block))
+        result = QuantizedWeight(
+            {"weight": quantized, "weight_scale": stored}, truth=block_truth(quantized, scale, block)
+        )
         if knobs["input_scale"]:
             amax = torch.tensor(float(activation_amax), dtype=model_dtype).abs().to(dtype)
             result.tensors["input_scale"] = ct_scale(amax).reshape(1)
         if dtype != model_dtype:
-            result.notes.append(f"scales stored as {str(dtype).removeprefix('torch.')}, not the model dtype: "
-                                "a loader that casts them to the model dtype first rounds twice")
+            result.notes.append(
+                f"scales stored as {str(dtype).removeprefix('torch.')}, not the model dtype: "
+                "a loader that casts them to the model dtype first rounds twice"
+            )
         if self.strategy == "block" and knobs["scale_layout"] == "transposed":
             transpose_scale_grid(result, "weight_scale", block)
         return result

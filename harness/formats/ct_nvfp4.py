@@ -51,8 +51,15 @@ def quantize_ct(observed: torch.Tensor, global_scale: torch.Tensor):
 
 def ct_args(activations: bool) -> dict:
     """QuantizationArgs as ct 0.20 dumps them into config.json."""
-    args = {"dynamic": False, "group_size": nv.GROUP, "num_bits": 4, "scale_dtype": "torch.float8_e4m3fn",
-            "strategy": "tensor_group", "symmetric": True, "type": "float"}
+    args = {
+        "dynamic": False,
+        "group_size": nv.GROUP,
+        "num_bits": 4,
+        "scale_dtype": "torch.float8_e4m3fn",
+        "strategy": "tensor_group",
+        "symmetric": True,
+        "type": "float",
+    }
     if activations:
         args.update(dynamic="local", observer="static_minmax")
     return args
@@ -62,18 +69,23 @@ class CtNvfp4(QuantFormat):
     marker = "weight_packed"
     knobs = {
         "global_scale_convention": Knob(
-            "divisor", ("divisor", "swapped"),
-            "store 1/global_scale (ModelOpt's multiplier) in the divisor slots (a perturbation)"),
+            "divisor",
+            ("divisor", "swapped"),
+            "store 1/global_scale (ModelOpt's multiplier) in the divisor slots (a perturbation)",
+        ),
     }
 
     def __init__(self, name: str, activations: bool):
         self.name = name
         self.activations = activations
         self.input_name = "input_global_scale" if activations else None
-        self.description = (f"compressed-tensors NVFP4 {'W4A4' if activations else 'W4A16'} "
-                            "(weight_packed, e4m3 weight_scale, divisor weight_global_scale)")
+        self.description = (
+            f"compressed-tensors NVFP4 {'W4A4' if activations else 'W4A16'} "
+            "(weight_packed, e4m3 weight_scale, divisor weight_global_scale)"
+        )
         self.suffixes = ("weight_packed", "weight_scale", "weight_global_scale") + (
-            ("input_global_scale",) if activations else ())
+            ("input_global_scale",) if activations else ()
+        )
 
     def _nvfp4_groups(self, quantization_config):
         if quantization_config.get("quant_method") != "compressed-tensors":
@@ -84,8 +96,11 @@ class CtNvfp4(QuantFormat):
                 continue
             fmt = group.get("format") or quantization_config.get("format")
             weights = group.get("weights") or {}
-            if fmt == FORMAT_NAME or (weights.get("num_bits") == 4 and weights.get("type") == "float"
-                                      and weights.get("group_size") == nv.GROUP):
+            if fmt == FORMAT_NAME or (
+                weights.get("num_bits") == 4
+                and weights.get("type") == "float"
+                and weights.get("group_size") == nv.GROUP
+            ):
                 found.append(group)
         return found or None
 
@@ -142,8 +157,9 @@ class CtNvfp4(QuantFormat):
         return result
 
     def dequantize(self, tensors, knobs):
-        return nv.dequantize_nvfp4(tensors, "weight_packed", "weight_scale", "weight_global_scale",
-                                   nv.DIVIDE, self.input_name)
+        return nv.dequantize_nvfp4(
+            tensors, "weight_packed", "weight_scale", "weight_global_scale", nv.DIVIDE, self.input_name
+        )
 
     def scale_block(self, knobs, shape):
         return 1, nv.GROUP

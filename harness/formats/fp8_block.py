@@ -102,12 +102,15 @@ def transpose_scale_grid(result: QuantizedWeight, scale_name: str, block: tuple[
     result.tensors[scale_name] = transposed
     if transposed.shape == scale.shape:
         result.truth = block_truth(result.tensors["weight"], transposed, block)
-        result.notes.append(f"{scale_name} stored transposed; square grid, so undetectable: "
-                            "truth is the literal reading")
+        result.notes.append(
+            f"{scale_name} stored transposed; square grid, so undetectable: truth is the literal reading"
+        )
     else:
         result.expectation = "exact-or-refuse"
-        result.notes.append(f"{scale_name} stored transposed {list(transposed.shape)}: does not fit "
-                            "the weight; a loader must refuse it or transpose it back")
+        result.notes.append(
+            f"{scale_name} stored transposed {list(transposed.shape)}: does not fit "
+            "the weight; a loader must refuse it or transpose it back"
+        )
 
 
 class Fp8Block(QuantFormat):
@@ -155,8 +158,9 @@ class Fp8Block(QuantFormat):
     def quantize(self, weight, knobs, *, model_dtype, activation_amax):
         block = (knobs["block_rows"], knobs["block_cols"])
         quantized, scale = quantize_fp8_blocks(weight, block, SCALE_DTYPES[knobs["scale_dtype"]])
-        result = QuantizedWeight({"weight": quantized, "weight_scale_inv": scale},
-                                 truth=block_truth(quantized, scale, block))
+        result = QuantizedWeight(
+            {"weight": quantized, "weight_scale_inv": scale}, truth=block_truth(quantized, scale, block)
+        )
         if knobs["scale_layout"] == "transposed":
             transpose_scale_grid(result, "weight_scale_inv", block)
         return result

@@ -24,8 +24,9 @@ def quantize_modelopt(observed: torch.Tensor):
     0 -> 1.0, clamped to [2**-9, 448], cast to e4m3; codes = round(w / (scale * scale_2))."""
     amax = observed.abs().amax().float()
     if amax == 0:
-        raise FormatError("ModelOpt cannot quantize an all-zero weight: weight_scale_2 = 0 makes "
-                          "every block scale 0/0 = NaN")
+        raise FormatError(
+            "ModelOpt cannot quantize an all-zero weight: weight_scale_2 = 0 makes every block scale 0/0 = NaN"
+        )
     scale_2 = amax / nv.FULL_RANGE
     block_scale = nv.groups(observed).abs().amax(dim=-1).float() / (E2M1_MAX * scale_2)
     block_scale[block_scale == 0] = 1.0
@@ -49,15 +50,18 @@ class ModeloptNvfp4(QuantFormat):
     marker = "weight_scale_2"
     knobs = {
         "global_scale_convention": Knob(
-            "multiplier", ("multiplier", "swapped"),
-            "store 1/scale (compressed-tensors' divisor) in weight_scale_2 and input_scale (a perturbation)"),
+            "multiplier",
+            ("multiplier", "swapped"),
+            "store 1/scale (compressed-tensors' divisor) in weight_scale_2 and input_scale (a perturbation)",
+        ),
         "producer_version": Knob("0.39.0", help="ModelOpt version named in quantization_config.producer"),
     }
 
     def matches(self, quantization_config):
         producer = quantization_config.get("producer")
-        from_modelopt = (quantization_config.get("quant_method") == "modelopt"
-                         or (isinstance(producer, dict) and producer.get("name") == "modelopt"))
+        from_modelopt = quantization_config.get("quant_method") == "modelopt" or (
+            isinstance(producer, dict) and producer.get("name") == "modelopt"
+        )
         return from_modelopt and quant_algo(quantization_config) == QUANT_ALGO
 
     def quantization_config(self, knobs, ignore):
@@ -93,8 +97,12 @@ class ModeloptNvfp4(QuantFormat):
         if not activation_amax > 0:
             raise FormatError(f"activation amax {activation_amax!r}: ModelOpt requires a positive input_scale")
         input_scale = torch.tensor(activation_amax, dtype=model_dtype).float() / nv.FULL_RANGE
-        tensors = {"weight": pack_e2m1(codes), "weight_scale": block_scale,
-                   "weight_scale_2": scale_2, "input_scale": input_scale}
+        tensors = {
+            "weight": pack_e2m1(codes),
+            "weight_scale": block_scale,
+            "weight_scale_2": scale_2,
+            "input_scale": input_scale,
+        }
         result = QuantizedWeight(tensors, truth=nv.truth_from_codes(codes, block_scale, scale_2, nv.MULTIPLY))
         if knobs["global_scale_convention"] == "swapped":
             nv.swap_per_tensor(result, "weight_scale_2", "input_scale", "compressed-tensors' 2688/amax")

@@ -68,8 +68,9 @@ def groups(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(weight.shape[0], weight.shape[1] // GROUP, GROUP)
 
 
-def truth_from_codes(codes: torch.Tensor, block_scale: torch.Tensor, per_tensor: torch.Tensor,
-                     convention: str) -> torch.Tensor:
+def truth_from_codes(
+    codes: torch.Tensor, block_scale: torch.Tensor, per_tensor: torch.Tensor, convention: str
+) -> torch.Tensor:
     """Ground truth from the quantizer's own int codes, the producers' magnitude list and torch's
     e4m3 cast: independent of `dequantize`'s unpacking and bit-level tables."""
     magnitude = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64)[codes & 7]
@@ -105,8 +106,14 @@ def require_convention(name: str, value: float, convention: str) -> None:
         )
 
 
-def dequantize_nvfp4(tensors: Mapping[str, torch.Tensor], packed_name: str, scale_name: str,
-                     global_name: str, convention: str, input_name: str | None) -> torch.Tensor:
+def dequantize_nvfp4(
+    tensors: Mapping[str, torch.Tensor],
+    packed_name: str,
+    scale_name: str,
+    global_name: str,
+    convention: str,
+    input_name: str | None,
+) -> torch.Tensor:
     """Reference: E2M1 table decode * e4m3 bit decode of the group scale, then the per-tensor
     scale applied in its convention, all in float64 (e2m1 * scale is exact; one rounding)."""
     packed = require_tensor(tensors, packed_name)
@@ -118,8 +125,12 @@ def dequantize_nvfp4(tensors: Mapping[str, torch.Tensor], packed_name: str, scal
     rows, columns = packed.shape[0], 2 * packed.shape[1]
     require_whole_groups(columns)
     require_dtype(scale_name, block_scale, (torch.float8_e4m3fn,))
-    require_shape(scale_name, block_scale, (rows, columns // GROUP),
-                  f"one scale per {GROUP} columns of {packed_name} [{rows}, {columns // 2}] = K {columns}")
+    require_shape(
+        scale_name,
+        block_scale,
+        (rows, columns // GROUP),
+        f"one scale per {GROUP} columns of {packed_name} [{rows}, {columns // 2}] = K {columns}",
+    )
     require_finite(scale_name, block_scale)
     value = read_per_tensor(global_name, per_tensor)
     require_convention(global_name, value, convention)

@@ -83,8 +83,13 @@ def load_policy(fmt: str, engine: str = "", path: Path = GATES_FILE) -> GatePoli
         raise HarnessError(f"{path}: unknown key(s) {sorted(set(values) - POLICY_FIELDS)} for {fmt} in {engine}")
     if values.get("text") not in ("exact", "topk"):
         raise HarnessError(f"{path}: format {fmt}: text must be 'exact' or 'topk'")
-    return GatePolicy(float(values["perplexity_rel"]), values["text"], int(values.get("top_k", 2)),
-                      float(values.get("noise_nat", 0.0)), values.get("reason", ""))
+    return GatePolicy(
+        float(values["perplexity_rel"]),
+        values["text"],
+        int(values.get("top_k", 2)),
+        float(values.get("noise_nat", 0.0)),
+        values.get("reason", ""),
+    )
 
 
 def forced_ranks_and_margins(scorer: Scorer, prompts: list[list[int]], continuations: list[list[int]]):
@@ -95,7 +100,7 @@ def forced_ranks_and_margins(scorer: Scorer, prompts: list[list[int]], continuat
     forced = [p + list(c) for p, c in zip(prompts, continuations, strict=False)]
     ranks, margins = [], []
     for prompt, tokens, row in zip(prompts, continuations, scorer.logprobs(forced), strict=False):
-        predictions = row[len(prompt) - 1:].double()
+        predictions = row[len(prompt) - 1 :].double()
         index = torch.tensor(tokens, dtype=torch.long)[:, None]
         chosen = predictions.gather(1, index)
         ranks.append((predictions > chosen).sum(1).tolist())
@@ -140,11 +145,15 @@ def judge_against_golden(measured: Measurement, golden: Golden, policy: GatePoli
     limit = golden.perplexity * (1 + policy.perplexity_rel)
     ppl_ok = math.isfinite(measured.perplexity) and measured.perplexity <= limit
     ok &= ppl_ok
-    lines.append(f"perplexity {measured.perplexity:.5g} vs golden {golden.perplexity:.5g} "
-                 f"(limit {limit:.5g}, +{policy.perplexity_rel:.2%}): {'ok' if ppl_ok else 'FAIL'}")
+    lines.append(
+        f"perplexity {measured.perplexity:.5g} vs golden {golden.perplexity:.5g} "
+        f"(limit {limit:.5g}, +{policy.perplexity_rel:.2%}): {'ok' if ppl_ok else 'FAIL'}"
+    )
     if len(measured.continuations) != len(golden.continuations):
-        lines.append(f"golden has {len(golden.continuations)} continuations, measured {len(measured.continuations)}: "
-                     "FAIL (regenerate the golden)")
+        lines.append(
+            f"golden has {len(golden.continuations)} continuations, measured {len(measured.continuations)}: "
+            "FAIL (regenerate the golden)"
+        )
         return GateVerdict(False, lines)
     for index, (got, want) in enumerate(zip(measured.continuations, golden.continuations, strict=True)):
         prompt = golden.prompts[index] if index < len(golden.prompts) else f"prompt {index}"
@@ -156,9 +165,12 @@ def judge_against_golden(measured: Measurement, golden: Golden, policy: GatePoli
         else:
             exact_misses, topk_misses = text_misses(ranks, margins, policy)
             near = [] if margins is None else [i for i, m in enumerate(margins) if m < policy.noise_nat]
-            rule = (f"top-{policy.top_k}" if policy.text == "topk" else
-                    f"top-1 where the golden margin >= {policy.noise_nat} nat, top-{policy.top_k} at "
-                    f"{len(near)} near-tie(s){' ' + str(near[:5]) if near else ''}")
+            rule = (
+                f"top-{policy.top_k}"
+                if policy.text == "topk"
+                else f"top-1 where the golden margin >= {policy.noise_nat} nat, top-{policy.top_k} at "
+                f"{len(near)} near-tie(s){' ' + str(near[:5]) if near else ''}"
+            )
             if exact_misses:
                 rule += f"; not top-1 at {exact_misses[:5]}"
             if topk_misses:
@@ -174,8 +186,16 @@ def judge_against_golden(measured: Measurement, golden: Golden, policy: GatePoli
     return GateVerdict(ok, lines)
 
 
-def gate(scorer: Scorer, model: str, fmt: str, engine: str, *, update: bool = False,
-         provenance: dict | None = None, root: Path | None = None) -> GateVerdict:
+def gate(
+    scorer: Scorer,
+    model: str,
+    fmt: str,
+    engine: str,
+    *,
+    update: bool = False,
+    provenance: dict | None = None,
+    root: Path | None = None,
+) -> GateVerdict:
     """Measure `scorer` and judge it against golden/<model>/<fmt>/<engine>.toml.
 
     A missing golden fails, unless golden/unsupported.toml records that the combination could
@@ -189,23 +209,37 @@ def gate(scorer: Scorer, model: str, fmt: str, engine: str, *, update: bool = Fa
     path = golden_path(model, fmt, engine, **where)
     if update:
         measured = measure(scorer)
-        golden = Golden(model=model, format=fmt, engine=engine, perplexity=round(measured.perplexity, 6),
-                        continuations=measured.continuations, prompts=list(PROMPTS),
-                        texts=[decode(c) for c in measured.continuations], margins=measured.margins,
-                        **(provenance or {}))
+        golden = Golden(
+            model=model,
+            format=fmt,
+            engine=engine,
+            perplexity=round(measured.perplexity, 6),
+            continuations=measured.continuations,
+            prompts=list(PROMPTS),
+            texts=[decode(c) for c in measured.continuations],
+            margins=measured.margins,
+            **(provenance or {}),
+        )
         write_golden(golden, path)
         records = read_unsupported(**where)
         if records.pop((model, fmt, engine), None):  # it runs here now: no longer "could not run"
             write_unsupported(records, **where)
-        return GateVerdict(False, [f"perplexity {golden.perplexity:.5g}",
-                                   f"golden written: {path} (review it; the gate fails until the next run)"])
+        return GateVerdict(
+            False,
+            [
+                f"perplexity {golden.perplexity:.5g}",
+                f"golden written: {path} (review it; the gate fails until the next run)",
+            ],
+        )
     if not path.is_file():
         record = read_unsupported(**where).get((model, fmt, engine))
         if record:
-            why = (f"no golden: {engine} could not run {model}/{fmt} where the goldens were recorded "
-                   f"({record.get('isa') or 'unknown CPU'}, {engine} {record.get('engine_version', '?')}: "
-                   f"{record['reason'][:300]}); record one on this machine with `python -m harness golden --update "
-                   f"--models {model} --formats {fmt} --engines {engine}`")
+            why = (
+                f"no golden: {engine} could not run {model}/{fmt} where the goldens were recorded "
+                f"({record.get('isa') or 'unknown CPU'}, {engine} {record.get('engine_version', '?')}: "
+                f"{record['reason'][:300]}); record one on this machine with `python -m harness golden --update "
+                f"--models {model} --formats {fmt} --engines {engine}`"
+            )
             return GateVerdict(False, [why, "gate: SKIP"], skipped=why)
         return GateVerdict(False, [f"no golden at {path}: FAIL (write it with --update-golden)"])
     golden = read_golden(path)

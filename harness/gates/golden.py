@@ -64,16 +64,23 @@ def read_golden(path: Path) -> Golden:
         if set(item) - CONTINUATION_FIELDS:
             raise HarnessError(f"{path}: unknown continuation key(s) {sorted(set(item) - CONTINUATION_FIELDS)}")
     try:
-        return Golden(model=data["model"], format=data["format"], engine=data["engine"],
-                      perplexity=float(data["perplexity"]),
-                      continuations=[list(map(int, c["tokens"])) for c in data.get("continuation", [])],
-                      prompts=[c["prompt"] for c in data.get("continuation", [])],
-                      texts=[c.get("text", "") for c in data.get("continuation", [])],
-                      margins=[list(map(float, c["margins"])) for c in data.get("continuation", []) if "margins" in c],
-                      engine_version=data.get("engine_version", ""), isa=data.get("isa", ""),
-                      threads=int(data.get("threads", 0)), dtype=data.get("dtype", "bfloat16"),
-                      producer=data.get("producer", "harness"), date=data.get("date", ""),
-                      command=data.get("command", ""))
+        return Golden(
+            model=data["model"],
+            format=data["format"],
+            engine=data["engine"],
+            perplexity=float(data["perplexity"]),
+            continuations=[list(map(int, c["tokens"])) for c in data.get("continuation", [])],
+            prompts=[c["prompt"] for c in data.get("continuation", [])],
+            texts=[c.get("text", "") for c in data.get("continuation", [])],
+            margins=[list(map(float, c["margins"])) for c in data.get("continuation", []) if "margins" in c],
+            engine_version=data.get("engine_version", ""),
+            isa=data.get("isa", ""),
+            threads=int(data.get("threads", 0)),
+            dtype=data.get("dtype", "bfloat16"),
+            producer=data.get("producer", "harness"),
+            date=data.get("date", ""),
+            command=data.get("command", ""),
+        )
     except (KeyError, TypeError, ValueError) as error:
         raise HarnessError(f"{path}: malformed golden ({error})") from None
 
@@ -87,8 +94,13 @@ def write_golden(golden: Golden, path: Path) -> None:
     lines.append(f"perplexity = {golden.perplexity!r}")
     margins = golden.margins or [None] * len(golden.continuations)
     for prompt, tokens, text, margin in zip(golden.prompts, golden.continuations, golden.texts, margins, strict=True):
-        lines += ["", "[[continuation]]", f"prompt = {json.dumps(prompt)}", f"text = {json.dumps(text)}",
-                  f"tokens = {json.dumps(tokens)}"]
+        lines += [
+            "",
+            "[[continuation]]",
+            f"prompt = {json.dumps(prompt)}",
+            f"text = {json.dumps(text)}",
+            f"tokens = {json.dumps(tokens)}",
+        ]
         if margin is not None:
             lines.append(f"margins = {json.dumps([round(m, 4) for m in margin])}")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,14 +128,18 @@ def read_unsupported(root: Path = GOLDEN_ROOT) -> dict[tuple[str, str, str], dic
         raise HarnessError(f"{path}: cannot read ({error})") from None
     for entry in entries:
         if set(entry) - UNSUPPORTED_FIELDS or not {"model", "format", "engine", "reason"} <= set(entry):
-            raise HarnessError(f"{path}: an entry needs model, format, engine, reason (and only {sorted(UNSUPPORTED_FIELDS)})")
+            raise HarnessError(
+                f"{path}: an entry needs model, format, engine, reason (and only {sorted(UNSUPPORTED_FIELDS)})"
+            )
     return {(e["model"], e["format"], e["engine"]): e for e in entries}
 
 
 def write_unsupported(records: dict[tuple[str, str, str], dict], root: Path = GOLDEN_ROOT) -> None:
-    lines = ["# Combinations that could not run where the goldens were recorded (harness golden --update writes",
-             "# this): their gates skip with the reason. A machine that runs one records its golden with",
-             "# `python -m harness golden --update --models M --formats F --engines E`, which drops the entry."]
+    lines = [
+        "# Combinations that could not run where the goldens were recorded (harness golden --update writes",
+        "# this): their gates skip with the reason. A machine that runs one records its golden with",
+        "# `python -m harness golden --update --models M --formats F --engines E`, which drops the entry.",
+    ]
     for key in sorted(records):
         lines += ["", "[[combination]]", *(f"{k} = {json.dumps(v)}" for k, v in records[key].items())]
     (root / UNSUPPORTED_FILE).write_text("\n".join(lines) + "\n")

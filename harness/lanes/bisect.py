@@ -111,8 +111,12 @@ def released_versions(package: str, source: PipSource, pre: bool = False) -> lis
     """Every released version, oldest first; local directories are read directly."""
     local = [Path(link) for link in source.find_links if "://" not in link or link.startswith("file://")]
     local = [Path(str(p).removeprefix("file://")) for p in local]
-    if source.find_links and len(local) == len(source.find_links) and not source.index_url \
-            and not source.extra_index_urls:
+    if (
+        source.find_links
+        and len(local) == len(source.find_links)
+        and not source.index_url
+        and not source.extra_index_urls
+    ):
         versions = []
         for directory in local:
             if not directory.is_dir():
@@ -171,8 +175,9 @@ def torch_constraint(directory: Path) -> Path | None:
 class EnvironmentBuilder:
     """One venv per version under `cache/NAME-VERSION`, reused when its marker matches."""
 
-    def __init__(self, cache: Path, package: str, source: PipSource, requirements: list[str],
-                 rebuild: bool = False, log=print):
+    def __init__(
+        self, cache: Path, package: str, source: PipSource, requirements: list[str], rebuild: bool = False, log=print
+    ):
         from packaging.utils import canonicalize_name
 
         self.cache = cache
@@ -190,9 +195,15 @@ class EnvironmentBuilder:
         return directory / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
     def identity(self, version: str) -> dict:
-        return {"package": self.package, "version": version, "base_python": sys.executable,
-                "inherits": inherited_site_packages(), "requirements": self.requirements,
-                "harness": str(harness_source_root() or "inherited"), "sources": self.source.options()}
+        return {
+            "package": self.package,
+            "version": version,
+            "base_python": sys.executable,
+            "inherits": inherited_site_packages(),
+            "requirements": self.requirements,
+            "harness": str(harness_source_root() or "inherited"),
+            "sources": self.source.options(),
+        }
 
     def ensure(self, version: str) -> tuple[Path | None, str]:
         """(the venv's python, what happened) or (None, why it could not be built)."""
@@ -226,8 +237,11 @@ class EnvironmentBuilder:
         if not step([sys.executable, "-m", "venv", "--without-pip", str(directory)], "venv"):
             return False, "cannot create the venv"
         python = self.python(directory)
-        purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                 capture_output=True, text=True).stdout.strip()
+        purelib = subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         if not purelib:
             return False, "the new venv's python does not run"
         lines = [f"import site; site.addsitedir({path!r})" for path in inherited_site_packages()]
@@ -241,8 +255,15 @@ class EnvironmentBuilder:
         command += [f"{self.package}=={version}", *self.requirements]
         if not step(command, "package"):
             return False, f"pip cannot install {self.package}=={version}"
-        probe = subprocess.run([str(python), "-c", "import sys; from importlib.metadata import version; "
-                                f"print(version({self.package!r}))"], capture_output=True, text=True)
+        probe = subprocess.run(
+            [
+                str(python),
+                "-c",
+                f"import sys; from importlib.metadata import version; print(version({self.package!r}))",
+            ],
+            capture_output=True,
+            text=True,
+        )
         got = probe.stdout.strip()
         if _version(got or "0") != _version(version):
             return False, f"{self.package} {got or '?'} is what the venv imports, not {version}"
@@ -326,9 +347,14 @@ def bisect_versions(versions: list[str], test) -> BisectResult:
                 high = index
                 break
         else:
-            candidates = versions[low + 1:high + 1]
-            return BisectResult(None, versions[low], runs, "only untestable versions are left: the first bad "
-                                f"version is one of {', '.join(candidates)}", candidates)
+            candidates = versions[low + 1 : high + 1]
+            return BisectResult(
+                None,
+                versions[low],
+                runs,
+                f"only untestable versions are left: the first bad version is one of {', '.join(candidates)}",
+                candidates,
+            )
     return BisectResult(versions[high], versions[low], runs, f"first bad version: {versions[high]}")
 
 
@@ -345,8 +371,10 @@ def command_bisect(args) -> int:
     cache = Path(args.cache).expanduser() if args.cache else DEFAULT_CACHE.expanduser()
     builder = EnvironmentBuilder(cache, args.package, source, args.with_requirement or [], args.rebuild)
     extra = ["--timeout", str(args.timeout), "--memory-mb", str(args.memory_mb)]
-    print(f"bisect {args.package}: {len(versions)} version(s) from good {args.good} to bad {args.bad}: "
-          f"{', '.join(versions)}")
+    print(
+        f"bisect {args.package}: {len(versions)} version(s) from good {args.good} to bad {args.bad}: "
+        f"{', '.join(versions)}"
+    )
     print(f"case {case_path}, engine {args.engine or 'from the case'}, environments in {cache}")
 
     def test(version: str) -> CheckRun:
@@ -375,9 +403,11 @@ def command_bisect(args) -> int:
 
 def add_parser(commands) -> None:
     bisect = commands.add_parser(
-        "bisect", help="find the first released version of a package in which a check goes bad",
+        "bisect",
+        help="find the first released version of a package in which a check goes bad",
         description="Exit 0 found, 1 not found or inconsistent (good is bad, bad is good, only untestable "
-                    "versions left), 2 usage error. Versions whose check exits 125 are skipped.")
+        "versions left), 2 usage error. Versions whose check exits 125 are skipped.",
+    )
     bisect.add_argument("--case", required=True, help="case file or reproduction directory (as for `check`)")
     bisect.add_argument("--package", required=True, help="distribution to bisect, e.g. transformers")
     bisect.add_argument("--good", required=True, help="a version where the check is good")
@@ -386,11 +416,19 @@ def add_parser(commands) -> None:
     bisect.add_argument("--cache", help=f"where the per-version venvs live (default {DEFAULT_CACHE}/NAME-VERSION)")
     bisect.add_argument("--index-url", help="package index (default: pip's configuration)")
     bisect.add_argument("--extra-index-url", action="append", help="another index; repeatable")
-    bisect.add_argument("--find-links", action="append",
-                        help="directory (or URL) of wheels/sdists; repeatable. Without an index option, the only source")
+    bisect.add_argument(
+        "--find-links",
+        action="append",
+        help="directory (or URL) of wheels/sdists; repeatable. Without an index option, the only source",
+    )
     bisect.add_argument("--pre", action="store_true", help="include pre-releases between good and bad")
-    bisect.add_argument("--with", dest="with_requirement", action="append", metavar="REQUIREMENT",
-                        help="another requirement each venv needs for the engine; repeatable")
+    bisect.add_argument(
+        "--with",
+        dest="with_requirement",
+        action="append",
+        metavar="REQUIREMENT",
+        help="another requirement each venv needs for the engine; repeatable",
+    )
     bisect.add_argument("--rebuild", action="store_true", help="rebuild cached environments")
     bisect.add_argument("--timeout", type=float, default=600.0, help="seconds an engine may take per request")
     bisect.add_argument("--memory-mb", type=float, default=16000.0, help="resident memory limit per engine worker")

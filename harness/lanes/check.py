@@ -70,7 +70,7 @@ def find_case(text: str) -> Path:
     raise CannotTest(f"{text}: no such case file or reproduction directory (nor in {CHECKS_DIR})")
 
 
-def load_case_file(path: Path, engine: str | None = None) -> CheckCase:
+def load_case_file(path: Path, engine: str | None = None) -> CheckCase:  # noqa: C901  (one branch per refused field)
     """Parse and validate a case file; unknown keys and bad values are CannotTest."""
     from harness.checkpoints.recipe import Recipe, apply_settings
     from harness.core.findings import KINDS
@@ -92,9 +92,9 @@ def load_case_file(path: Path, engine: str | None = None) -> CheckCase:
     if set(kinds) - set(KINDS):
         raise CannotTest(f"{path}: unknown finding kind(s) {sorted(set(kinds) - set(KINDS))}")
     if expect == "finding" and not kinds:
-        raise CannotTest(f"{path}: expect = \"finding\" needs `kind` (one of {', '.join(KINDS)})")
+        raise CannotTest(f'{path}: expect = "finding" needs `kind` (one of {", ".join(KINDS)})')
     if expect == "agree" and (kinds or "message" in data):
-        raise CannotTest(f"{path}: `kind` and `message` belong to expect = \"finding\"")
+        raise CannotTest(f'{path}: `kind` and `message` belong to expect = "finding"')
     message = data.get("message")
     if message is not None:
         try:
@@ -115,7 +115,7 @@ def load_case_file(path: Path, engine: str | None = None) -> CheckCase:
         raise CannotTest(f"{path}: the recipe needs `format` and `arch`")
     settings = recipe_table.get("set", [])
     if not isinstance(settings, list) or not all(isinstance(s, str) for s in settings):
-        raise CannotTest(f"{path}: recipe `set` must be a list of \"KEY=VALUE\" strings")
+        raise CannotTest(f'{path}: recipe `set` must be a list of "KEY=VALUE" strings')
     try:
         recipe = Recipe.from_json({"seed": 0, **{k: v for k, v in recipe_table.items() if k != "set"}})
         recipe = apply_settings(recipe, settings)
@@ -127,8 +127,17 @@ def load_case_file(path: Path, engine: str | None = None) -> CheckCase:
     chosen = engine or data.get("engine")
     if not chosen:
         raise CannotTest(f"{path}: no engine (set `engine` in the case or pass --engine)")
-    return CheckCase(name=path.stem, source=str(path), engine=chosen, expect=expect, kinds=kinds, message=message,
-                     known_issue=known_issue, description=str(data.get("description", "")).strip(), recipe=recipe)
+    return CheckCase(
+        name=path.stem,
+        source=str(path),
+        engine=chosen,
+        expect=expect,
+        kinds=kinds,
+        message=message,
+        known_issue=known_issue,
+        description=str(data.get("description", "")).strip(),
+        recipe=recipe,
+    )
 
 
 def load_reproduction(directory: Path, engine: str | None = None) -> CheckCase:
@@ -146,8 +155,11 @@ def load_reproduction(directory: Path, engine: str | None = None) -> CheckCase:
                 findings = json.loads(report.read_text()).get("findings", [])
             except (OSError, ValueError):
                 findings = []
-            engines = {f.get("engine") for f in findings
-                       if f.get("reproduction") and Path(f["reproduction"]).resolve() == directory.resolve()}
+            engines = {
+                f.get("engine")
+                for f in findings
+                if f.get("reproduction") and Path(f["reproduction"]).resolve() == directory.resolve()
+            }
         if len(engines) != 1:
             raise CannotTest(f"{directory}: which engine? pass --engine (no single engine in its report.json)")
         engine = engines.pop()
@@ -172,8 +184,10 @@ def judge_case(case: CheckCase, result) -> Verdict:
         reference = result.outcomes.get("reference")
         if reference is None or reference.status not in ("loaded", "refused"):
             detail = f": {reference.detail}" if reference and reference.detail else ""
-            return Verdict(EXIT_CANNOT_TEST, f"the reference engine {reference.status if reference else 'did not run'}"
-                           f"{detail}: environment broken")
+            return Verdict(
+                EXIT_CANNOT_TEST,
+                f"the reference engine {reference.status if reference else 'did not run'}{detail}: environment broken",
+            )
         if any(f.engine == "reference" for f in result.findings):
             return Verdict(EXIT_CANNOT_TEST, "the reference engine itself disagrees with the truth: environment broken")
     outcome = result.outcomes[engine]
@@ -188,41 +202,54 @@ def judge_case(case: CheckCase, result) -> Verdict:
         if partly:
             return Verdict(EXIT_CANNOT_TEST, f"{engine} {outcome.detail}")
         return Verdict(EXIT_GOOD, f"{engine} agrees with the reference ({outcome.status})")
-    matching = [f for f in findings
-                if f.kind in case.kinds and (case.message is None or re.search(case.message, f.message))]
+    matching = [
+        f for f in findings if f.kind in case.kinds and (case.message is None or re.search(case.message, f.message))
+    ]
     wanted = "/".join(case.kinds) + (f" matching /{case.message}/" if case.message else "")
     if matching:
         return Verdict(EXIT_BAD, f"{len(matching)} {wanted} finding(s) for {engine}: the bug is present")
     died = sorted({f.kind for f in findings if f.kind in WORKER_DEATHS})
     if died or partly:
         why = ", ".join(died) or outcome.detail
-        return Verdict(EXIT_CANNOT_TEST, f"{engine} did not finish ({why}): cannot tell whether the {wanted} "
-                       "bug is present")
-    others = f"; {len(findings)} other finding(s) ({', '.join(sorted({f.kind for f in findings}))}) do not decide" \
-        if findings else ""
+        return Verdict(
+            EXIT_CANNOT_TEST, f"{engine} did not finish ({why}): cannot tell whether the {wanted} bug is present"
+        )
+    others = (
+        f"; {len(findings)} other finding(s) ({', '.join(sorted({f.kind for f in findings}))}) do not decide"
+        if findings
+        else ""
+    )
     return Verdict(EXIT_GOOD, f"no {wanted} finding for {engine} ({outcome.status}){others}")
 
 
-def check_in_process(case: CheckCase, work: Path, timeout_s: float = 600.0, memory_mb: float = 16000.0,
-              out=print) -> Verdict:
+def check_in_process(
+    case: CheckCase, work: Path, timeout_s: float = 600.0, memory_mb: float = 16000.0, out=print
+) -> Verdict:
     """Generate the case's checkpoint (if it is a recipe), evaluate it, judge it, print why."""
     from harness.checkpoints.writer import generate
     from harness.differential.runner import EngineSession, evaluate
     from harness.engines.process import EngineError, EngineFailure, Limits
     from harness.oracle.reference import format_and_knobs
 
-    what = "agree with the reference" if case.expect == "agree" else (
-        f"no {'/'.join(case.kinds)} finding" + (f" matching /{case.message}/" if case.message else ""))
-    out(f"case {case.source}: engine {case.engine}, good = {what}"
-        + (f" (checks known issue {case.known_issue})" if case.known_issue else ""))
+    what = (
+        "agree with the reference"
+        if case.expect == "agree"
+        else (f"no {'/'.join(case.kinds)} finding" + (f" matching /{case.message}/" if case.message else ""))
+    )
+    out(
+        f"case {case.source}: engine {case.engine}, good = {what}"
+        + (f" (checks known issue {case.known_issue})" if case.known_issue else "")
+    )
     if case.directory is not None:
         directory = case.directory
     else:
         directory = work / "checkpoint"
         generate(case.recipe, directory)
         recipe = case.recipe
-        out(f"checkpoint {directory}: {recipe.format} {recipe.arch} config={recipe.config} knobs={recipe.knobs} "
-            f"layout={recipe.layout} perturb={recipe.perturb}")
+        out(
+            f"checkpoint {directory}: {recipe.format} {recipe.arch} config={recipe.config} knobs={recipe.knobs} "
+            f"layout={recipe.layout} perturb={recipe.perturb}"
+        )
     fmt, _ = format_and_knobs(directory)
     engines = judged_with_reference(case.engine)
     session = EngineSession(engines, work / "engines", Limits(timeout_s, memory_mb))
@@ -283,8 +310,11 @@ def command_check(args) -> int:
     except Exception as error:  # a bug in the harness: skip the version, say so in one line
         if os.environ.get("HARNESS_DEBUG"):
             raise
-        print(f"check: cannot test: internal error: {type(error).__name__}: {error} "
-              "(set HARNESS_DEBUG=1 for a traceback)", file=sys.stderr)
+        print(
+            f"check: cannot test: internal error: {type(error).__name__}: {error} "
+            "(set HARNESS_DEBUG=1 for a traceback)",
+            file=sys.stderr,
+        )
         return EXIT_CANNOT_TEST
     label = {EXIT_GOOD: "good", EXIT_BAD: "bad", EXIT_CANNOT_TEST: "cannot test"}[verdict.code]
     print(f"verdict: {label} (exit {verdict.code}): {verdict.reason}")
@@ -295,11 +325,15 @@ def command_check(args) -> int:
 def add_parser(commands) -> None:
     """The `check` subcommand; its usage errors exit 125 too (a bisect must skip, not mark bad)."""
     check = commands.add_parser(
-        "check", help="is the bug a case pins present in an engine? exit 0 good, 1 bad, 125 cannot test",
+        "check",
+        help="is the bug a case pins present in an engine? exit 0 good, 1 bad, 125 cannot test",
         description="Exit 0 good (the engine agrees / the case's finding is absent), 1 bad, 125 cannot test "
-                    "(engine unavailable or unsupported, environment broken, case unreadable, any user error).")
+        "(engine unavailable or unsupported, environment broken, case unreadable, any user error).",
+    )
     check.add_argument("case", help="a case file (path, or a name in cases/checks/) or a reproduction directory")
-    check.add_argument("--engine", help="engine to judge (default: the case's `engine`); a name or package.module:Class")
+    check.add_argument(
+        "--engine", help="engine to judge (default: the case's `engine`); a name or package.module:Class"
+    )
     check.add_argument("--work", help="keep the generated checkpoint and engine logs here (created; must be empty)")
     check.add_argument("--timeout", type=float, default=600.0, help="seconds an engine may take per request")
     check.add_argument("--memory-mb", type=float, default=16000.0, help="resident memory limit per engine worker")

@@ -72,4 +72,4 @@ def decode(ids: list[int]) -> str:
 def heldout_sequences(count: int = 8, length: int = 128) -> list[list[int]]:
     """The held-out slice perplexity is measured on: a corpus stream the training never saw."""
     ids = encode(text(HELDOUT_SEED, count * length + 1))
-    return [ids[i * length:(i + 1) * length] for i in range(count)]
+    return [ids[i * length : (i + 1) * length] for i in range(count)]

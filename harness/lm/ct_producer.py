@@ -24,20 +24,30 @@ IGNORED_MODULES = ["lm_head"]
 #: perturbation knobs (a broken checkpoint on purpose) and the one value ct itself writes
 PERTURBATIONS = {"scale_layout": "normal", "global_scale_convention": "divisor"}
 #: files copied unchanged from the source checkpoint, where present
-COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                "merges.txt", "tokenizer.model", "chat_template.jinja", "generation_config.json")
+COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
-def produce_with_compressed_tensors(model_dir: Path, fmt_name: str, out: Path, activation_amax: dict[str, float],
-                                    knobs: dict | None = None) -> None:
+def produce_with_compressed_tensors(
+    model_dir: Path, fmt_name: str, out: Path, activation_amax: dict[str, float], knobs: dict | None = None
+) -> None:
     """Write `model_dir` quantized in harness format `fmt_name` by compressed-tensors into `out`.
 
     `activation_amax` maps a Linear's module name to the max |input| observed on calibration
     data; it is needed for every quantized Linear when the format has static input scales.
     """
     if fmt_name not in SUPPORTED_FORMATS:
-        raise HarnessError(f"compressed-tensors cannot produce format '{fmt_name}' "
-                           f"(supported: {', '.join(SUPPORTED_FORMATS)})")
+        raise HarnessError(
+            f"compressed-tensors cannot produce format '{fmt_name}' (supported: {', '.join(SUPPORTED_FORMATS)})"
+        )
     model_dir, out = Path(model_dir), Path(out)
     fmt = get_format(fmt_name)
     try:
@@ -46,8 +56,10 @@ def produce_with_compressed_tensors(model_dir: Path, fmt_name: str, out: Path, a
         raise HarnessError(f"{fmt_name}: bad knob {error}") from None
     for name, produced in PERTURBATIONS.items():
         if name in resolved and resolved[name] != produced:
-            raise HarnessError(f"{fmt_name}: {name}={resolved[name]!r} is a harness perturbation; "
-                               f"compressed-tensors only writes {produced!r}")
+            raise HarnessError(
+                f"{fmt_name}: {name}={resolved[name]!r} is a harness perturbation; "
+                f"compressed-tensors only writes {produced!r}"
+            )
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise HarnessError(f"{out}: output directory exists and is not empty")
     if not (model_dir / "config.json").is_file():
@@ -62,8 +74,11 @@ def produce_with_compressed_tensors(model_dir: Path, fmt_name: str, out: Path, a
     config = QuantizationConfig.model_validate(fmt.quantization_config(resolved, ignore=IGNORED_MODULES))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, local_files_only=True)
     apply_quantization_config(model, config)
-    quantized = [(name, module) for name, module in model.named_modules()
-                 if getattr(module, "quantization_scheme", None) is not None]
+    quantized = [
+        (name, module)
+        for name, module in model.named_modules()
+        if getattr(module, "quantization_scheme", None) is not None
+    ]
     if not quantized:
         raise HarnessError(f"{model_dir}: the {fmt_name} config quantizes no module of this model")
     for name, module in quantized:
@@ -121,8 +136,9 @@ def calibrate_module(module: Any, activation_amax: float | None = None, scale_dt
                 module.input_global_scale.data.copy_(generate_gparam(-amax, amax))
             return
         if args.type != "float" or args.num_bits != 8 or args.strategy not in ("tensor", "channel", "block"):
-            raise HarnessError(f"no calibration for {args.num_bits}-bit {args.type.value} weights, "
-                               f"strategy {args.strategy.value}")
+            raise HarnessError(
+                f"no calibration for {args.num_bits}-bit {args.type.value} weights, strategy {args.strategy.value}"
+            )
         dtype = scale_dtype or module.weight_scale.dtype
         observed = weight.to(dtype)  # the min/max an observer would see, in the qparam dtype
         if args.strategy == "tensor":
@@ -139,4 +155,3 @@ def calibrate_module(module: Any, activation_amax: float | None = None, scale_dt
         if activation_amax is not None:
             amax = torch.tensor(activation_amax, dtype=weight.dtype).to(dtype)
             module.input_scale.data = calculate_qparams(-amax, amax, scheme.input_activations)[0]
-

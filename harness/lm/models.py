@@ -26,8 +26,16 @@ class ModelSpec:
 
 # 256 / 768 are multiples of 128 and 16: every engine loads every format at these shapes (odd
 # shapes are the synthetic generators' job); head_dim 64 is one vLLM's CPU attention supports.
-_SHAPE = {"hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "head_dim": 64, "num_hidden_layers": 2, "vocab_size": 260, "max_position_embeddings": 256}
+_SHAPE = {
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 2,
+    "vocab_size": 260,
+    "max_position_embeddings": 256,
+}
 
 MODELS = {
     "tiny-qwen2": ModelSpec("tiny-qwen2", "qwen2", dict(_SHAPE), bias_init_std=1.0),

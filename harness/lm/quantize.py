@@ -34,21 +34,24 @@ def calibrate(directory: Path) -> dict[str, float]:
     def recorder(name):
         def hook(module, args):
             amax[name] = max(amax.get(name, 0.0), args[0].detach().abs().max().item())
+
         return hook
 
-    handles = [m.register_forward_pre_hook(recorder(n)) for n, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear)]
+    handles = [
+        m.register_forward_pre_hook(recorder(n)) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+    ]
     ids = corpus.encode(corpus.text(corpus.TRAIN_SEED + 100, CALIBRATION_SEQUENCES * CALIBRATION_LENGTH))
     with torch.no_grad():
         for i in range(CALIBRATION_SEQUENCES):
-            model(input_ids=torch.tensor([ids[i * CALIBRATION_LENGTH:(i + 1) * CALIBRATION_LENGTH]]))
+            model(input_ids=torch.tensor([ids[i * CALIBRATION_LENGTH : (i + 1) * CALIBRATION_LENGTH]]))
     for handle in handles:
         handle.remove()
     return amax
 
 
-def quantize_model(name: str, fmt_name: str, out: str | Path, producer: str = "harness",
-                   knobs: dict | None = None) -> Path:
+def quantize_model(
+    name: str, fmt_name: str, out: str | Path, producer: str = "harness", knobs: dict | None = None
+) -> Path:
     """Write tiny model `name` quantized in harness format `fmt_name` into `out` (created; must be empty)."""
     import torch
     from safetensors.torch import load_file, save_file
@@ -92,8 +95,13 @@ def quantize_model(name: str, fmt_name: str, out: str | Path, producer: str = "h
         for file in COPIED_FILES:
             if (source / file).is_file():
                 shutil.copy(source / file, out / file)
-    provenance = {"model": name, "format": fmt_name, "producer": producer, "knobs": resolved,
-                  "command": f"python -m harness quantize {name} --format {fmt_name} --producer {producer}"}
+    provenance = {
+        "model": name,
+        "format": fmt_name,
+        "producer": producer,
+        "knobs": resolved,
+        "command": f"python -m harness quantize {name} --format {fmt_name} --producer {producer}",
+    }
     (out / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
     return out
 

@@ -80,7 +80,7 @@ def train(name: str, out: Path) -> dict:
     model.train()
     for step in range(spec.steps):
         starts = torch.randint(0, len(data) - SEQUENCE - 1, (BATCH,), generator=generator)
-        batch = torch.stack([data[s:s + SEQUENCE + 1] for s in starts.tolist()])
+        batch = torch.stack([data[s : s + SEQUENCE + 1] for s in starts.tolist()])
         loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
         optimizer.zero_grad()
         loss.backward()
@@ -99,8 +99,13 @@ def train(name: str, out: Path) -> dict:
         "arch": spec.arch,
         "config": spec.config,
         "bias_init_std": spec.bias_init_std,
-        "steps": spec.steps, "seed": spec.seed, "threads": THREADS,
-        "sequence": SEQUENCE, "batch": BATCH, "learning_rate": LEARNING_RATE, "warmup": WARMUP,
+        "steps": spec.steps,
+        "seed": spec.seed,
+        "threads": THREADS,
+        "sequence": SEQUENCE,
+        "batch": BATCH,
+        "learning_rate": LEARNING_RATE,
+        "warmup": WARMUP,
         "train_chars": TRAIN_CHARS,
         "final_train_loss": round(sum(losses[-20:]) / 20, 4),
         "heldout_perplexity_bf16": round(heldout_perplexity(model), 4),
@@ -132,8 +137,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.lm.train", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="tiny-qwen2 or tiny-llama")
     parser.add_argument("--out", help="output directory (default: models/NAME, the committed copy)")
-    parser.add_argument("--verify", action="store_true",
-                        help="retrain into --out (or a scratch directory) and compare with the committed weights")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="retrain into --out (or a scratch directory) and compare with the committed weights",
+    )
     args = parser.parse_args(argv)
     try:
         spec = model_spec(args.model)
@@ -145,8 +153,7 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory() as scratch:
                 record = train(spec.name, Path(args.out or scratch))
             same = record["sha256"] == expected
-            print(f"retrained {spec.name}: sha256 {record['sha256']} "
-                  f"{'==' if same else '!='} committed {expected}")
+            print(f"retrained {spec.name}: sha256 {record['sha256']} {'==' if same else '!='} committed {expected}")
             return 0 if same else 1
         record = train(spec.name, Path(args.out) if args.out else committed)
     except (HarnessError, OSError, KeyError) as error:

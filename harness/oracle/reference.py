@@ -34,7 +34,9 @@ def group_modules(names: list[str], fmt: QuantFormat) -> tuple[dict[str, dict[st
     return modules, plain
 
 
-def dequantize_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def dequantize_checkpoint(
+    directory: str | Path, device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, float64 tensor) for every weight: quantized Linears dequantized under
     `<module>.weight`, everything else (biases, norms, embeddings) as stored; scale tensors
     are consumed, not yielded."""
@@ -69,5 +71,6 @@ def format_and_knobs(source: str | Path | Checkpoint) -> tuple[QuantFormat, dict
     except FormatError as error:
         raise CheckpointError(checkpoint.directory / "config.json", str(error)) from None
     except (TypeError, AttributeError, KeyError, IndexError, ValueError) as error:
-        raise CheckpointError(checkpoint.directory / "config.json",
-                              f"malformed quantization_config ({type(error).__name__}: {error})") from None
+        raise CheckpointError(
+            checkpoint.directory / "config.json", f"malformed quantization_config ({type(error).__name__}: {error})"
+        ) from None

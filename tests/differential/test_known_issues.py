@@ -19,5 +19,6 @@ def test_known_issue_still_reproduces(issue, engine_session, tmp_path):
     assert status == "reproduced", (
         f"known issue {issue.id} no longer reproduces with {issue.engine} "
         f"{engine_session.versions.get(issue.engine)}: upstream fixed it? Narrow `versions` in "
-        f"cases/known_issues.toml or remove the entry.")
+        f"cases/known_issues.toml or remove the entry."
+    )
     assert all(f.known_issue == issue.id for f in findings)

@@ -86,7 +86,7 @@ def write_wheel(directory: Path, version: str, first_bad: str = FIRST_BAD) -> Pa
         "planted_loader/dequant.py": REGRESSED if Version(version) >= Version(first_bad) else CORRECT,
         "planted_loader/engine.py": ENGINE_SOURCE,
         f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: planted_loader\nVersion: {version}\n"
-                                 "Summary: deliberately buggy test double for harness bisect\n",
+        "Summary: deliberately buggy test double for harness bisect\n",
         f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: harness-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
     record = [_record_line(path, text.encode()) for path, text in files.items()] + [f"{dist_info}/RECORD,,"]

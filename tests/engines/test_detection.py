@@ -16,8 +16,12 @@ DOUBLES = "tests.doubles.buggy_engines"
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    engines = ["reference", f"{DOUBLES}:DroppedScaleEngine", f"{DOUBLES}:ClobberedBiasEngine",
-               f"{DOUBLES}:SwappedGlobalScaleEngine"]
+    engines = [
+        "reference",
+        f"{DOUBLES}:DroppedScaleEngine",
+        f"{DOUBLES}:ClobberedBiasEngine",
+        f"{DOUBLES}:SwappedGlobalScaleEngine",
+    ]
     session = EngineSession(engines, tmp_path_factory.mktemp("work"), Limits(timeout_s=300))
     yield session
     session.close()
@@ -64,11 +68,14 @@ def test_swapped_nvfp4_global_scale_is_found(session, tmp_path):
     assert kinds(result, engine) & {"logprobs", "topk", "perplexity", "nonfinite-logits"}
 
 
-@pytest.mark.parametrize("double, kind, limits", [
-    ("CrashingEngine", "engine-crash", Limits(timeout_s=120)),
-    ("HangingEngine", "engine-timeout", Limits(timeout_s=40)),
-    ("MemoryHogEngine", "engine-memory", Limits(timeout_s=120, memory_mb=2500)),
-])
+@pytest.mark.parametrize(
+    "double, kind, limits",
+    [
+        ("CrashingEngine", "engine-crash", Limits(timeout_s=120)),
+        ("HangingEngine", "engine-timeout", Limits(timeout_s=40)),
+        ("MemoryHogEngine", "engine-memory", Limits(timeout_s=120, memory_mb=2500)),
+    ],
+)
 def test_worker_failures_are_findings_and_the_run_goes_on(tmp_path, double, kind, limits):
     engine = f"{DOUBLES}:{double}"
     session = EngineSession([engine, "reference"], tmp_path / "work", limits)

@@ -7,16 +7,22 @@ from harness.engines.vllm_capability import CapabilityCache, missing_kernel
 
 # vLLM 0.32's words, as measured: AMD EPYC (no AMX), Intel Xeon (AMX tiles, no AMX-FP8), NVFP4 W4A4
 # and W4A16 (Marlin forced) on any CPU, and an op the CPU build declares as an empty stub
-NO_AMX = ("Failed to find a kernel that can implement the ScaledMM linear layer. Reasons: \n"
-          "CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)..\n"
-          "CPUFp8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)..")
-NO_AMX_FP8 = ("Value error, Failed to find a kernel that can implement the ScaledMM linear layer. Reasons: \n"
-              "CPUFp8W8A8BlockScaledMMKernel requires native AMX-FP8 hardware; falls back to "
-              "CPUFp8BlockScaledMMKernel (W8A16) otherwise.. [type=value_error, input_value=...]")
+NO_AMX = (
+    "Failed to find a kernel that can implement the ScaledMM linear layer. Reasons: \n"
+    "CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)..\n"
+    "CPUFp8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer).."
+)
+NO_AMX_FP8 = (
+    "Value error, Failed to find a kernel that can implement the ScaledMM linear layer. Reasons: \n"
+    "CPUFp8W8A8BlockScaledMMKernel requires native AMX-FP8 hardware; falls back to "
+    "CPUFp8BlockScaledMMKernel (W8A16) otherwise.. [type=value_error, input_value=...]"
+)
 NO_NVFP4 = "Failed to find a kernel that can implement the NVFP4 linear layer. Reasons: "
 FORCED = "Forced NVFP4 kernel MarlinNvFp4LinearKernel is not supported: Marlin FP4 not available"
-STUB = ("_C::static_scaled_fp8_quant() expected at most 0 argument(s) but received 4 argument(s). "
-        "Declaration: _C::static_scaled_fp8_quant() -> ()")
+STUB = (
+    "_C::static_scaled_fp8_quant() expected at most 0 argument(s) but received 4 argument(s). "
+    "Declaration: _C::static_scaled_fp8_quant() -> ()"
+)
 
 
 def test_missing_kernels_are_classified_with_vllms_reasons():
@@ -29,10 +35,12 @@ def test_missing_kernels_are_classified_with_vllms_reasons():
 
 
 def test_other_failures_are_not_capabilities():
-    for message in ("start (2) + length (1) exceeds dimension size (2).",  # vllm-qwen2-ignores-head-dim
-                    "narrow() cannot be applied to a 0-dim tensor.",
-                    "_C::fp8_scaled_mm_cpu() expected at most 7 argument(s) but received 8 argument(s)",
-                    "Unsupported CPU attention configuration"):
+    for message in (
+        "start (2) + length (1) exceeds dimension size (2).",  # vllm-qwen2-ignores-head-dim
+        "narrow() cannot be applied to a 0-dim tensor.",
+        "_C::fp8_scaled_mm_cpu() expected at most 7 argument(s) but received 8 argument(s)",
+        "Unsupported CPU attention configuration",
+    ):
         assert missing_kernel(RuntimeError(message)) is None, message
 
 

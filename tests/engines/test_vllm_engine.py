@@ -27,8 +27,8 @@ from harness.oracle.reference import format_and_knobs
 
 VLLM_PYTHON = find_vllm_python()
 needs_vllm = pytest.mark.skipif(
-    VLLM_PYTHON is None,
-    reason="no vLLM interpreter: set HARNESS_VLLM_PYTHON, or build .venv-vllm or `tox -e vllm-cpu`")
+    VLLM_PYTHON is None, reason="no vLLM interpreter: set HARNESS_VLLM_PYTHON, or build .venv-vllm or `tox -e vllm-cpu`"
+)
 
 #: a shape vLLM runs correctly (the capability probe's): fused parts multiples of 128 rows, a head size
 #: its CPU attention supports (16 is not)
@@ -52,7 +52,8 @@ def assert_within_bf16_ulps(name: str, got: torch.Tensor, truth: torch.Tensor, u
     worst = int(error.nan_to_num(float("inf")).argmax())
     assert error.max() <= ulps, (
         f"{name}: {int((error > ulps).sum())} of {truth.numel()} values off by more than {ulps} bf16 ulps; "
-        f"worst at flat index {worst}: engine {got.flatten()[worst].item()!r}, truth {truth.flatten()[worst].item()!r}")
+        f"worst at flat index {worst}: engine {got.flatten()[worst].item()!r}, truth {truth.flatten()[worst].item()!r}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +67,9 @@ def engine(tmp_path_factory, capability_cache):
     saved = os.environ.get("HARNESS_CACHE_DIR")
     os.environ["HARNESS_CACHE_DIR"] = str(capability_cache)
     try:
-        process = EngineProcess("vllm", VLLM_PYTHON, tmp_path_factory.mktemp("vllm") / "worker.log",
-                                Limits(timeout_s=300))
+        process = EngineProcess(
+            "vllm", VLLM_PYTHON, tmp_path_factory.mktemp("vllm") / "worker.log", Limits(timeout_s=300)
+        )
         process.start()
     finally:
         os.environ.pop("HARNESS_CACHE_DIR") if saved is None else os.environ.update(HARNESS_CACHE_DIR=saved)
@@ -82,8 +84,9 @@ def test_unsupported_is_vllms_own_missing_kernel_and_is_cached(engine, capabilit
     build stubs out), the answers land in the per-environment cache, and ct-fp8-channel runs."""
     answers = {fmt: engine.unsupported(fmt) for fmt in FORMAT_NAMES}
     for fmt, reason in answers.items():
-        assert reason is None or (reason.startswith(f"vLLM has no kernel for {fmt} here: ")
-                                  and missing_kernel(reason)), f"{fmt}: {reason!r}"
+        assert reason is None or (
+            reason.startswith(f"vLLM has no kernel for {fmt} here: ") and missing_kernel(reason)
+        ), f"{fmt}: {reason!r}"
     assert answers["ct-fp8-channel"] is None
     if not torch.cuda.is_available():  # NVFP4 has no CPU kernel (W4A16 forces Marlin, a GPU kernel)
         for fmt in ("ct-nvfp4", "ct-nvfp4a16", "modelopt-nvfp4"):
@@ -113,8 +116,9 @@ def test_loads_weights_and_logprobs(engine, tmp_path, fmt):
     vocab = truth["lm_head.weight"].shape[0]
     for table, sequence in zip(rows, SEQUENCES, strict=True):
         assert tuple(table.shape) == (len(sequence) - 1, vocab)
-        assert torch.allclose(table.double().exp().sum(-1), torch.ones(len(sequence) - 1, dtype=torch.float64),
-                              atol=1e-4), "prompt logprobs are not normalized over the vocabulary"
+        assert torch.allclose(
+            table.double().exp().sum(-1), torch.ones(len(sequence) - 1, dtype=torch.float64), atol=1e-4
+        ), "prompt logprobs are not normalized over the vocabulary"
 
     assert len(engine.generate(SEQUENCES[1], 5)) == 5
 
@@ -124,16 +128,19 @@ def fused_snapshot(directory) -> tuple[dict[str, torch.Tensor], dict[str, dict]]
     their scales concatenated too (per-tensor scales become one entry per part)."""
     tensors = {name: tensor for name, tensor in Checkpoint(directory).tensors()}
     snapshot, modules = dict(tensors), {}
-    for fused, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
-                         ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+    for fused, parts in (
+        ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
+    ):
         parent = fused.partition(".")[0]
         prefix = f"model.layers.0.{parent}."
         names = [prefix + part for part in parts]
         for suffix in ("weight", "weight_scale", "weight_scale_inv", "bias"):
             if f"{names[0]}.{suffix}" in tensors:
                 snapshot[f"model.layers.0.{fused}.{suffix}"] = torch.cat([snapshot.pop(f"{n}.{suffix}") for n in names])
-        modules[f"model.layers.0.{fused}"] = {"parts": [(part, tensors[f"{n}.weight"].shape[0])
-                                                        for part, n in zip(parts, names, strict=True)]}
+        modules[f"model.layers.0.{fused}"] = {
+            "parts": [(part, tensors[f"{n}.weight"].shape[0]) for part, n in zip(parts, names, strict=True)]
+        }
     return snapshot, modules
 
 

@@ -27,8 +27,18 @@ from harness.oracle.reference import dequantize_checkpoint
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-MODULES = [f"model.layers.0.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                           "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+MODULES = [
+    f"model.layers.0.{m}"
+    for m in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
+]
 
 
 def reproducer_recipe(**changes) -> Recipe:
@@ -128,6 +138,12 @@ def test_a_weight_changed_by_something_else_is_left_alone(reproducer):
 @pytest.mark.parametrize("issue", fix.KNOWN_ISSUES)
 def test_registered_for_both_known_issues(issue):
     assert get_fix("ct-fp8-scale-precision") is fix.FIX
-    finding = Finding(engine="transformers", engine_version="5.23.0", kind="weight-mismatch",
-                      format="ct-fp8-channel", message="scales stored as float32", known_issue=issue)
+    finding = Finding(
+        engine="transformers",
+        engine_version="5.23.0",
+        kind="weight-mismatch",
+        format="ct-fp8-channel",
+        message="scales stored as float32",
+        known_issue=issue,
+    )
     assert fix_for_finding(finding) is fix.FIX

@@ -18,8 +18,12 @@ from harness.oracle.reference import dequantize_checkpoint
 pytest.importorskip("transformers")
 
 MLP = ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"]
-ATTENTION = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
-             "model.layers.0.self_attn.v_proj", "model.layers.0.self_attn.o_proj"]
+ATTENTION = [
+    "model.layers.0.self_attn.q_proj",
+    "model.layers.0.self_attn.k_proj",
+    "model.layers.0.self_attn.v_proj",
+    "model.layers.0.self_attn.o_proj",
+]
 
 
 def load(directory):
@@ -81,8 +85,14 @@ def test_a_weight_changed_by_something_else_is_left_alone(reproducer):
 
 def test_registered_for_the_known_issue():
     assert get_fix("fp8-block-grid") is fix.FIX
-    finding = Finding(engine="transformers", engine_version="5.23.0", kind="weight-mismatch", format="fp8-block",
-                      message="rows 80..127 differ", known_issue=fix.KNOWN_ISSUE)
+    finding = Finding(
+        engine="transformers",
+        engine_version="5.23.0",
+        kind="weight-mismatch",
+        format="fp8-block",
+        message="rows 80..127 differ",
+        known_issue=fix.KNOWN_ISSUE,
+    )
     assert fix_for_finding(finding) is fix.FIX
 
 

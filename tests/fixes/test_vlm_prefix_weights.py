@@ -31,8 +31,10 @@ def load(directory):
 def add_vlm_prefix(directory) -> None:
     """Rewrite a single-file checkpoint's text-model keys as a VLM pipeline stores them."""
     path = directory / "model.safetensors"
-    tensors = {("model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k): v
-               for k, v in load_file(str(path)).items()}
+    tensors = {
+        ("model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k): v
+        for k, v in load_file(str(path)).items()
+    }
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
@@ -71,8 +73,14 @@ def test_an_unprefixed_checkpoint_is_left_alone(tmp_path):
 
 def test_registered_for_the_known_issue():
     assert get_fix("vlm-prefix-weights") is fix.FIX
-    finding = Finding(engine="transformers", engine_version="5.23.0", kind="load-report", format="fp8-block",
-                      message="unexpected model.language_model.layers.0", known_issue=fix.KNOWN_ISSUE)
+    finding = Finding(
+        engine="transformers",
+        engine_version="5.23.0",
+        kind="load-report",
+        format="fp8-block",
+        message="unexpected model.language_model.layers.0",
+        known_issue=fix.KNOWN_ISSUE,
+    )
     assert fix_for_finding(finding) is fix.FIX
 
 

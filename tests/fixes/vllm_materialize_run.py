@@ -54,9 +54,17 @@ def prefix_materialize_layer(layer, info):
 
 def load(checkpoint: str, quantization: str | None) -> LLM:
     config = json.loads(open(os.path.join(checkpoint, "config.json")).read())
-    return LLM(model=checkpoint, tokenizer=checkpoint, dtype="bfloat16", enforce_eager=True,
-               max_model_len=256, kv_cache_memory_bytes=32 * 2**20, max_logprobs=config["vocab_size"], seed=0,
-               quantization=quantization)
+    return LLM(
+        model=checkpoint,
+        tokenizer=checkpoint,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=256,
+        kv_cache_memory_bytes=32 * 2**20,
+        max_logprobs=config["vocab_size"],
+        seed=0,
+        quantization=quantization,
+    )
 
 
 def measure(llm: LLM, vocab: int) -> dict:
@@ -65,18 +73,28 @@ def measure(llm: LLM, vocab: int) -> dict:
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     logprobs = []
     for output in outputs:
-        table = [[entries[i].logprob if i in entries else -math.inf for i in range(vocab)]
-                 for entries in output.prompt_logprobs[1:]]
+        table = [
+            [entries[i].logprob if i in entries else -math.inf for i in range(vocab)]
+            for entries in output.prompt_logprobs[1:]
+        ]
         logprobs.append([[None if math.isnan(v) else v for v in row] for row in table])
-    greedy = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
-                            detokenize=False)
-    texts = [list(o.outputs[0].token_ids)
-             for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)]
+    greedy = SamplingParams(
+        max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False
+    )
+    texts = [
+        list(o.outputs[0].token_ids)
+        for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+    ]
 
     def bias_stats(model):
-        return {name: {"max_abs": float(p.detach().float().abs().nan_to_num(float("inf")).max()),
-                       "nonfinite": int((~torch.isfinite(p.detach().float())).sum())}
-                for name, p in model.named_parameters() if name.endswith("bias")}
+        return {
+            name: {
+                "max_abs": float(p.detach().float().abs().nan_to_num(float("inf")).max()),
+                "nonfinite": int((~torch.isfinite(p.detach().float())).sum()),
+            }
+            for name, p in model.named_parameters()
+            if name.endswith("bias")
+        }
 
     return {"logprobs": logprobs, "greedy": texts, "biases": llm.apply_model(bias_stats)[0]}
 
@@ -111,9 +129,13 @@ def main(checkpoint: str, quantization: str, out: str, target: str | None = None
     vocab = json.loads(open(os.path.join(checkpoint, "config.json")).read())["vocab_size"]
     fixed = layerwise.materialize_layer
     results = {"vllm_fixed_materialize_checks_is_meta": "tensor.is_meta" in open(meta.__file__).read()}
-    runs = [("bf16", None, False, False), ("unbroken", quantization, False, False),
-            ("prefix", quantization, True, False), ("prefix+hook", quantization, True, True),
-            ("prefix+restore", quantization, True, False)]
+    runs = [
+        ("bf16", None, False, False),
+        ("unbroken", quantization, False, False),
+        ("prefix", quantization, True, False),
+        ("prefix+hook", quantization, True, True),
+        ("prefix+restore", quantization, True, False),
+    ]
     if only:
         runs = [run for run in runs if run[0] in only.split(",")]
     for name, method, prefix, hook in runs:

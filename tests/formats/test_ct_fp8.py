@@ -34,8 +34,10 @@ def cases():
             yield "block", shape, {"block_rows": rows, "block_cols": cols}
 
 
-CASES = [pytest.param(s, shape, k, id=f"{s}-{shape[0]}x{shape[1]}-{'x'.join(map(str, k.values())) or 'na'}")
-         for s, shape, k in cases()]
+CASES = [
+    pytest.param(s, shape, k, id=f"{s}-{shape[0]}x{shape[1]}-{'x'.join(map(str, k.values())) or 'na'}")
+    for s, shape, k in cases()
+]
 
 
 def ct_reference(strategy, weight, knobs, scale_dtype, activation_amax):
@@ -95,8 +97,9 @@ def test_matches_compressed_tensors(strategy, shape, overrides, scale_dtype):
 def test_dequantize_equals_truth(strategy, shape, overrides):
     fmt = FORMATS[strategy]
     knobs = fmt.resolve_knobs(overrides)
-    ours = fmt.quantize(make_weight(shape, seed=1, dtype=torch.float32), knobs,
-                        model_dtype=torch.bfloat16, activation_amax=1.0)
+    ours = fmt.quantize(
+        make_weight(shape, seed=1, dtype=torch.float32), knobs, model_dtype=torch.bfloat16, activation_amax=1.0
+    )
     assert ours.tensors["weight_scale"].dtype == torch.bfloat16
     assert "input_scale" not in ours.tensors
     reference = fmt.dequantize(ours.tensors, knobs)
@@ -125,16 +128,22 @@ def test_config_validates_and_round_trips(strategy, input_scale):
     assert recovered == {k: knobs[k] for k in recovered}
 
 
-@pytest.mark.parametrize("strategy,preset,input_scale", [
-    ("tensor", "FP8", True), ("channel", "FP8_DYNAMIC", False), ("block", "FP8_BLOCK", False)])
+@pytest.mark.parametrize(
+    "strategy,preset,input_scale",
+    [("tensor", "FP8", True), ("channel", "FP8_DYNAMIC", False), ("block", "FP8_BLOCK", False)],
+)
 def test_config_equals_what_ct_writes(strategy, preset, input_scale, tmp_path):
     """The fragment equals ModelCompressor.update_config's output for ct's own preset scheme."""
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
 
-    model = torch.nn.ModuleDict({"proj": torch.nn.Linear(256, 256, dtype=torch.bfloat16),
-                                 "lm_head": torch.nn.Linear(256, 8, dtype=torch.bfloat16)})
+    model = torch.nn.ModuleDict(
+        {
+            "proj": torch.nn.Linear(256, 256, dtype=torch.bfloat16),
+            "lm_head": torch.nn.Linear(256, 8, dtype=torch.bfloat16),
+        }
+    )
     apply_quantization_config(model, QuantizationConfig(config_groups={preset: ["Linear"]}, ignore=["lm_head"]))
     for name in ("weight_scale", "input_scale"):
         if hasattr(model["proj"], name):
@@ -148,9 +157,17 @@ def test_config_equals_what_ct_writes(strategy, preset, input_scale, tmp_path):
 
 
 def test_not_matched_by_other_configs():
-    nvfp4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"group_0": {
-        "format": "nvfp4-pack-quantized", "targets": ["Linear"],
-        "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}}}}
+    nvfp4 = {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "format": "nvfp4-pack-quantized",
+                "targets": ["Linear"],
+                "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16},
+            }
+        },
+    }
     fp8_block = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
     int8 = TENSOR.quantization_config(TENSOR.resolve_knobs({}), [])
     int8["config_groups"]["group_0"]["weights"]["type"] = "int"
@@ -177,8 +194,11 @@ def quantized(strategy, shape=(37, 50)):
 def test_malformed_tensors_raise(strategy):
     fmt, knobs, tensors = quantized(strategy)
     scale = tensors["weight_scale"]
-    bad_grid = {"tensor": torch.ones(2, dtype=scale.dtype), "channel": torch.ones(37, dtype=scale.dtype),
-                "block": torch.ones(3, 3, dtype=scale.dtype)}[strategy]
+    bad_grid = {
+        "tensor": torch.ones(2, dtype=scale.dtype),
+        "channel": torch.ones(37, dtype=scale.dtype),
+        "block": torch.ones(3, 3, dtype=scale.dtype),
+    }[strategy]
     nan_scale = scale.clone()
     nan_scale.view(-1)[0] = math.nan
     malformed = [

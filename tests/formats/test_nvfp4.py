@@ -38,8 +38,9 @@ def make_weight(shape, dtype=torch.bfloat16, seed=0, scale=1.0):
 
 
 def quantize(fmt, weight, knobs=None, activation_amax=ACT_AMAX):
-    return fmt.quantize(weight, fmt.resolve_knobs(knobs or {}), model_dtype=weight.dtype,
-                        activation_amax=activation_amax)
+    return fmt.quantize(
+        weight, fmt.resolve_knobs(knobs or {}), model_dtype=weight.dtype, activation_amax=activation_amax
+    )
 
 
 def as_bits(tensor):
@@ -55,6 +56,7 @@ def assert_same_tensors(ours, theirs):
 
 
 # ---- compressed-tensors: the real producer path -------------------------------------------
+
 
 def ct_compress(weight, activations: bool, activation_amax=ACT_AMAX):
     """What llm-compressor does with a min-max observer (the producer's `calibrate_module`), then
@@ -123,8 +125,11 @@ def test_partial_last_group_is_refused_like_compressed_tensors(columns):
     from compressed_tensors.quantization.quant_scheme import NVFP4
 
     weight = torch.randn(4, columns, dtype=torch.bfloat16)
-    state = {"weight": weight, "weight_scale": torch.ones(4, -(-columns // 16), dtype=torch.bfloat16),
-             "weight_global_scale": torch.ones(1)}
+    state = {
+        "weight": weight,
+        "weight_scale": torch.ones(4, -(-columns // 16), dtype=torch.bfloat16),
+        "weight_global_scale": torch.ones(1),
+    }
     with pytest.raises(ValueError):
         NVFP4PackedCompressor.compress(state, QuantizationScheme(targets=["Linear"], **NVFP4))
     for fmt in ALL_FORMATS:
@@ -152,6 +157,7 @@ def test_ct_config_validates_and_matches_what_ct_writes():
 
 
 # ---- ModelOpt: through compressed-tensors' own ModelOpt -> ct converter ----------------------
+
 
 def ct_converted(result, scalar_shape: str):
     """Our ModelOpt tensors through compressed-tensors' ModelOpt -> ct converter (1/weight_scale_2,
@@ -184,10 +190,14 @@ def test_modelopt_converted_by_ct_decompresses_to_reference(shape, dtype):
         assert torch.equal(theirs, MODELOPT.dequantize(result.tensors, {}).to(torch.bfloat16))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compressed-tensors 0.20: the ModelOpt converter keeps weight_scale_2's 0-dim shape, and "
-    "decompress then computes weight_scale / weight_global_scale in bfloat16 (a 0-dim float32 "
-    "does not promote a bf16 tensor), off by up to 1 bf16 ulp; ct's own [1] scales promote to float32"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "compressed-tensors 0.20: the ModelOpt converter keeps weight_scale_2's 0-dim shape, and "
+        "decompress then computes weight_scale / weight_global_scale in bfloat16 (a 0-dim float32 "
+        "does not promote a bf16 tensor), off by up to 1 bf16 ulp; ct's own [1] scales promote to float32"
+    ),
+)
 def test_modelopt_converted_keeps_scalar_scales_and_ct_decompresses_exactly():
     pytest.importorskip("compressed_tensors")
     result = quantize(MODELOPT, make_weight((130, 160)))
@@ -198,8 +208,12 @@ def test_modelopt_converted_keeps_scalar_scales_and_ct_decompresses_exactly():
 def test_modelopt_tensor_layout():
     result = quantize(MODELOPT, make_weight((37, 48)))
     layout = {name: (t.dtype, tuple(t.shape)) for name, t in result.tensors.items()}
-    assert layout == {"weight": (torch.uint8, (37, 24)), "weight_scale": (torch.float8_e4m3fn, (37, 3)),
-                      "weight_scale_2": (torch.float32, ()), "input_scale": (torch.float32, ())}
+    assert layout == {
+        "weight": (torch.uint8, (37, 24)),
+        "weight_scale": (torch.float8_e4m3fn, (37, 3)),
+        "weight_scale_2": (torch.float32, ()),
+        "input_scale": (torch.float32, ()),
+    }
     assert float(result.tensors["input_scale"]) == pytest.approx(ACT_AMAX / 2688, rel=2**-7)
 
 
@@ -208,14 +222,17 @@ def test_modelopt_config_is_what_vllm_reads():
     assert fragment["quant_method"] == "modelopt" and fragment["quant_algo"] == "NVFP4"
     assert fragment["ignore"] == ["lm_head"]  # vLLM's exclude list in config.json's flat form
     assert fragment["config_groups"]["group_0"]["weights"]["group_size"] == 16
-    nested = {"producer": {"name": "modelopt"},
-              "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}}
+    nested = {
+        "producer": {"name": "modelopt"},
+        "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]},
+    }
     assert MODELOPT.matches(nested) and MODELOPT.knobs_from_config(nested) == {"global_scale_convention": "multiplier"}
     with pytest.raises(FormatError, match="group_size"):
         MODELOPT.knobs_from_config({**fragment, "group_size": 32})
 
 
 # ---- all formats ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -324,9 +341,17 @@ def test_weight_amax_beyond_2688_is_refused():
 def test_configs_are_mutually_exclusive_and_round_trip():
     configs = {fmt.name: fmt.quantization_config(fmt.resolve_knobs({}), ["lm_head"]) for fmt in ALL_FORMATS}
     configs["fp8-block"] = FP8_BLOCK.quantization_config(FP8_BLOCK.resolve_knobs({}), [])
-    configs["ct-fp8"] = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
-        "group_0": {"format": "float-quantized", "targets": ["Linear"],
-                    "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}}
+    configs["ct-fp8"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {
+            "group_0": {
+                "format": "float-quantized",
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+            }
+        },
+    }
     for name, config in configs.items():
         matching = [fmt.name for fmt in ALL_FORMATS + [FP8_BLOCK] if fmt.matches(config)]
         assert matching == ([name] if name != "ct-fp8" else []), name
@@ -340,7 +365,9 @@ def test_configs_are_mutually_exclusive_and_round_trip():
 
 
 def test_format_modules_import_no_engine():
-    code = ("import sys, harness.formats.ct_nvfp4, harness.formats.modelopt_nvfp4;"
-            "print(sorted(m for m in ('compressed_tensors', 'transformers', 'vllm') if m in sys.modules))")
+    code = (
+        "import sys, harness.formats.ct_nvfp4, harness.formats.modelopt_nvfp4;"
+        "print(sorted(m for m in ('compressed_tensors', 'transformers', 'vllm') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

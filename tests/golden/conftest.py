@@ -19,8 +19,9 @@ def variant(tmp_path_factory):
     def get(model, fmt, producer="harness"):
         key = (model, fmt, producer)
         if key not in made:
-            made[key] = quantize_model(model, fmt, tmp_path_factory.mktemp(f"{model}-{fmt}-{producer}"),
-                                       producer=producer)
+            made[key] = quantize_model(
+                model, fmt, tmp_path_factory.mktemp(f"{model}-{fmt}-{producer}"), producer=producer
+            )
         return made[key]
 
     return get
@@ -31,9 +32,16 @@ def _run_gate(engine_session, engine, directory, model, fmt, update, producer="h
     scorer, why = loaded_scorer(engine_session, engine, directory, fmt)
     if scorer is None:
         pytest.skip(f"{engine}: {why}")
-    verdict = gate(scorer, model, fmt, engine, update=update,
-                   provenance=provenance(engine_session, engine, producer,
-                                         f"pytest tests/golden --update-golden -k '{model} and {fmt} and {engine}'"))
+    verdict = gate(
+        scorer,
+        model,
+        fmt,
+        engine,
+        update=update,
+        provenance=provenance(
+            engine_session, engine, producer, f"pytest tests/golden --update-golden -k '{model} and {fmt} and {engine}'"
+        ),
+    )
     if verdict.skipped:
         pytest.skip(verdict.skipped)
     return verdict

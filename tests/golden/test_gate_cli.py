@@ -13,8 +13,9 @@ pytestmark = pytest.mark.slow
 
 
 def harness(*args):
-    return subprocess.run([sys.executable, "-m", "harness", *map(str, args)], capture_output=True, text=True,
-                          timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "harness", *map(str, args)], capture_output=True, text=True, timeout=900
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +46,15 @@ def test_gate_passes_clean_and_fails_faulty(clean, tmp_path):
     assert "gate: FAIL" in failed.stdout and "perplexity" in failed.stdout
 
 
-@pytest.mark.parametrize("args", [("gate", "/nonexistent/dir"), ("ppl", "/nonexistent/dir"),
-                                  ("quantize", "tiny-gpt", "--format", "fp8-block", "--out", "x"),
-                                  ("quantize", "tiny-qwen2", "--format", "int3", "--out", "x")])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("gate", "/nonexistent/dir"),
+        ("ppl", "/nonexistent/dir"),
+        ("quantize", "tiny-gpt", "--format", "fp8-block", "--out", "x"),
+        ("quantize", "tiny-qwen2", "--format", "int3", "--out", "x"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(args, tmp_path):
     done = subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 2
@@ -60,12 +67,18 @@ def test_gate_of_a_directory_not_made_from_a_tiny_model_is_an_error(tmp_path):
     assert done.returncode == 2 and "not made from a tiny model" in done.stderr
 
 
-@pytest.mark.parametrize("args", [("golden", "--engines", "nope"), ("golden", "--formats", "int3"),
-                                  ("golden", "--models", "tiny-gpt"),
-                                  ("quantize", "tiny-qwen2", "--format", "fp8-block", "--producer",
-                                   "compressed-tensors", "--out", "x")])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("golden", "--engines", "nope"),
+        ("golden", "--formats", "int3"),
+        ("golden", "--models", "tiny-gpt"),
+        ("quantize", "tiny-qwen2", "--format", "fp8-block", "--producer", "compressed-tensors", "--out", "x"),
+    ],
+)
 def test_golden_and_quantize_refuse_bad_input_before_any_work(args, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=tmp_path,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not any(tmp_path.iterdir()), "nothing written"

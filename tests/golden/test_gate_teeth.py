@@ -41,7 +41,9 @@ def test_corrupt_bias_fails(module, mode, engine, engine_session, variant, run_g
 
 def flipped_global_scale(variant, tmp_path, fmt):
     module = f"{LAST}.self_attn.o_proj"
-    return faulty(variant, tmp_path, "tiny-qwen2", fmt, lambda d: faults.flip_global_scale_convention(d, module, "weight"))
+    return faulty(
+        variant, tmp_path, "tiny-qwen2", fmt, lambda d: faults.flip_global_scale_convention(d, module, "weight")
+    )
 
 
 @pytest.mark.parametrize("engine", ("transformers", "compressed-tensors"))

@@ -26,8 +26,15 @@ def test_clean_variant_passes_its_gate(model, fmt, engine, engine_session, varia
 @pytest.mark.parametrize("fmt", CT_PRODUCED)
 def test_compressed_tensors_produced_variant_passes_the_same_gate(fmt, engine, engine_session, variant, run_gate):
     """compressed-tensors' own API and the harness's quantizers make variants that pass the same golden."""
-    verdict = run_gate(engine_session, engine, variant("tiny-qwen2", fmt, "compressed-tensors"), "tiny-qwen2", fmt,
-                       update=False, producer="compressed-tensors")
+    verdict = run_gate(
+        engine_session,
+        engine,
+        variant("tiny-qwen2", fmt, "compressed-tensors"),
+        "tiny-qwen2",
+        fmt,
+        update=False,
+        producer="compressed-tensors",
+    )
     assert verdict.ok, f"\n{verdict}"
 
 

@@ -14,8 +14,15 @@ PROMPTS = ["a ", "b "]
 
 
 def golden(ppl=2.0, continuations=((10, 11, 12), (20, 21))):
-    return Golden(model="m", format="fp8-block", engine="e", perplexity=ppl,
-                  continuations=[list(c) for c in continuations], prompts=PROMPTS, texts=["", ""])
+    return Golden(
+        model="m",
+        format="fp8-block",
+        engine="e",
+        perplexity=ppl,
+        continuations=[list(c) for c in continuations],
+        prompts=PROMPTS,
+        texts=["", ""],
+    )
 
 
 EXACT = GatePolicy(perplexity_rel=0.01, text="exact")
@@ -61,12 +68,14 @@ def test_exact_above_the_noise_top_k_at_near_ties():
     verdict = judge_against_golden(Measurement(2.0, flipped, golden_ranks=[[0, 0, 2], [0, 0]]), with_margins(), MARGIN)
     assert not verdict.ok and "outside the top-2 at [2]" in verdict.lines[1]
     # a confident golden token (0.7 >= 0.5 nat) that is no longer the top-1 fails
-    verdict = judge_against_golden(Measurement(2.0, [[10, 11, 12], [20, 22]], golden_ranks=[[0, 0, 0], [0, 1]]), with_margins(),
-                    MARGIN)
+    verdict = judge_against_golden(
+        Measurement(2.0, [[10, 11, 12], [20, 22]], golden_ranks=[[0, 0, 0], [0, 1]]), with_margins(), MARGIN
+    )
     assert not verdict.ok and "not top-1 at [1]" in verdict.lines[2]
     # identical greedy text passes whatever the forced ranks
-    assert judge_against_golden(Measurement(2.0, [[10, 11, 12], [20, 21]], golden_ranks=[[0, 0, 1], [0, 0]]), with_margins(),
-                 MARGIN).ok
+    assert judge_against_golden(
+        Measurement(2.0, [[10, 11, 12], [20, 21]], golden_ranks=[[0, 0, 1], [0, 0]]), with_margins(), MARGIN
+    ).ok
 
 
 def test_a_golden_without_margins_is_judged_by_exact_text():
@@ -83,8 +92,12 @@ def test_every_metric_is_reported_before_the_verdict():
 
 def test_round_trip(tmp_path):
     original = with_margins()
-    original.command, original.engine_version, original.isa, original.threads = 'python -m harness gate "x"', "1.2", \
-        "amx", 2
+    original.command, original.engine_version, original.isa, original.threads = (
+        'python -m harness gate "x"',
+        "1.2",
+        "amx",
+        2,
+    )
     path = tmp_path / "m" / "fp8-block" / "e.toml"
     write_golden(original, path)
     back = read_golden(path)
@@ -96,7 +109,7 @@ def test_round_trip(tmp_path):
 def test_unknown_golden_key_is_an_error(tmp_path):
     path = tmp_path / "g.toml"
     write_golden(golden(), path)
-    path.write_text('surprise = 1\n' + path.read_text())
+    path.write_text("surprise = 1\n" + path.read_text())
     with pytest.raises(HarnessError, match="unknown golden key"):
         read_golden(path)
 
@@ -132,8 +145,18 @@ def test_missing_golden_fails_and_update_fails_once(tmp_path):
 def test_no_golden_where_the_combination_could_not_run_is_a_skip_until_recorded(tmp_path):
     """A combination golden/unsupported.toml records as unable to run where the goldens were made
     skips (with the reason) instead of failing; recording its golden here drops the record."""
-    write_unsupported({("m", "fp8-block", "e"): {"model": "m", "format": "fp8-block", "engine": "e",
-                                                 "reason": "no AMX-FP8", "isa": "avx512-bf16"}}, root=tmp_path)
+    write_unsupported(
+        {
+            ("m", "fp8-block", "e"): {
+                "model": "m",
+                "format": "fp8-block",
+                "engine": "e",
+                "reason": "no AMX-FP8",
+                "isa": "avx512-bf16",
+            }
+        },
+        root=tmp_path,
+    )
     skipped = gate(FixedScorer(), "m", "fp8-block", "e", root=tmp_path)
     assert not skipped.ok and "no AMX-FP8" in skipped.skipped and "--engines e" in skipped.skipped
     assert not gate(FixedScorer(), "m", "fp8-block", "other", root=tmp_path).skipped  # not recorded: a failure
@@ -148,7 +171,9 @@ def test_the_committed_unsupported_records_name_real_combinations():
     from harness.lm import MODEL_NAMES
 
     for model, fmt, engine in read_unsupported():
-        assert model in MODEL_NAMES and fmt in GOLDEN_FORMATS and engine in ("transformers", "compressed-tensors", "vllm")
+        assert (
+            model in MODEL_NAMES and fmt in GOLDEN_FORMATS and engine in ("transformers", "compressed-tensors", "vllm")
+        )
         assert not golden_path(model, fmt, engine).exists(), f"{model}/{fmt}/{engine}: golden and unsupported record"
 
 
@@ -165,8 +190,10 @@ def test_the_cli_parser_and_the_registries_import_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys; from harness.commands.cli import build_parser; build_parser(); "
-            "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))")
+    code = (
+        "import sys; from harness.commands.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
 

@@ -60,8 +60,10 @@ def source(tmp_path_factory):
     amax, hooks = {}, []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
+
             def record(module, args, name=name):
                 amax[name] = max(amax.get(name, 0.0), float(args[0].abs().amax()))
+
             hooks.append(module.register_forward_pre_hook(record))
     with torch.no_grad():
         model(input_ids=torch.tensor([PROMPT]))
@@ -70,8 +72,11 @@ def source(tmp_path_factory):
     return directory, load_file(directory / "model.safetensors"), amax
 
 
-@pytest.mark.parametrize("fmt_name,knobs", CASES, ids=lambda c: c if isinstance(c, str) else
-                         "-".join(f"{k}={v}" for k, v in c.items()) or "default")
+@pytest.mark.parametrize(
+    "fmt_name,knobs",
+    CASES,
+    ids=lambda c: c if isinstance(c, str) else "-".join(f"{k}={v}" for k, v in c.items()) or "default",
+)
 def test_ct_checkpoint_is_what_the_harness_writes_and_loads(source, fmt_name, knobs, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -106,8 +111,12 @@ def test_ct_checkpoint_is_what_the_harness_writes_and_loads(source, fmt_name, kn
             continue
         modules += 1
         ours = fmt.quantize(original, resolved, model_dtype=torch.bfloat16, activation_amax=activation_amax[module])
-        theirs = {suffix: tensor for key, tensor in stored.items()
-                  for prefix, _, suffix in [key.rpartition(".")] if prefix == module and suffix != "bias"}
+        theirs = {
+            suffix: tensor
+            for key, tensor in stored.items()
+            for prefix, _, suffix in [key.rpartition(".")]
+            if prefix == module and suffix != "bias"
+        }
         assert sorted(theirs) == sorted(ours.tensors), module
         for suffix, tensor in ours.tensors.items():
             assert (tensor.dtype, tensor.shape) == (theirs[suffix].dtype, theirs[suffix].shape), f"{module}.{suffix}"
@@ -123,14 +132,17 @@ def test_ct_checkpoint_is_what_the_harness_writes_and_loads(source, fmt_name, kn
     assert logits.shape == (1, len(PROMPT), 260) and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("fmt_name,knobs,message", [
-    ("modelopt-nvfp4", {}, "cannot produce"),
-    ("fp8-block", {}, "cannot produce"),
-    ("ct-fp8-block", {"scale_layout": "transposed"}, "perturbation"),
-    ("ct-nvfp4", {"global_scale_convention": "swapped"}, "perturbation"),
-    ("ct-fp8-tensor", {"no_such_knob": 1}, "bad knob"),
-    ("ct-fp8-tensor", {}, "no config.json"),
-])
+@pytest.mark.parametrize(
+    "fmt_name,knobs,message",
+    [
+        ("modelopt-nvfp4", {}, "cannot produce"),
+        ("fp8-block", {}, "cannot produce"),
+        ("ct-fp8-block", {"scale_layout": "transposed"}, "perturbation"),
+        ("ct-nvfp4", {"global_scale_convention": "swapped"}, "perturbation"),
+        ("ct-fp8-tensor", {"no_such_knob": 1}, "bad knob"),
+        ("ct-fp8-tensor", {}, "no config.json"),
+    ],
+)
 def test_refuses_what_ct_does_not_produce(fmt_name, knobs, message, tmp_path):
     with pytest.raises(HarnessError, match=message):
         produce_with_compressed_tensors(tmp_path / "missing", fmt_name, tmp_path / "out", {}, knobs)
@@ -146,7 +158,9 @@ def test_static_input_scales_need_every_amax(source, tmp_path):
 
 def test_supported_formats_are_registered_and_importing_loads_no_engine():
     assert all(get_format(name).name == name for name in SUPPORTED_FORMATS)
-    code = ("import sys, harness.lm.ct_producer;"
-            "print(sorted(m for m in ('compressed_tensors', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys, harness.lm.ct_producer;"
+        "print(sorted(m for m in ('compressed_tensors', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

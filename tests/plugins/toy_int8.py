@@ -55,8 +55,7 @@ class ToyInt8(QuantFormat):
         w = weight.to(torch.float64)
         scale = (w.abs().amax(1, keepdim=True) / 127).clamp(min=1e-12).to(torch.float32)
         codes = torch.round(w / scale.double()).clamp(-127, 127).to(torch.int8)
-        return QuantizedWeight({"weight": codes, "weight_scale": scale},
-                               truth=codes.double() * scale.double())
+        return QuantizedWeight({"weight": codes, "weight_scale": scale}, truth=codes.double() * scale.double())
 
     def dequantize(self, tensors, knobs) -> torch.Tensor:
         codes, scale = require_tensor(tensors, "weight"), require_tensor(tensors, "weight_scale")
@@ -89,8 +88,11 @@ class ToyEngine(HFModelEngine):
 
         root = Path(directory)
         index = root / "model.safetensors.index.json"
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        files = (
+            sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if index.is_file()
             else ["model.safetensors"]
+        )
         stored = {name: tensor for file in files for name, tensor in load_file(str(root / file)).items()}
         dtype = checkpoint_dtype(directory)
         state = {}
