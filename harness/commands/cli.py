@@ -229,8 +229,6 @@ def command_run(args) -> int:
                 print(f"    reproduce: {items[0].command}")
             findings.extend(items)
         if report:
-            from harness.commands.cli import checkpoint_json
-
             engines_info = {
                 e: {"version": session.versions.get(e, ""), "status": session.unavailable.get(e, "ran")}
                 for e in engines
@@ -268,6 +266,7 @@ def command_fixes(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from harness.checkpoints.architectures import ARCHITECTURES
+    from harness.engines import ENGINES
     from harness.formats import FORMAT_NAMES
 
     parser = OneLineParser(prog="python -m harness", description=__doc__)
@@ -306,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--engines",
         default="reference,transformers",
-        help="comma-separated: reference, transformers, compressed-tensors, vllm, or package.module:Class",
+        help=f"comma-separated: {', '.join(ENGINES)}, or package.module:Class",
     )
     compare.add_argument("--report", help="write OUTDIR/report.json and report.md here")
     compare.add_argument("--timeout", type=float, default=600.0, help="seconds an engine may take per request")
@@ -332,8 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--seed", type=int, default=0)
     sweep.set_defaults(run=command_sweep)
 
+    from harness.commands import bisect, check
     from harness.commands import gate as gate_commands
-    from harness.lanes import bisect, check
 
     check.add_parser(commands)
     bisect.add_parser(commands)

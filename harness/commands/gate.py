@@ -12,68 +12,13 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness.core.errors import HarnessError, first_line
+from harness.core.errors import HarnessError
 from harness.engines import ENGINE_NAMES
-from harness.formats import FORMAT_NAMES, require_formats
+from harness.formats import require_formats
+from harness.gates.golden import GOLDEN_FORMATS, OTHER_READERS
+from harness.gates.scoring import loaded_scorer, provenance, unsupported_record
 
 EXIT_OK, EXIT_FAIL, EXIT_ERROR, EXIT_UNTESTABLE = 0, 1, 2, 125
-#: every registered format has goldens (the registries import no torch, so the CLI parser stays light)
-GOLDEN_FORMATS = FORMAT_NAMES
-
-#: goldens read outside the model x format x engine matrix, and by what
-OTHER_READERS = {
-    ("tiny-qwen2", "bf16", "vllm"): "tests/fixes/test_materialize_meta_only.py (online FP8 loads "
-    "of the bf16 model, clobbered and repaired)"
-}
-
-
-def loaded_scorer(session, engine: str, directory: Path, fmt: str):
-    """(scorer, None) for `directory` loaded in `engine`, or (None, why not)."""
-    from harness.engines.process import EngineError, EngineFailure
-    from harness.gates.gate import WorkerScorer
-
-    worker = session.process(engine)
-    if worker is None:
-        return None, f"unavailable: {session.unavailable[engine]}"
-    try:
-        reason = worker.unsupported(fmt) if fmt != "bf16" else None
-        if reason:
-            return None, f"unsupported: {reason}"
-        worker.load(directory)
-    except (EngineError, EngineFailure) as error:
-        if getattr(error, "unsupported", False):
-            return None, f"unsupported: {str(error).splitlines()[0]}"
-        raise HarnessError(f"{engine} cannot load {directory}: {first_line(error)}") from None
-    return WorkerScorer(worker, session.work / "scratch"), None
-
-
-def provenance(session, engine: str, producer: str, command: str) -> dict:
-    info = session.infos.get(engine, {})
-    return {
-        "engine_version": session.versions.get(engine, ""),
-        "isa": info.get("isa", ""),
-        "threads": int(info.get("threads", 0)),
-        "dtype": "bfloat16",
-        "producer": producer,
-        "command": command,
-    }
-
-
-def unsupported_record(session, model: str, fmt: str, engine: str, why: str) -> dict:
-    """golden/unsupported.toml's entry for a combination that cannot run on this machine."""
-    import datetime
-
-    from harness.core.machine import isa_class
-
-    return {
-        "model": model,
-        "format": fmt,
-        "engine": engine,
-        "reason": why.removeprefix("unsupported: "),
-        "engine_version": session.versions.get(engine, ""),
-        "isa": isa_class(),
-        "date": datetime.date.today().isoformat(),
-    }
 
 
 def command_quantize(args) -> int:

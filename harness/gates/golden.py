@@ -18,8 +18,19 @@ from pathlib import Path
 
 from harness.core.errors import HarnessError
 from harness.core.paths import GOLDEN_DIR
+from harness.formats import FORMAT_NAMES
 
 GOLDEN_ROOT = GOLDEN_DIR
+#: every registered format has goldens (the registries import no torch, so the CLI parser stays light)
+GOLDEN_FORMATS = FORMAT_NAMES
+
+#: goldens read outside the model x format x engine matrix, and by what
+OTHER_READERS = {
+    ("tiny-qwen2", "bf16", "vllm"): "tests/fixes/test_materialize_meta_only.py (online FP8 loads "
+    "of the bf16 model, clobbered and repaired)"
+}
+
+
 UNSUPPORTED_FILE = "unsupported.toml"
 PROVENANCE = ("engine_version", "isa", "threads", "dtype", "producer", "date", "command")
 FIELDS = {"model", "format", "engine", *PROVENANCE, "perplexity", "continuation"}

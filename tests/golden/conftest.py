@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.commands.gate import loaded_scorer, provenance
 from harness.gates.gate import gate
+from harness.gates.scoring import loaded_scorer, provenance
 from harness.pytest_plugin import require_engine
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.commands.gate import GOLDEN_FORMATS, OTHER_READERS
 from harness.engines import ENGINE_NAMES
-from harness.gates.golden import existing_goldens
+from harness.gates.golden import GOLDEN_FORMATS, OTHER_READERS, existing_goldens
 from harness.lm import MODEL_NAMES
 
 ENGINES = ENGINE_NAMES

@@ -166,8 +166,7 @@ def test_no_golden_where_the_combination_could_not_run_is_a_skip_until_recorded(
 
 
 def test_the_committed_unsupported_records_name_real_combinations():
-    from harness.commands.gate import GOLDEN_FORMATS
-    from harness.gates.golden import golden_path
+    from harness.gates.golden import GOLDEN_FORMATS, golden_path
     from harness.lm import MODEL_NAMES
 
     for model, fmt, engine in read_unsupported():
@@ -178,7 +177,7 @@ def test_the_committed_unsupported_records_name_real_combinations():
 
 
 def test_every_golden_format_has_a_policy():
-    from harness.commands.gate import GOLDEN_FORMATS
+    from harness.gates.golden import GOLDEN_FORMATS
 
     for fmt in GOLDEN_FORMATS:
         policy = load_policy(fmt)
