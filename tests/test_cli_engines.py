@@ -105,3 +105,35 @@ def test_sweep_gen_then_dequant_every_format_and_arch_at_odd_sizes(tmp_path):
     result = cli("sweep", "--out", tmp_path / "sweep")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "14 passed, 0 failed" in result.stdout
+
+
+def test_an_engine_that_cannot_run_is_exit_2_not_a_silent_pass(checkpoint, tmp_path):
+    """A user's loader that does not import (or an engine not installed) stops compare and run with one
+    line; named in --optional-engines, the run goes on and says the engine was skipped."""
+    missing = "tests.doubles.buggy_engines:NoSuchClass"
+    for command in (("compare", checkpoint), ("run", "--formats", "fp8-block", "--max-examples", "1", "--no-shrink")):
+        result = cli(*command, "--engines", f"reference,{missing}")
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and f"engine {missing} cannot run" in result.stderr
+    optional = cli("compare", checkpoint, "--engines", f"reference,{missing}", "--optional-engines", missing)
+    assert optional.returncode == 0 and "unavailable" in optional.stdout, optional.stdout + optional.stderr
+    stray = cli("compare", checkpoint, "--engines", "reference", "--optional-engines", "vllm")
+    assert stray.returncode == 2 and "does not list" in stray.stderr
+
+
+def test_run_says_when_an_engine_ran_on_nothing():
+    """compressed-tensors reads its own formats only: on fp8-block alone it runs on nothing, and says so."""
+    result = cli(
+        "run",
+        "--engines",
+        "reference,compressed-tensors",
+        "--formats",
+        "fp8-block",
+        "--max-examples",
+        "2",
+        "--no-shrink",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = next((x for x in result.stdout.splitlines() if x.startswith("engine compressed-tensors ran on nothing")), "")
+    assert line.endswith(" unsupported") and "loaded" not in line, result.stdout
+    assert "engine reference ran on nothing" not in result.stdout

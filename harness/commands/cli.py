@@ -100,6 +100,25 @@ def parse_engines(text: str) -> list[str]:
     return engines
 
 
+def start_engines(session, engines: list[str], optional: list[str]) -> None:
+    """Start every engine's worker now: one that cannot run (not installed, a loader that does not
+    import) stops the command with one line, unless the user named it optional. No silent pass."""
+    for engine in engines:
+        if session.process(engine) is None and engine not in optional:
+            raise HarnessError(
+                f"engine {engine} cannot run: {session.unavailable[engine]} (name it in --optional-engines to "
+                "go on without it)"
+            )
+
+
+def parse_optional(args, engines: list[str]) -> list[str]:
+    optional = [e.strip() for e in (args.optional_engines or "").split(",") if e.strip()]
+    strays = [e for e in optional if e not in engines]
+    if strays:
+        raise HarnessError(f"--optional-engines names {', '.join(strays)}, which --engines does not list")
+    return optional
+
+
 def reproduce_command(directory: Path, engine: str) -> str:
     """The one line that reproduces a finding of `engine` on `directory` (with the plugins it needs)."""
     from harness.core.plugins import VARIABLE
@@ -121,11 +140,13 @@ def command_compare(args) -> int:
     if not directory.is_dir():
         raise HarnessError(f"{directory}: not a directory")
     engines = parse_engines(args.engines)
+    optional = parse_optional(args, engines)
     known = KnownIssues.load()
     with tempfile.TemporaryDirectory(prefix="harness-") as scratch:
         work = Path(args.report) if args.report else Path(scratch)
         session = EngineSession(engines, work / "work", Limits(args.timeout, args.memory_mb))
         try:
+            start_engines(session, engines, optional)
             result = evaluate(directory, session, known)
         finally:
             session.close()
@@ -186,6 +207,7 @@ def command_run(args) -> int:
     from harness.formats import FORMAT_NAMES, require_formats
 
     engines = parse_engines(args.engines)
+    optional = parse_optional(args, engines)
     formats = tuple(f.strip() for f in args.formats.split(",")) if args.formats else FORMAT_NAMES
     archs = tuple(a.strip() for a in args.archs.split(",")) if args.archs else tuple(ARCHITECTURES)
     require_formats(*formats)
@@ -206,11 +228,17 @@ def command_run(args) -> int:
             f"profile {args.profile}, {max_examples} examples" + ("" if args.shrink else ", no shrinking")
         )
         try:
+            start_engines(session, engines, optional)
             campaign = run_campaign(engines, formats, archs, max_examples, work, session, known, shrink=args.shrink)
         finally:
             session.close()
         for engine, why in session.unavailable.items():
-            print(f"engine {engine} skipped: {why}")
+            print(f"engine {engine} skipped (optional): {why}")
+        for engine in engines:
+            statuses = [r.outcomes[engine].status for r in campaign.results if engine in r.outcomes]
+            if engine not in session.unavailable and "loaded" not in statuses:
+                counts = ", ".join(f"{statuses.count(s)} {s}" for s in sorted(set(statuses))) or "no example"
+                print(f"engine {engine} ran on nothing: {counts}")
         findings = []
         print(f"\n{'engine':<20} {'kind':<18} {'format':<16} {'seen':>5}  status")
         for signature, count in sorted(campaign.counts.items()):
@@ -308,6 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated: {', '.join(ENGINES)}, or package.module:Class",
     )
     compare.add_argument("--report", help="write OUTDIR/report.json and report.md here")
+    compare.add_argument(
+        "--optional-engines",
+        help="engines (of --engines) that may be unavailable here; any other that cannot run is exit 2",
+    )
     compare.add_argument("--timeout", type=float, default=600.0, help="seconds an engine may take per request")
     compare.add_argument("--memory-mb", type=float, default=16000.0, help="resident memory limit per engine worker")
     compare.set_defaults(run=command_compare)
@@ -320,6 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-examples", type=int, default=0, help="default: the profile's")
     run.add_argument("--report", help="write OUTDIR/report.json, report.md and repro/ here")
     run.add_argument("--no-shrink", dest="shrink", action="store_false", help="skip shrinking new findings")
+    run.add_argument(
+        "--optional-engines",
+        help="engines (of --engines) that may be unavailable here; any other that cannot run is exit 2",
+    )
     run.add_argument("--timeout", type=float, default=600.0)
     run.add_argument("--memory-mb", type=float, default=16000.0)
     run.set_defaults(run=command_run)
