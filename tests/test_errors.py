@@ -20,3 +20,17 @@ def test_a_bare_announcement_takes_its_next_line():
 
 def test_a_runaway_message_is_bounded():
     assert len(first_line("x" * 10**6)) < 10**4
+
+
+def test_a_validation_error_shows_its_innermost_cause():
+    """vLLM wraps its refusals in pydantic: the line must say what was refused, not only where."""
+    text = (
+        "ValidationError: 1 validation error for VllmConfig\n"
+        "  Value error, weight_block_size must be a list of two integers, got [128] "
+        "[type=value_error, input_value=ArgsKwargs((), {...}), input_type=ArgsKwargs]\n"
+        "    For further information visit https://errors.pydantic.dev/2.12/v/value_error"
+    )
+    assert first_line(text) == (
+        "ValidationError: 1 validation error for VllmConfig: weight_block_size must be a list of two integers, "
+        "got [128]"
+    )

@@ -1,5 +1,7 @@
 """Errors the CLI turns into one line and exit status 2 (never a traceback)."""
 
+import re
+
 
 class HarnessError(Exception):
     """A problem with the user's input or environment, reported as one line."""
@@ -25,9 +27,19 @@ class CheckpointError(HarnessError):
 ERROR_LINE_LIMIT = 2000  # bounds a runaway message, never a real one: paths alone can take 300 characters
 
 
+#: pydantic's announcement ("1 validation error for VllmConfig"); its cause is on a later line, "... [type=...]"
+VALIDATION_ERROR = re.compile(r"\d+ validation errors? for \S+$")
+
+
 def first_line(text) -> str:
-    """The gist of an error: its first line, and the next one too when the first only announces it."""
+    """The gist of an error: its first line, and the next one too when the first only announces it;
+    for a pydantic validation error, its innermost cause (what vLLM's config refused, and why)."""
     lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    if lines and VALIDATION_ERROR.search(lines[0]):
+        cause = next((line for line in lines[1:] if " [type=" in line), None)
+        if cause:
+            cause = cause.partition(" [type=")[0].removeprefix("Value error, ")
+            return f"{lines[0]}: {cause}"[:ERROR_LINE_LIMIT]
     if len(lines) > 1 and (lines[0].endswith(":") or len(lines[0]) < 24):
         return f"{lines[0]} {lines[1]}"[:ERROR_LINE_LIMIT]
     return lines[0][:ERROR_LINE_LIMIT] if lines else ""
