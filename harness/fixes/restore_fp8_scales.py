@@ -115,7 +115,11 @@ def checkpoint_files(directory: Path, variant: str | None) -> dict[str, Path]:
 
 
 class CheckpointTensors:
-    """Lazily opened safetensors files (each opened once) and their checked headers."""
+    """Lazily opened safetensors files (each opened once) and their checked headers, per tensor:
+    a damaged shard or a tensor the index misplaces skips only the tensors it holds (SkipTensor),
+    so a repair still mends every other module. harness.checkpoints.reader.Checkpoint, which the
+    oracle uses, refuses the whole checkpoint instead; the two contracts differ on purpose. It also
+    reads transformers' `variant=` file names and row slices."""
 
     def __init__(self, files: dict[str, Path], stack: ExitStack):
         self.files, self.stack = files, stack
