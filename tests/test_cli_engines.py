@@ -137,3 +137,30 @@ def test_run_says_when_an_engine_ran_on_nothing():
     line = next((x for x in result.stdout.splitlines() if x.startswith("engine compressed-tensors ran on nothing")), "")
     assert line.endswith(" unsupported") and "loaded" not in line, result.stdout
     assert "engine reference ran on nothing" not in result.stdout
+
+
+def test_run_keeps_a_reproduction_for_known_findings_too(tmp_path):
+    """Every finding in the report, known or new, names a checkpoint that exists and a command that
+    shows the same finding again (the examples themselves are deleted as the campaign goes)."""
+    result = cli(
+        "run",
+        "--engines",
+        "reference,transformers",
+        "--formats",
+        "fp8-block",
+        "--max-examples",
+        "4",
+        "--no-shrink",
+        "--report",
+        tmp_path / "r",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "up to 4 examples" in result.stdout and "4 examples," in result.stdout
+    findings = json.loads((tmp_path / "r" / "report.json").read_text())["findings"]
+    known = [f for f in findings if f["known_issue"]]
+    assert known, "the derandomized profile draws a known transformers fp8-block issue in 4 examples"
+    for finding in findings:
+        assert (tmp_path / "r" / "repro").exists() and os.path.isdir(finding["reproduction"]), finding
+        assert finding["command"].startswith(f"python -m harness compare {finding['reproduction']} "), finding
+    again = cli(*shlex.split(known[0]["command"])[3:])
+    assert again.returncode == 0 and f"known issue {known[0]['known_issue']}" in again.stdout, again.stdout

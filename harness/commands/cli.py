@@ -225,7 +225,7 @@ def command_run(args) -> int:
         session = EngineSession(engines, work, Limits(args.timeout, args.memory_mb))
         print(
             f"campaign: {len(formats)} format(s) x {len(archs)} arch(s), engines {', '.join(engines)}, "
-            f"profile {args.profile}, {max_examples} examples" + ("" if args.shrink else ", no shrinking")
+            f"profile {args.profile}, up to {max_examples} examples" + ("" if args.shrink else ", no shrinking")
         )
         try:
             start_engines(session, engines, optional)
@@ -247,14 +247,15 @@ def command_run(args) -> int:
             recipe, items = campaign.minimal[signature] if minimal else campaign.known[signature]
             status = "NEW" if minimal else f"known: {items[0].known_issue}"
             print(f"{engine:<20} {kind:<18} {fmt:<16} {count:>5}  {status}")
-            if minimal and report:
+            if report:  # every finding, known or new, keeps a checkpoint that reproduces it
                 destination = report / "repro" / slug("-".join(signature))
                 if not destination.exists():
                     generate(recipe, destination)
                 for item in items:
                     item.reproduction = str(destination)
                     item.command = reproduce_command(destination, engine)
-                print(f"    reproduce: {items[0].command}")
+                if minimal:
+                    print(f"    reproduce: {items[0].command}")
             findings.extend(items)
         if report:
             engines_info = {
