@@ -3,10 +3,6 @@ package with a planted regression (tests/doubles/planted_loader.py): no network.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from harness.core.errors import HarnessError
@@ -20,14 +16,12 @@ from harness.lanes.bisect import (
     released_versions,
     versions_between,
 )
+from tests.cli import run_cli
 from tests.doubles import planted_loader
 
 
 def cli(*args, timeout=1800):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "harness", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
-    )
+    return run_cli(*args, timeout=timeout)
 
 
 @pytest.fixture

@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,15 +22,9 @@ from harness.lanes.check import (
     load_case,
     load_case_file,
 )
+from tests.cli import run_cli as cli
 
 CASE_FILES = sorted(CHECKS_DIR.glob("*.toml"))
-
-
-def cli(*args, timeout=900):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "harness", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
-    )
 
 
 def write_case(tmp_path: Path, text: str) -> Path:

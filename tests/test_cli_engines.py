@@ -5,20 +5,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import subprocess
-import sys
 
 import pytest
 
+from tests.cli import run_cli as cli
+
 pytest.importorskip("transformers")
 DROPPED = "tests.doubles.buggy_engines:DroppedScaleEngine"
-
-
-def cli(*args, timeout=900):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "harness", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
-    )
 
 
 @pytest.fixture(scope="module")

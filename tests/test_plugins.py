@@ -5,24 +5,17 @@ treat them as their own: a correct toy loader agrees, its deliberately buggy var
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli import run_cli
+
 PLUGIN = Path(__file__).resolve().parent / "plugins" / "toy_int8.py"
 
 
-def harness(*args: str, plugins: str = str(PLUGIN), **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "harness", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HARNESS_PLUGINS": plugins, **env},
-    )
+def harness(*args: str, plugins: str = str(PLUGIN), **env: str):
+    return run_cli(*args, timeout=600, HARNESS_PLUGINS=plugins, **env)
 
 
 @pytest.fixture(scope="module")

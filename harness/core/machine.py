@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -20,25 +21,21 @@ ISA_CLASSES = (
 
 
 @cache
-def cpu_flags() -> frozenset[str]:
+def _cpuinfo() -> list[str]:
     try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
+        return Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
     except OSError:
-        return frozenset()
-    line = next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+        return []
+
+
+def cpu_flags() -> frozenset[str]:
+    line = next((line for line in _cpuinfo() if line.startswith(("flags", "Features"))), "")
     return frozenset(line.partition(":")[2].split())
 
 
-@cache
 def cpu_model() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return platform.processor() or platform.machine()
-    return next(
-        (line.partition(":")[2].strip() for line in text.splitlines() if line.startswith("model name")),
-        platform.processor() or platform.machine(),
-    )
+    fallback = platform.processor() or platform.machine()
+    return next((line.partition(":")[2].strip() for line in _cpuinfo() if line.startswith("model name")), fallback)
 
 
 def isa_class(flags: frozenset[str] | None = None) -> str:
@@ -52,8 +49,6 @@ def isa_class(flags: frozenset[str] | None = None) -> str:
 
 def thread_count() -> int:
     """The intra-op threads torch uses in this process (torch if imported, else its defaults' source)."""
-    import sys
-
     torch = sys.modules.get("torch")
     if torch is not None:
         return torch.get_num_threads()

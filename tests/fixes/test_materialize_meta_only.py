@@ -181,18 +181,10 @@ def standin_qwen2(directory: Path) -> Path:
 
     from harness.checkpoints.architectures import ARCHITECTURES
     from harness.checkpoints.tokenizer import write_tokenizer
+    from harness.lm.models import model_spec
 
     arch = ARCHITECTURES["qwen2"]
-    shape = {
-        "hidden_size": 256,
-        "intermediate_size": 768,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "num_hidden_layers": 2,
-        "vocab_size": 260,
-        "max_position_embeddings": 256,
-    }
+    shape = model_spec("tiny-qwen2").config  # tiny-qwen2's own shape, random weights
     config = AutoConfig.for_model(**arch.config_json(arch.settings(shape), "bfloat16"))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
