@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from harness.campaign.strategies import (
     BLOCK_EDGES,
     DIMENSION_CLASSES,
+    ENGINE_HEAD_DIMS,
     HEAD_COUNTS,
     MAX_LAYERS,
     MAX_SHARDS,
@@ -99,6 +100,25 @@ def test_every_head_count(heads, kv_heads):
     reach(architectures(), lambda a: (a[1]["num_attention_heads"], a[1]["num_key_value_heads"]) == (heads, kv_heads))
 
 
+@pytest.mark.parametrize("attention", ["any", "untied"])
+def test_attention_widths_with_a_head_size_vllm_runs(attention):
+    """head_dim 32 or 64 with a width other than hidden_size: vLLM's CPU attention runs it, and its
+    Qwen2 misreads it (cases/known_issues.toml)."""
+    reach(
+        architectures(attention=attention),
+        lambda a: (
+            a[1]["head_dim"] in ENGINE_HEAD_DIMS
+            and a[1]["num_attention_heads"] * a[1]["head_dim"] != a[1]["hidden_size"]
+        ),
+    )
+
+
+@given(data=st.data())
+def test_an_untied_attention_width_is_never_hidden_size(data):
+    _, config = data.draw(architectures(attention="untied"))
+    assert config["num_attention_heads"] * config["head_dim"] != config["hidden_size"]
+
+
 def test_attention_width_tied_to_hidden_size():
     reach(architectures(), lambda a: a[1]["num_attention_heads"] * a[1]["head_dim"] == a[1]["hidden_size"])
 
@@ -110,6 +130,7 @@ def test_every_dimension_class(block, kind):
     assert {
         "smaller-than-block": size < block,
         "block-plus-one": size == block + 1,
+        "grid-divides": size > block and size % block and size % -(-size // block) == 0,
         "blocks-plus-partial": size > 2 * block and size % block,
         "exact-multiple": size % block == 0,
     }[kind]

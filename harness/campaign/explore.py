@@ -1,24 +1,48 @@
-"""`run`: a property-based campaign. Hypothesis draws recipes; each checkpoint is generated,
-loaded by every engine and judged. A new finding raises a failure whose type names its
-signature (engine, kind, format), so Hypothesis shrinks each distinct bug separately; the
-last failing recipe seen per signature is the minimal one, kept as the reproduction."""
+"""`run`: a property-based campaign that keeps exploring.
+
+The cells (harness.campaign.cells) are visited in turn, the least served first, until the
+budget (time or examples) is spent. Each visit is one short Hypothesis run over the cell's recipes:
+Hypothesis generates, every engine loads and is judged. A finding with a signature not seen
+before (engine, kind, format, cause) raises, so Hypothesis shrinks it, within a bounded number
+of evaluations; the smallest failing recipe is kept as the reproduction and the signature is
+then seen: later examples that show it again are counted, not raised, and exploration goes on
+to find the next bug. Known issues never raise.
+
+Hypothesis does what it is good at: generation, shrinking, and (nightly profile) the example
+database, one key per cell. A visit's first example is Hypothesis's simplest one in the cell; a
+recipe evaluated before is not evaluated again (its findings are remembered), so later visits
+spend their examples on new recipes.
+"""
 
 from __future__ import annotations
 
+import heapq
+import json
 import shutil
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, given, seed, settings
+from hypothesis.database import ExampleDatabase
+from hypothesis.errors import Flaky
 
+from harness.campaign.cells import Cell, Coverage
 from harness.campaign.strategies import recipes
 from harness.checkpoints.recipe import Recipe
 from harness.checkpoints.writer import generate
 from harness.core.findings import Finding
 from harness.differential.known_issues import KnownIssues
 from harness.differential.runner import CheckpointResult, EngineSession, evaluate
+
+#: evaluations one new signature may spend on shrinking (each is a load in every engine)
+SHRINK_EVALUATIONS = 12
+#: examples a visit after a cell's first asks Hypothesis for (its simplest one is a repeat)
+LATER_VISIT_EXAMPLES = 2
+#: visits in a row that evaluate nothing new before a cell counts as exhausted
+IDLE_VISITS = 3
+ENGINE_STATUSES = ("loaded", "refused", "unsupported", "unavailable", "failed")
 
 
 class FindingFailure(AssertionError):
@@ -30,71 +54,244 @@ _FAILURE_TYPES: dict[tuple, type] = {}
 
 def failure_type(signature: tuple) -> type:
     if signature not in _FAILURE_TYPES:
-        name = "Finding_" + "_".join(str(part).replace("-", "_") for part in signature)
-        _FAILURE_TYPES[signature] = type(name, (FindingFailure,), {})
+        name = "Finding_" + "_".join(str(part).replace("-", "_") for part in signature[:3])
+        _FAILURE_TYPES[signature] = type(name, (FindingFailure,), {"signature": signature})
     return _FAILURE_TYPES[signature]
+
+
+class CellDatabase(ExampleDatabase):
+    """One example database shared by every cell, each cell under its own key prefix (every
+    visit runs the same test function, whose own key would be the same for all cells)."""
+
+    def __init__(self, inner: ExampleDatabase, prefix: bytes):
+        super().__init__()
+        self.inner, self.prefix = inner, prefix
+
+    def save(self, key: bytes, value: bytes) -> None:
+        self.inner.save(self.prefix + key, value)
+
+    def fetch(self, key: bytes):
+        yield from self.inner.fetch(self.prefix + key)
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        self.inner.delete(self.prefix + key, value)
+
+
+@dataclass
+class CellStats:
+    examples: int = 0
+    findings: int = 0
+    new: int = 0
+    engines: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def add(self, result: CheckpointResult) -> None:
+        self.examples += 1
+        self.findings += len(result.findings)
+        self.new += sum(1 for f in result.findings if not f.known_issue)
+        for engine, outcome in result.outcomes.items():
+            counts = self.engines.setdefault(engine, dict.fromkeys(ENGINE_STATUSES, 0))
+            counts[outcome.status] = counts.get(outcome.status, 0) + 1
 
 
 @dataclass
 class Campaign:
+    cells: list[Cell]
     examples: int = 0
+    shrink_examples: int = 0
+    stopped: str = ""
     results: list[CheckpointResult] = field(default_factory=list)
-    #: signature -> (recipe, findings) of the last (so smallest) failing example
+    #: signature -> (recipe, findings) of the smallest failing example found for a new signature
     minimal: dict[tuple, tuple[Recipe, list[Finding]]] = field(default_factory=dict)
+    #: signature -> (recipe, findings) of the last example that showed a known issue
     known: dict[tuple, tuple[Recipe, list[Finding]]] = field(default_factory=dict)
     counts: dict[tuple, int] = field(default_factory=dict)
+    coverage: dict[str, CellStats] = field(default_factory=dict)
+
+    def cells_reached(self) -> int:
+        return sum(1 for c in self.cells if self.coverage.get(c.name, CellStats()).examples)
+
+    def new_signatures(self) -> int:
+        return len(self.minimal)
+
+    def known_issue_ids(self) -> set[str]:
+        return {items[0].known_issue for _, items in self.known.values()}
+
+    def coverage_rows(self) -> list[dict]:
+        rows = []
+        for cell in self.cells:
+            stats = self.coverage.get(cell.name, CellStats())
+            rows.append(
+                {
+                    "cell": cell.name,
+                    "format": cell.format,
+                    "arch": cell.arch,
+                    "dtype": cell.dtype,
+                    "family": cell.family,
+                    "examples": stats.examples,
+                    "findings": stats.findings,
+                    "new": stats.new,
+                    "engines": stats.engines,
+                }
+            )
+        return rows
+
+
+@dataclass
+class Budget:
+    """When the campaign stops: a number of evaluated examples and/or seconds."""
+
+    max_examples: int | None = None
+    seconds: float | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def spent(self, examples: int) -> str:
+        """Why the campaign must stop now ('' while it may go on)."""
+        if self.max_examples is not None and examples >= self.max_examples:
+            return f"{self.max_examples} examples"
+        if self.seconds is not None and self.elapsed() >= self.seconds:
+            return f"time budget of {self.seconds:.0f} s"
+        return ""
+
+
+@dataclass
+class _Visit:
+    """The state of one Hypothesis run over one cell."""
+
+    cell: Cell
+    shrinking: bool = False
+    shrink_left: int = 0
+    #: signatures first found in this run, which it may still shrink
+    active: set[tuple] = field(default_factory=set)
 
 
 def run_campaign(
-    engines: list[str],
-    formats: tuple[str, ...] | None,
-    archs: tuple[str, ...] | None,
-    max_examples: int,
+    cells: list[Cell],
+    coverage: Coverage,
+    budget: Budget,
     work: Path,
     session: EngineSession,
     known: KnownIssues,
     shrink: bool = True,
-    progress=sys.stderr,
+    progress: Callable[[Campaign], None] | None = None,
 ) -> Campaign:
-    campaign = Campaign()
-    examples_dir = work / "examples"
-    started = time.monotonic()
-    phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target] + ([Phase.shrink] if shrink else [])
-
-    @settings(max_examples=max_examples, phases=phases, database=None, report_multiple_bugs=True)
-    @given(recipes(formats=formats, archs=archs))
-    def explore(recipe: Recipe) -> None:
-        campaign.examples += 1
-        directory = examples_dir / f"{campaign.examples:05d}"
-        generate(recipe, directory)
-        result = evaluate(directory, session, known)
-        campaign.results.append(result)
-        new = [f for f in result.findings if not f.known_issue]
-        elapsed = time.monotonic() - started
-        line = (
-            f"[{campaign.examples:4d} examples, {elapsed:6.0f} s] {recipe.format:<15} {recipe.arch:<6} "
-            f"{len(result.findings)} finding(s), {len(campaign.minimal)} new signature(s) so far"
-        )
-        if progress.isatty():
-            print("\r" + line, end="   ", file=progress, flush=True)
-        elif campaign.examples % 10 == 1:
-            print(line, file=progress, flush=True)
-        for item in result.findings:
-            campaign.counts[item.signature()] = campaign.counts.get(item.signature(), 0) + 1
-            bucket = campaign.known if item.known_issue else campaign.minimal
-            bucket[item.signature()] = (recipe, [f for f in result.findings if f.signature() == item.signature()])
-        if not new:
-            shutil.rmtree(directory, ignore_errors=True)
-            return
-        raise failure_type(new[0].signature())(new[0].message)
-
-    try:
-        explore()
-    except FindingFailure:
-        pass  # Hypothesis re-raises the finding after shrinking; it is recorded in `minimal`
-    except BaseExceptionGroup as group:  # several distinct findings; anything else is a harness bug
-        rest = group.subgroup(lambda e: not isinstance(e, (FindingFailure, BaseExceptionGroup)))
-        if rest is not None:
-            raise rest from None
-    print(file=progress)
+    """Visit `cells` until `budget` is spent or every cell is exhausted. Each visit goes to the
+    cell served least so far: least time under a time budget (a cell whose examples load in
+    vLLM costs more than one only the reference loads, and gets fewer of them), fewest examples
+    under an example budget (deterministic). Every cell is visited once before any twice."""
+    campaign = Campaign(cells)
+    explorer = _Explorer(campaign, coverage, budget, work / "examples", session, known, shrink, progress)
+    queue = [(0.0, position) for position in range(len(cells))]
+    visits = [0] * len(cells)
+    idle = [0] * len(cells)  # visits in a row that found no recipe not evaluated before
+    while queue:
+        campaign.stopped = budget.spent(campaign.examples)
+        if campaign.stopped:
+            return campaign
+        served, position = heapq.heappop(queue)
+        before, started = campaign.examples, time.monotonic()
+        explorer.visit(cells[position], visits[position])
+        visits[position] += 1
+        idle[position] = 0 if campaign.examples > before else idle[position] + 1
+        if idle[position] < IDLE_VISITS:
+            cost = time.monotonic() - started if budget.seconds is not None else campaign.examples - before
+            heapq.heappush(queue, (served + max(cost, 1e-3), position))
+    campaign.stopped = "every cell's recipes exhausted"
     return campaign
+
+
+class _Explorer:
+    def __init__(self, campaign, coverage, budget, examples_dir, session, known, shrink, progress):
+        self.campaign, self.coverage, self.budget = campaign, coverage, budget
+        self.examples_dir, self.session, self.known = examples_dir, session, known
+        self.shrink, self.progress = shrink, progress
+        #: recipe (as JSON) -> signatures of the new findings it showed: a recipe is evaluated once
+        self.evaluated: dict[str, list[tuple]] = {}
+        #: signature -> the recipe (as JSON) recorded as its smallest example
+        self.minimal_key: dict[tuple, str] = {}
+
+    def visit(self, cell: Cell, visit_round: int) -> None:
+        base = settings.default
+        phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if self.shrink else [])
+        database = CellDatabase(base.database, cell.key()) if base.database is not None else None
+        state = _Visit(cell)
+
+        @settings(
+            base,
+            max_examples=1 if visit_round == 0 else LATER_VISIT_EXAMPLES,
+            phases=phases,
+            database=database,
+            derandomize=False,
+            report_multiple_bugs=True,
+        )
+        @given(recipes((cell.format,), (cell.arch,), self.coverage.force(cell)))
+        def explore(recipe: Recipe) -> None:
+            self.check(recipe, state)
+
+        if base.derandomize:  # the ci profile: a fixed, distinct seed per cell and round
+            explore = seed(int.from_bytes(cell.key()[:8], "big") + visit_round)(explore)
+        try:
+            explore()
+        except (FindingFailure, Flaky):
+            pass  # recorded in campaign.minimal as it was raised
+        except BaseExceptionGroup as group:  # several new signatures; anything else is a harness bug
+            rest = group.subgroup(lambda e: not isinstance(e, (FindingFailure, Flaky, BaseExceptionGroup)))
+            if rest is not None:
+                raise rest from None
+
+    def check(self, recipe: Recipe, state: _Visit) -> None:
+        """The property: evaluate `recipe` (once), record it, raise for a signature being shrunk."""
+        key = json.dumps(recipe.to_json(), sort_keys=True)
+        if key not in self.evaluated:
+            if self.budget.spent(self.campaign.examples) or (state.shrinking and state.shrink_left <= 0):
+                return  # nothing more is evaluated: generation and shrinking end without cost
+            self.evaluated[key] = self.evaluate(recipe, state)
+        signatures = self.evaluated[key]
+        raising = None
+        for signature in signatures:
+            if signature not in self.campaign.minimal or signature not in state.active:
+                continue
+            if self.minimal_key.get(signature) != key:
+                self.minimal_key[signature] = key  # Hypothesis only tries smaller examples once one failed
+                self.campaign.minimal[signature] = (recipe, self.campaign.minimal[signature][1])
+            raising = raising or signature
+        if raising is not None:
+            if not state.shrinking:
+                state.shrinking, state.shrink_left = True, SHRINK_EVALUATIONS * max(1, len(state.active))
+            raise failure_type(raising)(raising[3])
+
+    def evaluate(self, recipe: Recipe, state: _Visit) -> list[tuple]:
+        campaign = self.campaign
+        campaign.examples += 1
+        if state.shrinking:
+            campaign.shrink_examples += 1
+            state.shrink_left -= 1
+        directory = self.examples_dir / f"{campaign.examples:05d}"
+        generate(recipe, directory)
+        try:
+            result = evaluate(directory, self.session, self.known)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        campaign.results.append(result)
+        campaign.coverage.setdefault(state.cell.name, CellStats()).add(result)
+        new = []
+        for item in result.findings:
+            signature = item.signature()
+            campaign.counts[signature] = campaign.counts.get(signature, 0) + 1
+            same = [f for f in result.findings if f.signature() == signature]
+            if item.known_issue:
+                campaign.known[signature] = (recipe, same)
+                continue
+            if signature not in campaign.minimal:
+                campaign.minimal[signature] = (recipe, same)
+                self.minimal_key[signature] = json.dumps(recipe.to_json(), sort_keys=True)
+                state.active.add(signature)
+            elif signature in state.active:
+                campaign.minimal[signature] = (recipe, same)
+            if signature not in new:
+                new.append(signature)
+        if self.progress:
+            self.progress(campaign)
+        return sorted(new, key=str)

@@ -28,11 +28,19 @@ BLOCK_EDGES = (16, 32, 128)
 #: sizes along an axis without a scale grid (per-tensor, per-row) are measured against this edge
 NOMINAL_EDGE = 16
 #: how a size sits against the block edge it is cut by; the partial edge block is where grids break
-DIMENSION_CLASSES = ("smaller-than-block", "block-plus-one", "blocks-plus-partial", "exact-multiple")
+DIMENSION_CLASSES = ("smaller-than-block", "block-plus-one", "grid-divides", "blocks-plus-partial", "exact-multiple")
+#: ceil grids (blocks along an axis) of a "grid-divides" size: the size divides by its grid, so a
+#: loader that infers the block as size // grid gets a plausible wrong block instead of an error
+DIVIDED_GRIDS = (2, 3)
+#: head sizes vLLM's CPU attention runs (others it reports unsupported): an untied attention width
+#: draws them half of the time so that vLLM loads the checkpoint at all
+ENGINE_HEAD_DIMS = (32, 64)
 MAX_LAYERS = 2
 MAX_SHARDS = 3
 HEAD_COUNTS = ((1, 1), (2, 1), (2, 2), (4, 2))  # (attention heads, key-value heads)
 SEEDS = st.integers(0, 2**32 - 1)
+#: what a campaign cell forces: sorted ("section.name", allowed values) pairs, hashable for @cache
+Force = tuple[tuple[str, tuple], ...]
 
 
 def dimension_class(size: int, block: int) -> str:
@@ -43,7 +51,20 @@ def dimension_class(size: int, block: int) -> str:
         return "block-plus-one"
     if size % block == 0:
         return "exact-multiple"
+    if size % ceil_div(size, block) == 0 and ceil_div(size, block) in DIVIDED_GRIDS:
+        return "grid-divides"
     return "blocks-plus-partial"
+
+
+def divided_sizes(block: int, multiple_of: int = 1) -> tuple[int, ...]:
+    """Sizes in the class "grid-divides": a partial last block, a grid in DIVIDED_GRIDS that
+    divides the size (block 128: 130 = 2 x 65, 132 = 3 x 44), a multiple of `multiple_of`."""
+    sizes = []
+    for grid in DIVIDED_GRIDS:
+        for size in range((grid - 1) * block + 1, grid * block):
+            if size % grid == 0 and size % multiple_of == 0 and size != block + 1:
+                sizes.append(size)
+    return tuple(sizes)
 
 
 def feasible_classes(block: int, multiple_of: int = 1) -> tuple[str, ...]:
@@ -53,6 +74,8 @@ def feasible_classes(block: int, multiple_of: int = 1) -> tuple[str, ...]:
     classes = []
     if multiple_of < block:
         classes += ["smaller-than-block", "blocks-plus-partial"]
+    if divided_sizes(block, multiple_of):
+        classes.append("grid-divides")
     if (block + 1) % multiple_of == 0:
         classes.append("block-plus-one")
     classes.append("exact-multiple")
@@ -62,17 +85,21 @@ def feasible_classes(block: int, multiple_of: int = 1) -> tuple[str, ...]:
 @cache  # one strategy object per arguments: Hypothesis validates each new one
 @st.composite
 def dimensions(draw, block: int, multiple_of: int = 1, classes: tuple[str, ...] | None = None) -> int:
-    """A size against a block edge: smaller than one block, one over (block + 1), two or three
-    blocks plus a partial one, or an exact multiple; always a multiple of `multiple_of`, which
-    must divide the block (NVFP4 needs whole 16-column groups)."""
+    """A size against a block edge: smaller than one block, one over (block + 1), a partial size
+    that divides by its ceil grid, two or three blocks plus a partial one, or an exact multiple;
+    always a multiple of `multiple_of`, which must divide the block (NVFP4 needs whole 16-column
+    groups)."""
     kind = draw(st.sampled_from(classes or feasible_classes(block, multiple_of)))
     if kind == "smaller-than-block":
         return multiple_of * draw(st.integers(1, (block - 1) // multiple_of))
     if kind == "block-plus-one":
         return block + 1
+    if kind == "grid-divides":
+        return draw(st.sampled_from(divided_sizes(block, multiple_of)))
     if kind == "blocks-plus-partial":
-        partial = multiple_of * draw(st.integers(1, (block - 1) // multiple_of))
-        return draw(st.integers(2, 3)) * block + partial
+        whole = draw(st.integers(2, 3)) * block
+        partials = range(multiple_of, block, multiple_of)
+        return draw(st.sampled_from([whole + p for p in partials if dimension_class(whole + p, block) == kind]))
     return draw(st.integers(1, 3)) * block
 
 
@@ -87,25 +114,38 @@ def block_shapes(draw, square: bool = False) -> tuple[int, int]:
 
 @cache  # one strategy object per arguments: Hypothesis validates each new one
 @st.composite
-def model_sizes(draw, block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE), column_multiple: int = 1) -> dict:
+def model_sizes(
+    draw, block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE), column_multiple: int = 1, attention: str = "any"
+) -> dict:
     """hidden, intermediate and attention sizes measured against the scale block (rows, cols).
 
     Every size that is some projection's K (hidden, intermediate, heads * head_dim) is a
     multiple of `column_multiple`; the head count divides hidden_size (transformers checks it)
     and head_dim is even (rotary embeddings split it in halves). The attention width is
     sometimes tied to hidden_size, as in real models: q_proj and o_proj grids are then square
-    under a square block.
+    under a square block. `attention="untied"` always draws a width other than hidden_size (a
+    head_dim that is not hidden_size / heads). A third of the widths (half when untied) give a
+    head size vLLM's CPU attention runs (ENGINE_HEAD_DIMS), so that vLLM loads them at all.
     """
     rows, cols = block
     hidden = draw(dimensions(cols, column_multiple))
     intermediate = draw(dimensions(rows, column_multiple))
     heads, kv_heads = draw(st.sampled_from(tuple(h for h in HEAD_COUNTS if hidden % h[0] == 0)))
     width_multiple = max(2 * heads, column_multiple)  # powers of two: this is their lcm
-    if hidden % width_multiple == 0 and draw(st.booleans()):
+    # a head size vLLM runs comes first: it is what a cell's simplest example and a shrunk one get
+    ways = ("engine-head-dim", "tied", "free") if attention != "untied" else ("engine-head-dim", "free")
+    how = draw(st.sampled_from(ways))
+    if how == "tied" and hidden % width_multiple == 0:
         width = hidden
         event("attention width tied to hidden_size")
+    elif how == "engine-head-dim" and any(heads * d != hidden for d in ENGINE_HEAD_DIMS):
+        width = heads * draw(st.sampled_from(tuple(d for d in ENGINE_HEAD_DIMS if heads * d != hidden)))
     else:
         width = draw(dimensions(cols, width_multiple))
+        if attention == "untied" and width == hidden:
+            width += width_multiple  # still a multiple, now untied
+    if width != hidden:
+        event("attention width untied from hidden_size")
     event(f"hidden_size: {dimension_class(hidden, cols)}")
     event(f"intermediate_size: {dimension_class(intermediate, rows)}")
     return {
@@ -118,19 +158,19 @@ def model_sizes(draw, block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE), col
 
 
 def architectures(
-    archs=None, block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE), column_multiple: int = 1
+    archs=None, block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE), column_multiple: int = 1, attention: str = "any"
 ) -> st.SearchStrategy[tuple[str, dict]]:
     """(architecture name, config overrides): sizes from `model_sizes`, 1-2 layers, tied
     embeddings or not, and every boolean the architecture adds (llama's attention_bias and
     mlp_bias; both set bias every projection; qwen2 always biases q/k/v)."""
-    return _architectures(tuple(archs or ARCHITECTURES), tuple(block), column_multiple)
+    return _architectures(tuple(archs or ARCHITECTURES), tuple(block), column_multiple, attention)
 
 
 @cache  # one strategy object per arguments: Hypothesis validates each new one
 @st.composite
-def _architectures(draw, archs: tuple[str, ...], block: tuple[int, int], column_multiple: int):
+def _architectures(draw, archs: tuple[str, ...], block: tuple[int, int], column_multiple: int, attention: str):
     name = draw(st.sampled_from(archs))
-    config = draw(model_sizes(block, column_multiple))
+    config = draw(model_sizes(block, column_multiple, attention))
     config["num_hidden_layers"] = draw(st.integers(1, MAX_LAYERS))
     config["tie_word_embeddings"] = draw(st.booleans())
     for key, default in ARCHITECTURES[name].extra_defaults.items():
@@ -145,12 +185,17 @@ def _architectures(draw, archs: tuple[str, ...], block: tuple[int, int], column_
 
 @cache  # one strategy object per arguments: Hypothesis validates each new one
 @st.composite
-def format_knobs(draw, name: str) -> dict[str, Any]:
-    """Knob overrides for a format: each knob with `choices` drawn from them, `block_rows` and
-    `block_cols` from `block_shapes` (square when `block_size_style` can only say a square
-    block); knobs without choices keep their default."""
+def format_knobs(draw, name: str, force: Force = ()) -> dict[str, Any]:
+    """Knob overrides for a format: each knob with `choices` drawn from them (or from what
+    `force` allows for "knobs.NAME"), `block_rows` and `block_cols` from `block_shapes` (square
+    when `block_size_style` can only say a square block); knobs without choices keep their default."""
     knobs = get_format(name).knobs
-    values = {key: draw(st.sampled_from(knob.choices)) for key, knob in knobs.items() if knob.choices}
+    forced = dict(force)
+    values = {
+        key: draw(st.sampled_from(forced.get(f"knobs.{key}", knob.choices)))
+        for key, knob in knobs.items()
+        if knob.choices
+    }
     if "block_rows" in knobs and "block_cols" in knobs:
         square = values.get("block_size_style", "list") != "list"
         values["block_rows"], values["block_cols"] = draw(block_shapes(square=square))
@@ -187,15 +232,17 @@ def column_multiple(name: str) -> int:
 
 @cache  # one strategy object per arguments: Hypothesis validates each new one
 @st.composite
-def layouts(draw) -> dict[str, Any]:
+def layouts(draw, force: Force = ()) -> dict[str, Any]:
     """1-3 shards (1 is a single model.safetensors), scales split from their weights, the text
-    or the vision-language key prefix, and the model dtype."""
-    shards = draw(st.integers(1, MAX_SHARDS))
+    or the vision-language key prefix, and the model dtype; `force` narrows "layout.NAME"."""
+    forced = dict(force)
+    split = draw(st.sampled_from(forced.get("layout.split_scale", (False, True))))
+    shards = draw(st.integers(2 if split else 1, MAX_SHARDS))
     layout = {
         "shards": shards,
-        "split_scale": draw(st.booleans()) if shards >= 2 else False,
-        "key_prefix": draw(st.sampled_from(LAYOUT_CHOICES["key_prefix"])),
-        "dtype": draw(st.sampled_from(LAYOUT_CHOICES["dtype"])),
+        "split_scale": split if shards >= 2 else False,
+        "key_prefix": draw(st.sampled_from(forced.get("layout.key_prefix", LAYOUT_CHOICES["key_prefix"]))),
+        "dtype": draw(st.sampled_from(forced.get("layout.dtype", LAYOUT_CHOICES["dtype"]))),
     }
     assert set(layout) <= set(LAYOUT_DEFAULTS)
     event(f"shards: {shards}{' split_scale' if layout['split_scale'] else ''}")
@@ -217,10 +264,15 @@ PERTURBATION_VALUES = {
 
 @cache  # one strategy object per arguments: Hypothesis validates each new one
 @st.composite
-def perturbations(draw) -> dict[str, Any]:
+def perturbations(draw, force: Force = ()) -> dict[str, Any]:
     """Every perturbation in PERTURB_DEFAULTS: booleans on or off, the others from
-    PERTURB_CHOICES, each left at its default at least half the time."""
-    perturb = {key: draw(values) for key, values in PERTURBATION_VALUES.items()}
+    PERTURB_CHOICES, each left at its default at least half the time; `force` narrows
+    "perturb.NAME" to the values it lists."""
+    forced = dict(force)
+    perturb = {
+        key: draw(st.sampled_from(forced[f"perturb.{key}"]) if f"perturb.{key}" in forced else values)
+        for key, values in PERTURBATION_VALUES.items()
+    }
     for key, value in perturb.items():
         if value != PERTURB_DEFAULTS[key]:
             event(f"perturb {key}={value}")
@@ -238,28 +290,31 @@ def scale_grids(recipe: Recipe) -> dict[str, tuple[int, int]]:
     return grids
 
 
-def recipes(formats=None, archs=None) -> st.SearchStrategy[Recipe]:
+def recipes(formats=None, archs=None, force: Mapping[str, tuple] | None = None) -> st.SearchStrategy[Recipe]:
     """A valid recipe: a format and its knobs, then sizes against that format's scale block,
     an architecture, a layout, perturbations and a seed. `formats` and `archs` narrow the
-    draw (all registered ones by default)."""
-    return _recipes(tuple(formats or FORMAT_NAMES), tuple(archs or ARCHITECTURES))
+    draw (all registered ones by default); `force` maps "knobs.K", "layout.K", "perturb.K" and
+    "sizes.attention" to the values allowed there (a campaign cell: harness.campaign.cells)."""
+    frozen = tuple(sorted((key, tuple(values)) for key, values in (force or {}).items()))
+    return _recipes(tuple(formats or FORMAT_NAMES), tuple(archs or ARCHITECTURES), frozen)
 
 
 @cache  # one strategy object per arguments: Hypothesis validates each new one
 @st.composite
-def _recipes(draw, formats: tuple[str, ...], archs: tuple[str, ...]) -> Recipe:
+def _recipes(draw, formats: tuple[str, ...], archs: tuple[str, ...], force: Force) -> Recipe:
     name = draw(st.sampled_from(formats))
     event(f"format: {name}")
-    knobs = draw(format_knobs(name))
-    arch, config = draw(architectures(archs, size_edges(name, knobs), column_multiple(name)))
+    knobs = draw(format_knobs(name, force))
+    attention = draw(st.sampled_from(dict(force).get("sizes.attention", ("any",))))
+    arch, config = draw(architectures(archs, size_edges(name, knobs), column_multiple(name), attention))
     recipe = Recipe(
         format=name,
         arch=arch,
         seed=draw(SEEDS),
         config=config,
         knobs=knobs,
-        layout=draw(layouts()),
-        perturb=draw(perturbations()),
+        layout=draw(layouts(force)),
+        perturb=draw(perturbations(force)),
     )
     if knobs.get("scale_layout") == "transposed":
         grids = scale_grids(recipe).values()

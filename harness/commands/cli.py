@@ -1,4 +1,4 @@
-"""`python -m harness`: gen, dequant, sweep, compare, run, check, bisect, quantize, ppl, gate, golden, fixes.
+"""`python -m harness`: gen, dequant, sweep, compare, run, merge-reports, check, bisect, gate, golden, fixes.
 
 Every user error is one line on stderr and exit 2, except `check` (125, for `git bisect run`)."""
 
@@ -193,88 +193,6 @@ def print_outcomes(result) -> None:
         print("  no findings: every engine that ran agrees within tolerance")
 
 
-def command_run(args) -> int:
-    import tempfile
-
-    from harness.campaign.explore import run_campaign
-    from harness.campaign.profiles import load_profile
-    from harness.checkpoints.architectures import ARCHITECTURES
-    from harness.checkpoints.writer import generate
-    from harness.differential.known_issues import KnownIssues
-    from harness.differential.report import slug, write_report
-    from harness.differential.runner import EngineSession
-    from harness.engines.process import Limits
-    from harness.formats import FORMAT_NAMES, require_formats
-
-    engines = parse_engines(args.engines)
-    optional = parse_optional(args, engines)
-    formats = tuple(f.strip() for f in args.formats.split(",")) if args.formats else FORMAT_NAMES
-    archs = tuple(a.strip() for a in args.archs.split(",")) if args.archs else tuple(ARCHITECTURES)
-    require_formats(*formats)
-    for name in archs:
-        if name not in ARCHITECTURES:
-            raise HarnessError(f"unknown architecture '{name}' (known: {', '.join(ARCHITECTURES)})")
-    import hypothesis
-
-    load_profile(args.profile)
-    max_examples = args.max_examples or hypothesis.settings.default.max_examples
-    known = KnownIssues.load()
-    with tempfile.TemporaryDirectory(prefix="harness-run-") as scratch:
-        report = Path(args.report) if args.report else None
-        work = (report / "work") if report else Path(scratch)
-        session = EngineSession(engines, work, Limits(args.timeout, args.memory_mb))
-        print(
-            f"campaign: {len(formats)} format(s) x {len(archs)} arch(s), engines {', '.join(engines)}, "
-            f"profile {args.profile}, up to {max_examples} examples" + ("" if args.shrink else ", no shrinking")
-        )
-        try:
-            start_engines(session, engines, optional)
-            campaign = run_campaign(engines, formats, archs, max_examples, work, session, known, shrink=args.shrink)
-        finally:
-            session.close()
-        for engine, why in session.unavailable.items():
-            print(f"engine {engine} skipped (optional): {why}")
-        for engine in engines:
-            statuses = [r.outcomes[engine].status for r in campaign.results if engine in r.outcomes]
-            if engine not in session.unavailable and "loaded" not in statuses:
-                counts = ", ".join(f"{statuses.count(s)} {s}" for s in sorted(set(statuses))) or "no example"
-                print(f"engine {engine} ran on nothing: {counts}")
-        findings = []
-        print(f"\n{'engine':<20} {'kind':<18} {'format':<16} {'seen':>5}  status")
-        for signature, count in sorted(campaign.counts.items()):
-            engine, kind, fmt = signature
-            minimal = signature in campaign.minimal
-            recipe, items = campaign.minimal[signature] if minimal else campaign.known[signature]
-            status = "NEW" if minimal else f"known: {items[0].known_issue}"
-            print(f"{engine:<20} {kind:<18} {fmt:<16} {count:>5}  {status}")
-            if report:  # every finding, known or new, keeps a checkpoint that reproduces it
-                destination = report / "repro" / slug("-".join(signature))
-                if not destination.exists():
-                    generate(recipe, destination)
-                for item in items:
-                    item.reproduction = str(destination)
-                    item.command = reproduce_command(destination, engine)
-                if minimal:
-                    print(f"    reproduce: {items[0].command}")
-            findings.extend(items)
-        if report:
-            engines_info = {
-                e: {"version": session.versions.get(e, ""), "status": session.unavailable.get(e, "ran")}
-                for e in engines
-            }
-            path = write_report(
-                report,
-                findings,
-                [checkpoint_json(r) for r in campaign.results[-50:]],
-                engines_info,
-                f"run: {campaign.examples} examples",
-            )
-            print(f"report: {path} and {path.with_suffix('.md')}")
-    new = sum(1 for s in campaign.counts if s in campaign.minimal)
-    print(f"{campaign.examples} examples, {len(campaign.counts)} finding signature(s), {new} new")
-    return EXIT_FINDING if new else EXIT_OK
-
-
 def command_fixes(args) -> int:
     from harness.fixes import all_fixes
 
@@ -345,22 +263,6 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--memory-mb", type=float, default=16000.0, help="resident memory limit per engine worker")
     compare.set_defaults(run=command_compare)
 
-    run = commands.add_parser("run", help="property-based campaign: generate, load, compare, shrink")
-    run.add_argument("--engines", default="reference,transformers")
-    run.add_argument("--formats", help="comma-separated formats (default: all)")
-    run.add_argument("--archs", help="comma-separated architectures (default: all)")
-    run.add_argument("--profile", default="ci", choices=["dev", "ci", "nightly"])
-    run.add_argument("--max-examples", type=int, default=0, help="default: the profile's")
-    run.add_argument("--report", help="write OUTDIR/report.json, report.md and repro/ here")
-    run.add_argument("--no-shrink", dest="shrink", action="store_false", help="skip shrinking new findings")
-    run.add_argument(
-        "--optional-engines",
-        help="engines (of --engines) that may be unavailable here; any other that cannot run is exit 2",
-    )
-    run.add_argument("--timeout", type=float, default=600.0)
-    run.add_argument("--memory-mb", type=float, default=16000.0)
-    run.set_defaults(run=command_run)
-
     sweep = commands.add_parser(
         "sweep", help="gen + dequant every format x architecture at odd sizes, judged against the recorded truth"
     )
@@ -368,10 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--seed", type=int, default=0)
     sweep.set_defaults(run=command_sweep)
 
-    from harness.commands import bisect, check
+    from harness.commands import bisect, check, merge_reports
     from harness.commands import gate as gate_commands
+    from harness.commands import run as run_command
 
+    run_command.add_parser(commands)
     check.add_parser(commands)
+    merge_reports.add_parser(commands)
     bisect.add_parser(commands)
     gate_commands.add_parsers(commands)
     fixes = commands.add_parser("fixes", help="list the fix modules: what each repairs and when it applies")

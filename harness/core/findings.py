@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -48,5 +49,34 @@ class Finding:
         return asdict(self)
 
     def signature(self) -> tuple:
-        """What makes two findings 'the same bug' for shrinking and de-duplication."""
-        return (self.engine, self.kind, self.format)
+        """What makes two findings 'the same bug' for shrinking and de-duplication: engine,
+        kind, format and the cause (see `cause`)."""
+        return (self.engine, self.kind, self.format, self.cause())
+
+    def cause(self) -> str:
+        """The finding's cause, as far as its data tells it: the known issue it is attributed to;
+        for a weight finding, what the generator did to the module (its checkpoint notes, numbers
+        dropped); for logit findings, that they are consequences; otherwise the message with its
+        numbers and names of layers dropped ("start (N) + length (N) exceeds dimension size (N)")."""
+        if self.known_issue:
+            return f"known: {self.known_issue}"
+        if self.kind in CONSEQUENCE_KINDS:
+            return "consequence"
+        if self.kind in WEIGHT_KINDS:
+            notes = self.message.partition(" [checkpoint: ")[2].rstrip("]")
+            return normalise(notes) if notes else "unperturbed module"
+        return normalise(self.message)
+
+
+#: kinds that follow from an engine's weight or load findings (logits judged against the reference)
+CONSEQUENCE_KINDS = ("logprobs", "topk", "perplexity", "nonfinite-logits")
+WEIGHT_KINDS = ("weight-mismatch", "weight-nonfinite", "weight-missing")
+_NUMBER = re.compile(r"(?<![A-Za-z_0-9.])[-+]?\d+(\.\d+)?(e[-+]?\d+)?")
+_PATH = re.compile(r"(/[^\s'\":,()]+)+")
+
+
+def normalise(message: str, limit: int = 120) -> str:
+    """A message without the numbers and paths that differ between two examples of one bug."""
+    text = _PATH.sub("PATH", message)
+    text = _NUMBER.sub("N", text)
+    return " ".join(text.split())[:limit]

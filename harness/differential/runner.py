@@ -17,6 +17,7 @@ from harness.core.naming import canonical_name
 from harness.core.tolerances import load_tolerances
 from harness.differential.compare import compare_logprobs, compare_weight, perplexity
 from harness.differential.known_issues import KnownIssues
+from harness.differential.misreadings import CheckpointMisreadings
 from harness.engines import REFERENCE, engine_spec
 from harness.engines.environments import engine_python
 from harness.engines.process import EngineError, EngineFailure, EngineProcess, Limits
@@ -111,6 +112,8 @@ class Judgement:
     result: CheckpointResult
     sequences: list[list[int]]
     scratch: Path
+    #: the known bugs' predicted readings of this checkpoint, compared with each weight finding
+    misreadings: CheckpointMisreadings | None = None
 
     @classmethod
     def of(cls, directory: Path, session: EngineSession) -> Judgement:
@@ -143,6 +146,7 @@ class Judgement:
             CheckpointResult(str(directory), fmt.name, expectation),
             probe_sequences(int(config.get("vocab_size", 260))),
             scratch,
+            CheckpointMisreadings(directory, fmt.name),
         )
 
     def finding(self, engine: str, kind: str, message: str, **extra) -> Finding:
@@ -212,17 +216,7 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
         # a module whose tensors the load report names as missing is that finding's consequence
         missing = {canonical_name(k).rpartition(".")[0] for k in outcome.report.get("missing", [])}
         judged = {n: t for n, t in judgement.truth.items() if n.rpartition(".")[0] not in missing}
-        _judge_weights(
-            engine,
-            held,
-            judged,
-            judgement.dtype,
-            judgement.tol,
-            judgement.fmt,
-            judgement.knobs,
-            finding,
-            judgement.module_notes,
-        )
+        judge_held_weights(judgement, engine, held, judged)
         if anomalies:
             outcome.detail = "logits not judged: the load report already explains them"
         rows = worker.logprobs(judgement.sequences, judgement.scratch_file(engine, "logprobs"))
@@ -331,7 +325,27 @@ def _judge_report(engine: str, report: dict, finding) -> bool:
     return bool(missing or unexpected)
 
 
-def _judge_weights(engine, held, truth, dtype, tol, fmt, knobs, finding, module_notes) -> None:
+def judge_held_weights(
+    judgement: Judgement, engine: str, held: dict[str, torch.Tensor], truth: dict[str, torch.Tensor] | None = None
+) -> None:
+    """Judge the weights `engine` holds (`held`, canonical names) against the truth (default: all
+    of it), adding the findings to the judgement's result; each weight finding carries the
+    verdicts of the known bugs' predicted misreadings for its module (metrics["misreadings"])."""
+    _judge_weights(
+        engine,
+        held,
+        judgement.truth if truth is None else truth,
+        judgement.dtype,
+        judgement.tol,
+        judgement.fmt,
+        judgement.knobs,
+        judgement.finding,
+        judgement.module_notes,
+        judgement.misreadings,
+    )
+
+
+def _judge_weights(engine, held, truth, dtype, tol, fmt, knobs, finding, module_notes, misreadings=None) -> None:
     """Every truth tensor against what the engine holds; a finding names what the generator did
     to that module (its manifest notes), so a reader sees the perturbation behind it."""
     for name, want in sorted(truth.items()):
@@ -339,12 +353,17 @@ def _judge_weights(engine, held, truth, dtype, tol, fmt, knobs, finding, module_
             finding(engine, "weight-missing", f"no weight held for {name}", module=name)
             continue
         got = held[name]
+        block = fmt.scale_block(knobs, tuple(want.shape)) if want.dim() == 2 else None
+        shape = {"shape": list(want.shape), "block": list(block) if block else None}
         if tuple(got.shape) != tuple(want.shape):
             finding(
-                engine, "weight-mismatch", f"{name}: shape {list(got.shape)} vs truth {list(want.shape)}", module=name
+                engine,
+                "weight-mismatch",
+                f"{name}: shape {list(got.shape)} vs truth {list(want.shape)}",
+                module=name,
+                metrics={**shape, "held_shape": list(got.shape)},
             )
             continue
-        block = fmt.scale_block(knobs, tuple(want.shape)) if want.dim() == 2 else None
         diff = compare_weight(name, got, want, dtype, tol, block)
         if diff.ok:
             continue
@@ -356,11 +375,7 @@ def _judge_weights(engine, held, truth, dtype, tol, fmt, knobs, finding, module_
         notes = module_notes.get(name.removesuffix(".weight"), [])
         if notes:
             message += f" [checkpoint: {'; '.join(notes)}]"
-        item = finding(
-            engine,
-            kind,
-            message,
-            module=name,
-            metrics={**diff.metrics(), "shape": list(want.shape), "block": list(block) if block else None},
-        )
+        item = finding(engine, kind, message, module=name, metrics={**diff.metrics(), **shape})
+        if misreadings is not None and misreadings.misreadings:
+            item.metrics["misreadings"] = misreadings.verdicts(name, got, dtype)
         item.metrics["block_ratio"] = diff.block_ratio

@@ -71,14 +71,27 @@ def convention(global_scale: float, largest_block_scale: float) -> str:
     return "ambiguous"
 
 
+def slot_convention(tensors: Mapping[str, torch.Tensor]) -> tuple[str, float, float]:
+    """(convention, stored weight_global_scale g, largest block scale S) of one module's tensors."""
+    stored = nv.read_per_tensor("weight_global_scale", tensors["weight_global_scale"])
+    largest = float(decode_e4m3(tensors["weight_scale"]).abs().max())
+    return convention(stored, largest), stored, largest
+
+
+def swapped_readings(tensors: Mapping[str, torch.Tensor], stored: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(multiplier reading: the weight meant, divisor reading: what compressed-tensors computes) of a
+    module whose slot holds the multiplier `stored`, float64. The divisor reading is also
+    harness.differential.misreadings' prediction for the known issues."""
+    intended = nv.dequantize_nvfp4(tensors, "weight_packed", "weight_scale", "weight_global_scale", nv.MULTIPLY, None)
+    return intended, intended / stored / stored  # the divisor reading: product / g, and intended = product x g
+
+
 def repair_modules(
     model: torch.nn.Module, source: QuantizedCheckpoint, report: FixReport, key_mapping: Mapping[str, str] | None = None
 ) -> None:
     def repair_one(target: ModuleTarget) -> str:
         tensors = source.tensors(target.module)
-        stored = nv.read_per_tensor("weight_global_scale", tensors["weight_global_scale"])
-        largest = float(decode_e4m3(tensors["weight_scale"]).abs().max())
-        verdict = convention(stored, largest)
+        verdict, stored, largest = slot_convention(tensors)
         if verdict == "divisor":
             raise SkipTensor(f"weight_global_scale {stored:.6g} >= 1: a divisor, as compressed-tensors means it")
         if verdict == "ambiguous":
@@ -88,10 +101,7 @@ def repair_modules(
             )
             raise SkipTensor("ambiguous: fits neither convention cleanly")
         _, live_module, weight = target.live_weight()
-        intended = nv.dequantize_nvfp4(
-            tensors, "weight_packed", "weight_scale", "weight_global_scale", nv.MULTIPLY, None
-        )
-        misread = intended / stored / stored  # the divisor reading: product / g, and intended = product x g
+        intended, misread = swapped_readings(tensors, stored)
         repair_misread(
             weight,
             intended,

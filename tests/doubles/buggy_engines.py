@@ -64,6 +64,37 @@ class SwappedGlobalScaleEngine(ReferenceEngine):
         return report
 
 
+class DoubleScaleEngine(ReferenceEngine):
+    """An FP8 scale applied twice: every FP8 weight is its e4m3 codes times the scale squared, per
+    scale block (fp8-block: codes x weight_scale_inv^2; ct-fp8-*: codes x weight_scale^2). The bug
+    injected into transformers that the fp8-block grid known issue must not excuse."""
+
+    name = "double-double-scale"
+
+    def load(self, directory):
+        from harness.checkpoints.reader import Checkpoint
+        from harness.core.naming import canonical_name
+        from harness.formats.fp8_block import expand_block_grid
+        from harness.oracle.reference import format_and_knobs, group_modules
+
+        report = super().load(directory)
+        checkpoint = Checkpoint(directory)
+        fmt, knobs = format_and_knobs(checkpoint)
+        modules, _ = group_modules(checkpoint.names(), fmt)
+        for module, names in modules.items():
+            scale_name = names.get("weight_scale_inv") or names.get("weight_scale")
+            codes = checkpoint.tensor(names["weight"]) if "weight" in names else None
+            if scale_name is None or codes is None or codes.dtype != torch.float8_e4m3fn:
+                continue
+            scale = checkpoint.tensor(scale_name).to(torch.float64)
+            rows, cols = codes.shape
+            grid = scale.reshape(1, 1) if scale.numel() == 1 else scale
+            twice = expand_block_grid(grid * grid, rows, cols, fmt.scale_block(knobs, (rows, cols)))
+            weight = self.model.get_submodule(canonical_name(module)).weight
+            weight.data.copy_((codes.to(torch.float64) * twice).to(weight.dtype))
+        return report
+
+
 class CrashingEngine(ReferenceEngine):
     """Dies hard in the middle of a load, as a segfaulting kernel would."""
 

@@ -1,0 +1,144 @@
+"""The campaign's cells: format x architecture x dtype x family (cases/coverage.toml).
+
+A cell narrows the recipe strategy: its family forces some recipe fields, and the perturbations,
+perturbation knobs and layout fields the family does not force stay at their defaults, so that a
+finding in a cell has the family as its one cause. Exploration visits the cells in turn
+(harness.campaign.explore); `--shard I/N` takes every N-th of them in a fixed order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.checkpoints.architectures import ARCHITECTURES
+from harness.checkpoints.recipe import LAYOUT_CHOICES, LAYOUT_DEFAULTS, PERTURB_DEFAULTS
+from harness.core.errors import HarnessError
+from harness.core.paths import CASES_DIR
+from harness.formats import FORMAT_NAMES, get_format
+
+DEFAULT_FILE = CASES_DIR / "coverage.toml"
+SECTIONS = ("knobs", "layout", "perturb", "sizes")
+#: layout fields a cell holds at their default unless its family forces them
+HELD_LAYOUT = ("split_scale", "key_prefix")
+ATTENTION_CHOICES = ("any", "untied")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    why: str
+    force: dict[str, tuple] = field(default_factory=dict, hash=False, compare=False)
+
+    def knobs(self) -> list[str]:
+        return [key.partition(".")[2] for key in self.force if key.startswith("knobs.")]
+
+
+@dataclass(frozen=True)
+class Cell:
+    format: str
+    arch: str
+    dtype: str
+    family: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.format}/{self.arch}/{self.dtype}/{self.family}"
+
+    def key(self) -> bytes:
+        """A stable key for this cell (Hypothesis's example database, seeds)."""
+        return hashlib.sha256(self.name.encode()).digest()[:16]
+
+
+@dataclass
+class Coverage:
+    """The cells of a campaign and the families behind them."""
+
+    families: dict[str, Family]
+    held: tuple[str, ...]
+    dtypes: tuple[str, ...]
+
+    @classmethod
+    def load(cls, path: Path = DEFAULT_FILE) -> Coverage:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as error:
+            raise HarnessError(f"{path}: cannot read the coverage cells ({error})") from None
+        unknown = set(data) - {"held", "dtypes", "family"}
+        if unknown:
+            raise HarnessError(f"{path}: unknown key(s) {sorted(unknown)}")
+        families = {}
+        for name, entry in data.get("family", {}).items():
+            if set(entry) - {"why", "force"}:
+                raise HarnessError(f"{path}: family {name}: unknown key(s) {sorted(set(entry) - {'why', 'force'})}")
+            force = {key: tuple(values) for key, values in entry.get("force", {}).items()}
+            for key in force:
+                if key.partition(".")[0] not in SECTIONS or not key.partition(".")[2]:
+                    raise HarnessError(f"{path}: family {name}: '{key}' is not one of {', '.join(SECTIONS)}.NAME")
+            families[name] = Family(name, entry.get("why", ""), force)
+        dtypes = tuple(data.get("dtypes", LAYOUT_CHOICES["dtype"]))
+        if set(dtypes) - set(LAYOUT_CHOICES["dtype"]):
+            raise HarnessError(
+                f"{path}: dtypes {sorted(set(dtypes) - set(LAYOUT_CHOICES['dtype']))} are not model dtypes"
+            )
+        return cls(families, tuple(data.get("held", ())), dtypes)
+
+    def force(self, cell: Cell) -> dict[str, tuple] | None:
+        """The recipe fields `cell` forces (harness.campaign.strategies.recipes' `force`), or None
+        when its family does not apply to its format (a knob the format lacks)."""
+        family = self.families[cell.family]
+        fmt = get_format(cell.format)
+        force: dict[str, tuple] = {"layout.dtype": (cell.dtype,)}
+        for key, default in PERTURB_DEFAULTS.items():
+            force[f"perturb.{key}"] = (default,)
+        for key in HELD_LAYOUT:
+            force[f"layout.{key}"] = (LAYOUT_DEFAULTS[key],)
+        for knob in self.held:
+            if knob in fmt.knobs:
+                force[f"knobs.{knob}"] = (fmt.knobs[knob].default,)
+        for key, values in family.force.items():
+            section, _, name = key.partition(".")
+            if section == "knobs":
+                if name not in fmt.knobs:
+                    return None
+                knob = fmt.knobs[name]
+                values = tuple(v for v in values if v in knob.choices and v != knob.default)
+                if not values:
+                    return None
+            force[key] = values
+        return force
+
+    def cells(self, formats=None, archs=None, families=None) -> list[Cell]:
+        """Every cell that exists, in the order exploration visits them: a fixed interleaving
+        (by a hash of the name) so that the first ones already span formats and families."""
+        found = []
+        for fmt in formats or FORMAT_NAMES:
+            for arch in archs or ARCHITECTURES:
+                for dtype in self.dtypes:
+                    for family in families or self.families:
+                        if family not in self.families:
+                            raise HarnessError(f"unknown family '{family}' (known: {', '.join(self.families)})")
+                        cell = Cell(fmt, arch, dtype, family)
+                        if self.force(cell) is not None:
+                            found.append(cell)
+        return sorted(found, key=lambda c: c.key())
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'I/N' (1 <= I <= N) -> (I, N); a one-line HarnessError otherwise."""
+    index, sep, count = text.partition("/")
+    try:
+        index, count = int(index), int(count)
+    except ValueError:
+        index = count = 0
+    if not sep or count < 1 or not 1 <= index <= count:
+        raise HarnessError(f"--shard expects I/N with 1 <= I <= N (e.g. 2/4), got '{text}'")
+    return index, count
+
+
+def shard_cells(cells: list[Cell], index: int, count: int) -> list[Cell]:
+    """Shard `index` of `count` (1-based): every count-th cell of the fixed order, so shards
+    are disjoint, together cover every cell, and each spans formats and families."""
+    return [cell for position, cell in enumerate(cells) if position % count == index - 1]

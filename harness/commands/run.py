@@ -1,0 +1,220 @@
+"""`run`: the campaign's arguments, its terminal summary and its report (harness.campaign.explore)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tempfile
+from pathlib import Path
+
+from harness.core.errors import HarnessError
+
+EXIT_OK, EXIT_FINDING = 0, 1
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h)?\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '10m', '1.5h' -> seconds."""
+    match = _DURATION.match(text)
+    if not match or float(match.group(1)) <= 0:
+        raise HarnessError(f"--budget expects a duration such as 90s, 10m or 1h, got '{text}'")
+    return float(match.group(1)) * {"s": 1, "m": 60, "h": 3600}[match.group(2) or "s"]
+
+
+def _names(text: str | None) -> tuple[str, ...] | None:
+    return tuple(n.strip() for n in text.split(",") if n.strip()) if text else None
+
+
+def plan_cells(args):
+    """(coverage, every cell of the selection, this shard's cells)."""
+    from harness.campaign.cells import Coverage, parse_shard, shard_cells
+    from harness.checkpoints.architectures import ARCHITECTURES
+    from harness.formats import require_formats
+
+    formats, archs = _names(args.formats), _names(args.archs)
+    if formats:
+        require_formats(*formats)
+    for name in archs or ():
+        if name not in ARCHITECTURES:
+            raise HarnessError(f"unknown architecture '{name}' (known: {', '.join(ARCHITECTURES)})")
+    coverage = Coverage.load()
+    cells = coverage.cells(formats, archs, _names(args.families))
+    if not cells:
+        raise HarnessError("no cell matches --formats / --archs / --families")
+    mine = shard_cells(cells, *parse_shard(args.shard)) if args.shard else cells
+    return coverage, cells, mine
+
+
+def command_run(args) -> int:
+    import hypothesis
+
+    from harness.campaign.explore import Budget, run_campaign
+    from harness.campaign.profiles import load_profile
+    from harness.commands.cli import parse_engines, parse_optional, start_engines
+    from harness.differential.known_issues import KnownIssues
+    from harness.differential.runner import EngineSession
+    from harness.engines.process import Limits
+
+    engines = parse_engines(args.engines)
+    optional = parse_optional(args, engines)
+    seconds = parse_duration(args.budget) if args.budget else None
+    coverage, cells, mine = plan_cells(args)
+    load_profile(args.profile)
+    max_examples = args.max_examples or (None if seconds else hypothesis.settings.default.max_examples)
+    known = KnownIssues.load()
+    bounds = [f"{args.budget} budget"] if seconds else []
+    bounds += [f"up to {max_examples} examples"] if max_examples else []
+    shard = f" (shard {args.shard}: {len(mine)} of {len(cells)} cells)" if args.shard else ""
+    print(
+        f"campaign: {len(mine)} cells (format x arch x dtype x family){shard}, engines {', '.join(engines)}, "
+        f"profile {args.profile}, {' or '.join(bounds)}" + ("" if args.shrink else ", no shrinking")
+    )
+    with tempfile.TemporaryDirectory(prefix="harness-run-") as scratch:
+        report = Path(args.report).resolve() if args.report else None
+        work = (report / "work") if report else Path(scratch)
+        session = EngineSession(engines, work, Limits(args.timeout, args.memory_mb))
+        budget = Budget(max_examples, seconds)
+        bar = _progress_bar(budget, len(mine))
+        try:
+            start_engines(session, engines, optional)
+            campaign = run_campaign(mine, coverage, budget, work, session, known, args.shrink, bar)
+        finally:
+            session.close()
+            if bar:
+                bar.close()
+        findings = summarise(campaign, session, engines, known, report)
+        if report:
+            write_campaign_report(report, campaign, findings, session, engines, args)
+    new = campaign.new_signatures()
+    print(
+        f"{campaign.examples} examples ({campaign.shrink_examples} while shrinking) in "
+        f"{budget.elapsed():.0f} s, stopped at: {campaign.stopped}; {len(campaign.counts)} finding signature(s), "
+        f"{new} new"
+    )
+    return EXIT_FINDING if new else EXIT_OK
+
+
+def _progress_bar(budget, cells: int):
+    try:
+        from harness.campaign.progress import ProgressBar
+    except ImportError:  # tqdm absent: the summary at the end still says everything
+        return None
+    return ProgressBar(budget, cells)
+
+
+def applicable_issues(known, session, engines: list[str]) -> list:
+    """The known issues of the engines that ran, at the versions they ran."""
+    return [
+        issue
+        for issue in known.issues
+        if issue.engine in engines
+        and issue.engine in session.versions
+        and issue.applies_to(issue.engine, session.versions[issue.engine])
+    ]
+
+
+def repro_directory(report: Path, signature: tuple) -> Path:
+    from harness.differential.report import slug
+
+    digest = hashlib.sha256(repr(signature).encode()).hexdigest()[:8]
+    return report / "repro" / f"{slug('-'.join(signature[:3]))}-{digest}"
+
+
+def summarise(campaign, session, engines: list[str], known, report: Path | None) -> list:
+    """Print what ran, each finding signature, the known issues rediscovered and the coverage;
+    keep a reproduction of every signature under `report`; return the findings to report."""
+    from harness.checkpoints.writer import generate
+    from harness.commands.cli import reproduce_command
+
+    for engine, why in session.unavailable.items():
+        print(f"engine {engine} skipped (optional): {why}")
+    for engine in engines:
+        statuses = [r.outcomes[engine].status for r in campaign.results if engine in r.outcomes]
+        if engine not in session.unavailable and "loaded" not in statuses:
+            counts = ", ".join(f"{statuses.count(s)} {s}" for s in sorted(set(statuses))) or "no example"
+            print(f"engine {engine} ran on nothing: {counts}")
+    findings = []
+    print(f"\n{'engine':<20} {'kind':<18} {'format':<16} {'seen':>5}  status")
+    for signature, count in sorted(campaign.counts.items(), key=str):
+        engine, kind, fmt, cause = signature
+        minimal = signature in campaign.minimal
+        recipe, items = campaign.minimal[signature] if minimal else campaign.known[signature]
+        status = f"NEW: {cause}" if minimal else cause
+        print(f"{engine:<20} {kind:<18} {fmt:<16} {count:>5}  {status}")
+        if report:  # every finding, known or new, keeps a checkpoint that reproduces it
+            destination = repro_directory(report, signature)
+            if not destination.exists():
+                generate(recipe, destination)
+            for item in items:
+                item.reproduction = str(destination)
+                item.command = reproduce_command(destination, engine)
+            if minimal:
+                print(f"    reproduce: {items[0].command}")
+        findings.extend(items)
+    issues = applicable_issues(known, session, engines)
+    found = campaign.known_issue_ids()
+    missed = [i.id for i in issues if i.id not in found]
+    print(
+        f"known issues rediscovered from scratch: {len(issues) - len(missed)}/{len(issues)} of the engines that ran"
+        + (f" (not this time: {', '.join(missed)})" if missed else "")
+    )
+    never = [c.name for c in campaign.cells if not campaign.coverage.get(c.name)]
+    print(
+        f"cells reached: {campaign.cells_reached()}/{len(campaign.cells)}" + (f" ({len(never)} never)" if never else "")
+    )
+    return findings
+
+
+def write_campaign_report(report: Path, campaign, findings: list, session, engines: list[str], args) -> None:
+    from harness.commands.cli import checkpoint_json
+    from harness.differential.report import write_report
+
+    engines_info = {
+        e: {"version": session.versions.get(e, ""), "status": session.unavailable.get(e, "ran")} for e in engines
+    }
+    extra = {
+        "examples": campaign.examples,
+        "shrink_examples": campaign.shrink_examples,
+        "stopped": campaign.stopped,
+        "shard": args.shard or "1/1",
+        "budget": args.budget or "",
+        "counts": [{"signature": list(s), "seen": n, "new": s in campaign.minimal} for s, n in campaign.counts.items()],
+        "known_issues_rediscovered": sorted(campaign.known_issue_ids()),
+    }
+    path = write_report(
+        report,
+        findings,
+        [checkpoint_json(r) for r in campaign.results[-50:]],
+        engines_info,
+        f"run: {campaign.examples} examples over {campaign.cells_reached()}/{len(campaign.cells)} cells",
+        coverage=campaign.coverage_rows(),
+        extra=extra,
+    )
+    print(f"report: {path} and {path.with_suffix('.md')}")
+
+
+def add_parser(commands) -> None:
+    from harness.engines import ENGINES
+
+    run = commands.add_parser(
+        "run",
+        help="property-based campaign over cells (format x arch x dtype x family): generate, load, judge, "
+        "shrink each new finding, keep exploring until the budget is spent",
+    )
+    run.add_argument("--engines", default="reference,transformers", help=f"{', '.join(ENGINES)}, or module:Class")
+    run.add_argument("--formats", help="comma-separated formats (default: all)")
+    run.add_argument("--archs", help="comma-separated architectures (default: all)")
+    run.add_argument("--families", help="comma-separated families of cases/coverage.toml (default: all)")
+    run.add_argument("--profile", default="ci", choices=["dev", "ci", "nightly"])
+    run.add_argument("--budget", help="time budget (90s, 10m, 1h); without it, the profile's example count")
+    run.add_argument("--max-examples", type=int, default=0, help="evaluated examples at most (default: the profile's)")
+    run.add_argument("--shard", help="I/N: explore only shard I (1-based) of N; merge with merge-reports")
+    run.add_argument("--report", help="write OUTDIR/report.json, report.md and repro/ here")
+    run.add_argument("--no-shrink", dest="shrink", action="store_false", help="skip shrinking new findings")
+    run.add_argument(
+        "--optional-engines",
+        help="engines (of --engines) that may be unavailable here; any other that cannot run is exit 2",
+    )
+    run.add_argument("--timeout", type=float, default=600.0)
+    run.add_argument("--memory-mb", type=float, default=16000.0)
+    run.set_defaults(run=command_run)

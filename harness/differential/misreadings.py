@@ -1,0 +1,175 @@
+"""Predicted misreadings: for a known bug whose wrong reading of a checkpoint is computable, what
+the buggy engine holds for one module. A known issue names one (`misreading` in
+cases/known_issues.toml), and a weight finding is attributed to it only when the engine's held
+values equal the prediction within the weight tolerance (cases/tolerances.toml) of the dtype the
+misreading lives in; any other difference is new, even where the known bug applies.
+
+The predictions are the fixes' own computations (harness/fixes decides with the same readings
+what to repair), not copies: one registry, name -> formats and a function
+(checkpoint, module, model dtype) -> Prediction. The runner compares every weight finding with the
+predictions registered for its format and records the verdicts in the finding's
+metrics["misreadings"], which known-issue attribution reads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from harness.core.dtypes import MODEL_DTYPES
+from harness.core.errors import CheckpointError, FormatError, HarnessError, first_line
+from harness.core.naming import canonical_name
+from harness.core.tolerances import load_tolerances
+from harness.differential.compare import compare_weight
+from harness.fixes._redequantize import QuantizedCheckpoint
+from harness.fixes._shared import SkipTensor
+from harness.fixes.ct_fp8_scale_precision import FORMATS as CT_FP8_FORMATS
+from harness.fixes.ct_fp8_scale_precision import scale_cast_reading
+from harness.fixes.fp8_block_grid import inferred_grid_reading
+from harness.fixes.nvfp4_weight_global_scale import FORMATS as CT_NVFP4_FORMATS
+from harness.fixes.nvfp4_weight_global_scale import slot_convention, swapped_readings
+
+#: the finding kinds a misreading judges (held values of one module)
+WEIGHT_KINDS = ("weight-mismatch", "weight-nonfinite")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    #: what the buggy engine holds, float64
+    values: torch.Tensor
+    #: the dtype whose weight tolerance judges agreement (the one the buggy reading is computed in)
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Misreading:
+    name: str
+    formats: tuple[str, ...]
+    description: str
+    #: (checkpoint, checkpoint module name, model dtype) -> Prediction; SkipTensor with the reason
+    #: where the bug would not misread this module
+    predict: Callable[[QuantizedCheckpoint, str, str], Prediction]
+
+
+def _fp8_block_grid_from_shape(source: QuantizedCheckpoint, module: str, dtype: str) -> Prediction:
+    tensors = source.tensors(module)
+    return Prediction(inferred_grid_reading(tensors["weight"], tensors["weight_scale_inv"]), dtype)
+
+
+def _nvfp4_global_scale_as_divisor(source: QuantizedCheckpoint, module: str, dtype: str) -> Prediction:
+    tensors = source.tensors(module)
+    verdict, stored, _ = slot_convention(tensors)
+    if verdict != "multiplier":
+        raise SkipTensor(f"weight_global_scale {stored:.6g} is not a swapped multiplier ({verdict})")
+    # compressed-tensors decompresses NVFP4 in bfloat16, whatever the model dtype
+    return Prediction(swapped_readings(tensors, stored)[1], "bfloat16")
+
+
+def _ct_fp8_scale_cast_to_model_dtype(source: QuantizedCheckpoint, module: str, dtype: str) -> Prediction:
+    return Prediction(scale_cast_reading(source, source.tensors(module), MODEL_DTYPES[dtype]), dtype)
+
+
+def _nvfp4_decompressed_in_bfloat16(source: QuantizedCheckpoint, module: str, dtype: str) -> Prediction:
+    if dtype == "bfloat16":
+        raise SkipTensor("a bfloat16 model: decompressing to bfloat16 is what it should do")
+    truth = source.reference(module)  # SkipTensor where the reference refuses the module
+    # rounded to bfloat16 by the decompression, then to the model dtype; its arithmetic is bfloat16
+    return Prediction(truth.to(torch.bfloat16).to(MODEL_DTYPES[dtype]).to(torch.float64), "bfloat16")
+
+
+REGISTRY: dict[str, Misreading] = {
+    m.name: m
+    for m in (
+        Misreading(
+            "fp8-block-grid-from-shape",
+            ("fp8-block",),
+            "e4m3 codes times weight_scale_inv spread with the block weight.shape // scale.shape, not the "
+            "declared weight_block_size (harness/fixes/fp8_block_grid.py)",
+            _fp8_block_grid_from_shape,
+        ),
+        Misreading(
+            "nvfp4-global-scale-read-as-divisor",
+            CT_NVFP4_FORMATS,
+            "a weight_global_scale that holds ModelOpt's multiplier read as compressed-tensors' divisor: the "
+            "weight divided by g^2, in bfloat16 (harness/fixes/nvfp4_weight_global_scale.py)",
+            _nvfp4_global_scale_as_divisor,
+        ),
+        Misreading(
+            "ct-fp8-scale-cast-to-model-dtype",
+            CT_FP8_FORMATS,
+            "e4m3 codes times weight_scale rounded to the model dtype first (harness/fixes/ct_fp8_scale_precision.py)",
+            _ct_fp8_scale_cast_to_model_dtype,
+        ),
+        Misreading(
+            "nvfp4-decompressed-in-bfloat16",
+            CT_NVFP4_FORMATS,
+            "the reference rounded to bfloat16, then to the model dtype (compressed-tensors decompresses NVFP4 "
+            "to bfloat16 in any model)",
+            _nvfp4_decompressed_in_bfloat16,
+        ),
+    )
+}
+
+
+def require_misreading(name: str, where: str) -> Misreading:
+    if name not in REGISTRY:
+        raise HarnessError(f"{where}: unknown misreading {name!r} (known: {', '.join(REGISTRY)})")
+    return REGISTRY[name]
+
+
+class CheckpointMisreadings:
+    """The predictions for one checkpoint: opened on the first question, once."""
+
+    def __init__(self, directory: str | Path, format_name: str):
+        self.directory = Path(directory)
+        self.format_name = format_name
+        self.misreadings = [m for m in REGISTRY.values() if format_name in m.formats]
+        self._source: QuantizedCheckpoint | None = None
+        self._modules: dict[str, str] = {}
+
+    def _open(self) -> QuantizedCheckpoint:
+        if self._source is None:
+            self._source = QuantizedCheckpoint.open(self.directory)
+            self._modules = {canonical_name(f"{m}.weight"): m for m in self._source.modules}
+        return self._source
+
+    def predict(self, name: str, module: str, dtype: str) -> Prediction:
+        """`name`'s prediction for the weight `module` (a canonical weight name, as findings name
+        it); SkipTensor with the reason where it does not apply."""
+        source = self._open()
+        if module not in self._modules:
+            raise SkipTensor(f"{module} is not a quantized module of the checkpoint")
+        try:
+            return REGISTRY[name].predict(source, self._modules[module], dtype)
+        except SkipTensor:
+            raise
+        except (CheckpointError, FormatError, KeyError, RuntimeError, ValueError) as error:
+            raise SkipTensor(f"cannot compute it: {type(error).__name__}: {first_line(error)}") from None
+
+    def verdicts(self, module: str, held: torch.Tensor, dtype: str) -> dict[str, dict]:
+        """Per misreading registered for the format: whether `held` (the engine's values for
+        `module`) equals its prediction, by compare_weight under the prediction dtype's weight
+        tolerance: {"equal", "max_abs", "bad_elements", "dtype"}, or {"undefined": why}."""
+        verdicts: dict[str, dict] = {}
+        for misreading in self.misreadings:
+            try:
+                prediction = self.predict(misreading.name, module, dtype)
+            except (SkipTensor, CheckpointError) as reason:
+                verdicts[misreading.name] = {"undefined": first_line(reason)}
+                continue
+            if tuple(prediction.values.shape) != tuple(held.shape):
+                verdicts[misreading.name] = {
+                    "undefined": f"predicted {list(prediction.values.shape)}, held {list(held.shape)}"
+                }
+                continue
+            tolerances = load_tolerances(self.format_name, prediction.dtype)
+            diff = compare_weight(module, held, prediction.values, prediction.dtype, tolerances, None)
+            verdicts[misreading.name] = {
+                "equal": diff.ok,
+                "max_abs": diff.max_abs,
+                "bad_elements": diff.bad_elements,
+                "dtype": prediction.dtype,
+            }
+        return verdicts

@@ -1,0 +1,236 @@
+"""A known issue's preconditions (`when` in cases/known_issues.toml): small expressions over what
+is known about the checkpoint and the module a finding is about. They are parsed once, when the
+file is loaded, by a whitelist over Python's `ast` (never `eval`): names, numbers, strings,
+True/False, + - * / // %, comparisons (`in` / `not in` a tuple or list), and/or/not. Anything
+else, or a name no context defines, is an error at load. At match time a name the context lacks
+makes the predicate false: no precondition, no attribution."""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.core.errors import HarnessError
+from harness.core.findings import Finding
+
+#: config.json fields always in the context (every scalar top-level field is; these are promised)
+CONFIG_NAMES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_hidden_layers",
+    "vocab_size",
+    "model_type",
+    "dtype",
+)
+#: names of a finding about one module (weight-mismatch etc.)
+MODULE_NAMES = ("rows", "cols", "block_rows", "block_cols", "partial")
+
+BINARY: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
+COMPARISONS: dict[type, Callable[[Any, Any], bool]] = {
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
+}
+UNARY: dict[type, Callable[[Any], Any]] = {ast.Not: operator.not_, ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def known_names() -> frozenset[str]:
+    """Every name a context can hold: config fields, every registered format's knobs, the
+    recipe's layout and perturbations, and the module names."""
+    from harness.checkpoints.architectures import ARCHITECTURES, TINY_DEFAULTS
+    from harness.checkpoints.recipe import LAYOUT_DEFAULTS, PERTURB_DEFAULTS
+    from harness.formats import FORMAT_NAMES, get_format
+
+    names = set(CONFIG_NAMES) | set(TINY_DEFAULTS) | set(LAYOUT_DEFAULTS) | set(PERTURB_DEFAULTS) | set(MODULE_NAMES)
+    for arch in ARCHITECTURES.values():
+        names |= set(arch.extra_defaults)
+    for name in FORMAT_NAMES:
+        names |= set(get_format(name).knobs)
+    return frozenset(names)
+
+
+class _Missing(Exception):
+    """A name the context lacks: the predicate is false."""
+
+
+@dataclass(frozen=True)
+class Predicate:
+    text: str
+    tree: ast.Expression
+    names: frozenset[str]
+
+    @classmethod
+    def parse(cls, text: str, where: str, allowed: frozenset[str] | None = None) -> Predicate:
+        """Check `text` against the whitelist (and its names against `allowed`); HarnessError
+        naming `where` (the entry) on anything else."""
+        if not isinstance(text, str):
+            raise HarnessError(f"{where}: a precondition must be a string, got {text!r}")
+        try:
+            tree = ast.parse(text.strip(), mode="eval")
+        except SyntaxError as error:
+            raise HarnessError(f"{where}: precondition {text!r} is not an expression ({error.msg})") from None
+        names: set[str] = set()
+        _check(tree.body, text, where, names)
+        unknown = sorted(names - allowed) if allowed is not None else []
+        if unknown:
+            raise HarnessError(
+                f"{where}: precondition {text!r} names {', '.join(unknown)}, which no checkpoint or finding "
+                "defines (see the names at the top of cases/known_issues.toml)"
+            )
+        return cls(text, tree, frozenset(names))
+
+    def holds(self, context: Mapping[str, Any]) -> bool:
+        """True when the expression is truthy in `context`; a name it lacks, or values that do
+        not compute (a string minus a number, a division by zero), make it false."""
+        try:
+            return bool(_evaluate(self.tree.body, context))
+        except (_Missing, ArithmeticError, TypeError, ValueError):
+            return False
+
+
+def _check(node: ast.AST, text: str, where: str, names: set[str], container: bool = False) -> None:
+    def refuse(what: str) -> None:
+        raise HarnessError(
+            f"{where}: precondition {text!r}: {what} is not allowed (names, numbers, "
+            "strings, True/False, + - * / // %, comparisons, in/not in a tuple or list, and/or/not)"
+        )
+
+    if isinstance(node, ast.Name):
+        names.add(node.id)
+    elif isinstance(node, ast.Constant):
+        if not isinstance(node.value, (bool, int, float, str)):
+            refuse(f"the constant {node.value!r}")
+    elif isinstance(node, (ast.Tuple, ast.List)):
+        if not container:
+            refuse("a tuple or list outside `in` / `not in`")
+        for element in node.elts:
+            _check(element, text, where, names)
+    elif isinstance(node, ast.BoolOp):
+        for value in node.values:
+            _check(value, text, where, names)
+    elif isinstance(node, ast.UnaryOp) and type(node.op) in UNARY:
+        _check(node.operand, text, where, names)
+    elif isinstance(node, ast.BinOp) and type(node.op) in BINARY:
+        _check(node.left, text, where, names)
+        _check(node.right, text, where, names)
+    elif isinstance(node, ast.Compare) and all(type(op) in COMPARISONS for op in node.ops):
+        _check(node.left, text, where, names)
+        for op, right in zip(node.ops, node.comparators, strict=True):
+            _check(right, text, where, names, container=isinstance(op, (ast.In, ast.NotIn)))
+    else:
+        refuse(f"`{ast.unparse(node)}` ({type(node).__name__})")
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, (int, float)):
+        return value
+    raise TypeError(f"arithmetic on {type(value).__name__}")
+
+
+def _evaluate(node: ast.AST, context: Mapping[str, Any]) -> Any:
+    if isinstance(node, ast.Name):
+        if node.id not in context:
+            raise _Missing(node.id)
+        return context[node.id]
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return tuple(_evaluate(e, context) for e in node.elts)
+    if isinstance(node, ast.BoolOp):
+        value = None
+        for part in node.values:
+            value = _evaluate(part, context)
+            if bool(value) == isinstance(node.op, ast.Or):  # short-circuit as Python does
+                return value
+        return value
+    if isinstance(node, ast.UnaryOp):
+        operand = _evaluate(node.operand, context)
+        return UNARY[type(node.op)](operand if isinstance(node.op, ast.Not) else _number(operand))
+    if isinstance(node, ast.BinOp):  # numbers only: no string repetition or concatenation
+        return BINARY[type(node.op)](_number(_evaluate(node.left, context)), _number(_evaluate(node.right, context)))
+    if isinstance(node, ast.Compare):
+        left = _evaluate(node.left, context)
+        for op, comparator in zip(node.ops, node.comparators, strict=True):
+            right = _evaluate(comparator, context)
+            if not COMPARISONS[type(op)](left, right):
+                return False
+            left = right
+        return True
+    raise TypeError(f"unexpected {type(node).__name__}")  # _check refused it at load
+
+
+def _scalars(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if isinstance(v, (bool, int, float, str))}
+
+
+def checkpoint_context(directory: str | Path) -> dict[str, Any]:
+    """What is known about a checkpoint: its config.json's scalar fields (`dtype` from dtype or
+    torch_dtype, default bfloat16 as the runner judges; `head_dim` defaulting to hidden_size //
+    num_attention_heads), the format knobs its quantization_config declares and, for a checkpoint
+    the harness generated, its recipe's resolved knobs, layout and perturbations. What cannot be
+    read is left out (the predicates naming it are then false)."""
+    from harness.checkpoints.manifest import read_manifest
+    from harness.checkpoints.recipe import Recipe
+    from harness.checkpoints.writer import MANIFEST_FILE
+    from harness.oracle.reference import format_and_knobs
+
+    directory = Path(directory)
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    if not isinstance(config, dict):
+        return {}
+    context: dict[str, Any] = {}
+    try:
+        context |= _scalars(format_and_knobs(directory)[1])
+    except (HarnessError, OSError, ValueError):
+        pass
+    if (
+        directory / MANIFEST_FILE
+    ).is_file():  # what the generator did, perturbations included, over what config declares
+        try:
+            resolved = Recipe.from_json(read_manifest(directory)["recipe"]).resolved()
+            context |= _scalars(resolved.knobs) | _scalars(resolved.layout) | _scalars(resolved.perturb)
+        except (HarnessError, KeyError, TypeError):
+            pass
+    context |= _scalars(config)
+    context["dtype"] = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    if config.get("head_dim") is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        context["head_dim"] = hidden // heads
+    return context
+
+
+def module_context(finding: Finding) -> dict[str, Any]:
+    """A finding about one weight: its shape (rows, cols) and scale block (block_rows,
+    block_cols), and `partial`: a dimension is not a multiple of the block."""
+    shape, block = finding.metrics.get("shape"), finding.metrics.get("block")
+    context: dict[str, Any] = {}
+    if not (isinstance(shape, (list, tuple)) and len(shape) == 2):
+        return context
+    context |= {"rows": shape[0], "cols": shape[1]}
+    if isinstance(block, (list, tuple)) and len(block) == 2 and all(block):
+        context |= {"block_rows": block[0], "block_cols": block[1]}
+        context["partial"] = bool(shape[0] % block[0] or shape[1] % block[1])
+    return context

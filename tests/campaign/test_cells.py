@@ -1,0 +1,89 @@
+"""Cells: every family applies somewhere, a cell's recipes keep to it, shards partition the cells."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harness.campaign.cells import Coverage, parse_shard, shard_cells
+from harness.campaign.strategies import recipes
+from harness.checkpoints.recipe import PERTURB_DEFAULTS
+from harness.core.errors import HarnessError
+from harness.formats import FORMAT_NAMES, get_format
+
+COVERAGE = Coverage.load()
+CELLS = COVERAGE.cells()
+
+
+def test_every_family_applies_to_some_format_and_every_format_has_cells():
+    assert {c.family for c in CELLS} == set(COVERAGE.families)
+    assert {c.format for c in CELLS} == set(FORMAT_NAMES)
+    assert len(CELLS) == len(set(CELLS))
+
+
+def test_a_knob_family_applies_only_where_the_format_has_the_knob():
+    for cell in CELLS:
+        for knob in COVERAGE.families[cell.family].knobs():
+            assert knob in get_format(cell.format).knobs, cell.name
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), index=st.integers(0, len(CELLS) - 1))
+def test_a_cells_recipes_keep_to_its_family_dtype_and_defaults(data, index):
+    """What the family forces holds; every other perturbation stays at its default."""
+    cell = CELLS[index]
+    force = COVERAGE.force(cell)
+    recipe = data.draw(recipes((cell.format,), (cell.arch,), force))
+    resolved = recipe.resolved()
+    assert (recipe.format, recipe.arch, resolved.layout["dtype"]) == (cell.format, cell.arch, cell.dtype)
+    family = COVERAGE.families[cell.family].force
+    for key, default in PERTURB_DEFAULTS.items():
+        allowed = family.get(f"perturb.{key}", (default,))
+        assert resolved.perturb[key] in allowed, (cell.name, key)
+    for key, values in family.items():
+        section, _, name = key.partition(".")
+        if section == "knobs":
+            assert (
+                resolved.knobs[name] in values and resolved.knobs[name] != get_format(cell.format).knobs[name].default
+            )
+        elif section == "layout":
+            assert resolved.layout[name] in values
+        elif section == "sizes":
+            width = resolved.settings["num_attention_heads"] * resolved.settings["head_dim"]
+            assert width != resolved.settings["hidden_size"]
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7])
+def test_shards_are_disjoint_and_cover_every_cell(count):
+    shards = [shard_cells(CELLS, index, count) for index in range(1, count + 1)]
+    assert sorted(c.name for s in shards for c in s) == sorted(c.name for c in CELLS)
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+@pytest.mark.parametrize("text", ["0/4", "5/4", "x/4", "1", "1/0", ""])
+def test_a_bad_shard_is_one_line(text):
+    with pytest.raises(HarnessError, match="--shard expects I/N"):
+        parse_shard(text)
+
+
+def test_the_cell_order_is_fixed_and_interleaves_formats():
+    assert [c.name for c in Coverage.load().cells()] == [c.name for c in CELLS]
+    first = CELLS[: len(CELLS) // 10]
+    assert len({c.format for c in first}) > 1 and len({c.family for c in first}) > 1
+
+
+def test_bad_coverage_files_are_one_line_errors(tmp_path):
+    path = tmp_path / "coverage.toml"
+    for text, message in (
+        ('[family.x]\nforce = { "nowhere.k" = [1] }\n', "is not one of"),
+        ("[family.x]\ncolour = 1\n", "unknown key"),
+        ('dtypes = ["int8"]\n', "not model dtypes"),
+        ("stray = 1\n", "unknown key"),
+        ("[family\n", "cannot read"),
+    ):
+        path.write_text(text)
+        with pytest.raises(HarnessError, match=message):
+            Coverage.load(path)
+    with pytest.raises(HarnessError, match="unknown family"):
+        COVERAGE.cells(families=("no-such-family",))

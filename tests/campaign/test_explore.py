@@ -1,0 +1,134 @@
+"""The campaign keeps exploring: distinct bugs are told apart, each shrunk and kept; the budget
+and the shard bound what runs; a run is deterministic under the ci profile."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.campaign.explore import Budget
+from harness.commands.run import parse_duration
+from harness.core.errors import HarnessError
+from harness.core.findings import Finding, normalise
+from tests.cli import run_cli as cli
+
+pytest.importorskip("transformers")
+TWO_BUGS = "tests.doubles.campaign_doubles:TwoBugsEngine"
+
+
+def test_the_campaign_goes_on_after_its_first_new_finding_and_finds_the_second_bug(tmp_path):
+    """A double with one bug in fp8-block and another in ct-fp8-channel: both are found, as
+    distinct signatures, each with a minimal reproduction that shows it again."""
+    result = cli(
+        "run",
+        "--engines",
+        f"reference,{TWO_BUGS}",
+        "--formats",
+        "fp8-block,ct-fp8-channel",
+        "--archs",
+        "qwen2",
+        "--families",
+        "plain",
+        "--max-examples",
+        "40",
+        "--report",
+        tmp_path / "r",
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    new = [c for c in report["counts"] if c["new"]]
+    kinds = {(c["signature"][1], c["signature"][2]) for c in new}
+    assert ("weight-mismatch", "fp8-block") in kinds and ("weight-nonfinite", "ct-fp8-channel") in kinds, kinds
+    for engine, kind, fmt in (
+        (TWO_BUGS, "weight-mismatch", "fp8-block"),
+        (TWO_BUGS, "weight-nonfinite", "ct-fp8-channel"),
+    ):
+        item = next(f for f in report["findings"] if (f["engine"], f["kind"], f["format"]) == (engine, kind, fmt))
+        again = cli(*item["command"].split()[3:])
+        assert again.returncode == 1 and kind in again.stdout
+    assert report["examples"] <= 40
+    assert sum(row["examples"] for row in report["coverage"]) == report["examples"]
+
+
+def test_the_same_command_explores_the_same_examples_under_the_ci_profile(tmp_path):
+    runs = [
+        cli(
+            "run",
+            "--engines",
+            "reference",
+            "--formats",
+            "ct-fp8-tensor",
+            "--max-examples",
+            "12",
+            "--report",
+            tmp_path / n,
+        )
+        for n in ("a", "b")
+    ]
+    assert all(r.returncode == 0 for r in runs), runs[0].stdout + runs[0].stderr
+    rows = [json.loads((tmp_path / n / "report.json").read_text())["coverage"] for n in ("a", "b")]
+    assert rows[0] == rows[1] and sum(r["examples"] for r in rows[0]) == 12
+
+
+def test_a_shard_explores_only_its_cells(tmp_path):
+    result = cli(
+        "run", "--engines", "reference", "--formats", "ct-fp8-tensor", "--shard", "2/3", "--max-examples", "6",
+        "--report", tmp_path / "r",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    everything = cli("run", "--engines", "reference", "--formats", "ct-fp8-tensor", "--max-examples", "1")
+    total = int(everything.stdout.split("campaign: ")[1].split()[0])
+    assert report["shard"] == "2/3" and len(report["coverage"]) in (total // 3, total // 3 + 1)
+
+
+@pytest.mark.parametrize("text, seconds", [("90", 90), ("90s", 90), ("10m", 600), ("1.5h", 5400)])
+def test_budgets_parse(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "ten minutes", "0", "-5m", "5d"])
+def test_a_bad_budget_is_one_line(text):
+    with pytest.raises(HarnessError, match="--budget expects"):
+        parse_duration(text)
+
+
+def test_a_budget_stops_on_examples_or_time():
+    assert Budget(max_examples=3).spent(3) and not Budget(max_examples=3).spent(2)
+    assert Budget(seconds=0.0).spent(0) and not Budget(seconds=3600).spent(10**6)
+
+
+def test_a_signature_tells_causes_apart_and_ignores_numbers():
+    def finding(message, kind="load-error"):
+        return Finding(engine="e", engine_version="1", kind=kind, format="f", message=message)
+
+    a = finding("start (0) + length (72) exceeds dimension size (32)")
+    b = finding("start (0) + length (96) exceeds dimension size (64)")
+    c = finding("expected m1 and m2 to have the same dtype, but got: c10::Half != c10::BFloat16")
+    assert a.signature() == b.signature() != c.signature()
+    assert "c10::BFloat16" in c.cause()
+    w1 = finding("model.layers.0.mlp.up_proj.weight: 3/9 elements differ [checkpoint: zero block 0]", "weight-mismatch")
+    w2 = finding("model.layers.1.mlp.down_proj.weight: 5/9 elements differ", "weight-mismatch")
+    assert w1.cause() == "zero block N" and w2.cause() == "unperturbed module"
+    known = finding("anything")
+    known.known_issue = "some-issue"
+    assert known.cause() == "known: some-issue"
+    assert normalise("/tmp/a/b.safetensors: 1.5e-3 off") == "PATH: N off"
+
+
+def test_each_cell_keeps_its_own_examples_in_a_shared_database():
+    """The nightly profile's example database: one test function serves every cell, so each cell's
+    entries live under the cell's own prefix and never replay in another cell."""
+    from hypothesis.database import InMemoryExampleDatabase
+
+    from harness.campaign.cells import Coverage
+    from harness.campaign.explore import CellDatabase
+
+    first, second = Coverage.load().cells()[:2]
+    shared = InMemoryExampleDatabase()
+    a, b = CellDatabase(shared, first.key()), CellDatabase(shared, second.key())
+    a.save(b"test", b"example")
+    assert list(a.fetch(b"test")) == [b"example"] and list(b.fetch(b"test")) == []
+    a.delete(b"test", b"example")
+    assert list(a.fetch(b"test")) == []
