@@ -178,12 +178,13 @@ def run_campaign(
     progress: Callable[[Campaign], None] | None = None,
 ) -> Campaign:
     """Visit `cells` until `budget` is spent or every cell is exhausted. Each visit goes to the
-    cell served least so far: least time under a time budget (a cell whose examples load in
-    vLLM costs more than one only the reference loads, and gets fewer of them), fewest examples
-    under an example budget (deterministic). Every cell is visited once before any twice."""
+    cell served least so far (_VisitCost): least time under a time budget (a cell whose examples
+    load in vLLM costs more than one only the reference loads, and gets fewer of them), fewest
+    examples under an example budget (deterministic). Every cell is visited once before any twice."""
     campaign = Campaign(cells)
     explorer = _Explorer(campaign, coverage, budget, work / "examples", session, known, shrink, progress)
     queue = [(0.0, position) for position in range(len(cells))]
+    clock = _VisitCost(budget.seconds is not None)
     visits = [0] * len(cells)
     idle = [0] * len(cells)  # visits in a row that found no recipe not evaluated before
     while queue:
@@ -196,10 +197,26 @@ def run_campaign(
         visits[position] += 1
         idle[position] = 0 if campaign.examples > before else idle[position] + 1
         if idle[position] < IDLE_VISITS:
-            cost = time.monotonic() - started if budget.seconds is not None else campaign.examples - before
-            heapq.heappush(queue, (served + max(cost, 1e-3), position))
+            heapq.heappush(queue, (served + clock.cost(campaign.examples - before, started), position))
     campaign.stopped = "every cell's recipes exhausted"
     return campaign
+
+
+class _VisitCost:
+    """What a visit costs its cell: its examples under an example budget; under a time budget, its
+    seconds, but never less than the mean seconds of an example times its examples, so that cells
+    whose examples are refused at once (NaN scales) do not take over the budget."""
+
+    def __init__(self, by_time: bool):
+        self.by_time, self.seconds, self.examples = by_time, 0.0, 0
+
+    def cost(self, examples: int, started: float) -> float:
+        if not self.by_time:
+            return max(examples, 1e-3)
+        seconds = time.monotonic() - started
+        self.seconds, self.examples = self.seconds + seconds, self.examples + examples
+        mean = self.seconds / self.examples if self.examples else 0.0
+        return max(seconds, mean * examples, 1e-3)
 
 
 class _Explorer:

@@ -28,7 +28,10 @@ BLOCK_EDGES = (16, 32, 128)
 #: sizes along an axis without a scale grid (per-tensor, per-row) are measured against this edge
 NOMINAL_EDGE = 16
 #: how a size sits against the block edge it is cut by; the partial edge block is where grids break
-DIMENSION_CLASSES = ("smaller-than-block", "block-plus-one", "grid-divides", "blocks-plus-partial", "exact-multiple")
+#: the first feasible class is what a cell's simplest example (and a shrunk one) gets: a partial
+#: block whose size divides by its grid, where a loader that infers the block from the shape
+#: misreads silently instead of failing
+DIMENSION_CLASSES = ("grid-divides", "smaller-than-block", "block-plus-one", "blocks-plus-partial", "exact-multiple")
 #: ceil grids (blocks along an axis) of a "grid-divides" size: the size divides by its grid, so a
 #: loader that infers the block as size // grid gets a plausible wrong block instead of an error
 DIVIDED_GRIDS = (2, 3)
