@@ -75,8 +75,13 @@ def _nvfp4_decompressed_in_bfloat16(source: QuantizedCheckpoint, module: str, dt
     if dtype == "bfloat16":
         raise SkipTensor("a bfloat16 model: decompressing to bfloat16 is what it should do")
     truth = source.reference(module)  # SkipTensor where the reference refuses the module
-    # rounded to bfloat16 by the decompression, then to the model dtype; its arithmetic is bfloat16
-    return Prediction(truth.to(torch.bfloat16).to(MODEL_DTYPES[dtype]).to(torch.float64), "bfloat16")
+    # compressed-tensors computes codes * (scale / global_scale) in float32 and rounds the product
+    # once to bfloat16 (unpack_fp4_from_uint8's dtype), and the parameter stays bfloat16 in any
+    # model: it is never rounded to the model dtype. Rounding it to float16 as well would differ
+    # from what the engine holds wherever float16 is coarser than bfloat16 (a weight below float16's
+    # normal range, 6.1e-5, e.g. a block with a subnormal e4m3 scale: up to 2**-25 off), or beyond it
+    # (|w| > 65504: inf).
+    return Prediction(truth.to(torch.bfloat16).to(torch.float64), "bfloat16")
 
 
 REGISTRY: dict[str, Misreading] = {
@@ -105,8 +110,8 @@ REGISTRY: dict[str, Misreading] = {
         Misreading(
             "nvfp4-decompressed-in-bfloat16",
             CT_NVFP4_FORMATS,
-            "the reference rounded to bfloat16, then to the model dtype (compressed-tensors decompresses NVFP4 "
-            "to bfloat16 in any model)",
+            "the reference rounded once to bfloat16 and held as bfloat16 (compressed-tensors decompresses NVFP4 "
+            "to bfloat16 in any model and does not cast it to the model dtype)",
             _nvfp4_decompressed_in_bfloat16,
         ),
     )
