@@ -174,12 +174,14 @@ def checkpoint_json(result) -> dict:
         "directory": result.directory,
         "format": result.format,
         "expectation": result.expectation,
+        "expectation_reason": result.expectation_reason,
         "outcomes": {e: asdict(o) for e, o in result.outcomes.items()},
     }
 
 
 def print_outcomes(result) -> None:
-    print(f"{result.directory} ({result.format}, expectation {result.expectation})")
+    why = f": {result.expectation_reason}" if result.expectation_reason else ""
+    print(f"{result.directory} ({result.format}, expectation {result.expectation}{why})")
     for engine, outcome in result.outcomes.items():
         ppl = f", perplexity {outcome.perplexity:.4g}" if outcome.perplexity is not None else ""
         detail = f": {outcome.detail}" if outcome.detail else ""
@@ -270,12 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--seed", type=int, default=0)
     sweep.set_defaults(run=command_sweep)
 
-    from harness.commands import bisect, check, merge_reports
+    from harness.commands import audit, bisect, check, merge_reports
     from harness.commands import gate as gate_commands
     from harness.commands import run as run_command
 
     run_command.add_parser(commands)
     check.add_parser(commands)
+    audit.add_parser(commands)
     merge_reports.add_parser(commands)
     bisect.add_parser(commands)
     gate_commands.add_parsers(commands)

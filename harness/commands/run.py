@@ -73,10 +73,11 @@ def command_run(args) -> int:
         report = Path(args.report).resolve() if args.report else None
         work = (report / "work") if report else Path(scratch)
         session = EngineSession(engines, work, Limits(args.timeout, args.memory_mb))
-        budget = Budget(max_examples, seconds)
-        bar = _progress_bar(budget, len(mine))
+        bar = None
         try:
             start_engines(session, engines, optional)
+            budget = Budget(max_examples, seconds)  # from now: starting the engines is not the campaign's time
+            bar = _progress_bar(budget, len(mine))
             campaign = run_campaign(mine, coverage, budget, work, session, known, args.shrink, bar)
         finally:
             session.close()

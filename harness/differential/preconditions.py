@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -214,12 +215,38 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
             context |= _scalars(resolved.knobs) | _scalars(resolved.layout) | _scalars(resolved.perturb)
         except (HarnessError, KeyError, TypeError):
             pass
+    else:  # a checkpoint the harness did not write: the same facts, read from the checkpoint itself
+        context |= observed_facts(directory)
     context |= _scalars(config)
     context["dtype"] = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
     hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
     if config.get("head_dim") is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
         context["head_dim"] = hidden // heads
     return context
+
+
+def observed_facts(directory: Path) -> dict[str, Any]:
+    """What a recipe would say of a checkpoint the harness did not write, as the audit reads it
+    (harness.oracle.audit): a non-finite scale (`nonfinite_scale`), an NVFP4 global scale in the
+    other convention (`global_scale_convention`), keys under the VLM prefix (`key_prefix`)."""
+    from harness.checkpoints.reader import Checkpoint
+    from harness.core.naming import VLM_PREFIX
+    from harness.oracle.audit import audit_checkpoint
+
+    facts: dict[str, Any] = {}
+    try:
+        audit = audit_checkpoint(directory)
+        names = Checkpoint(directory).names()
+    except (HarnessError, OSError, ValueError):
+        return facts
+    for item in audit.findings:
+        if item.check == "scale-values" and "non-finite" in item.reason:
+            facts["nonfinite_scale"] = "inf" if re.search(r": -?inf\)", item.reason) else "nan"
+        elif item.check == "global-scale":
+            facts["global_scale_convention"] = "swapped"
+    if any(name.startswith(VLM_PREFIX) for name in names):
+        facts["key_prefix"] = VLM_PREFIX
+    return facts
 
 
 def module_context(finding: Finding) -> dict[str, Any]:

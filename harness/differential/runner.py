@@ -50,6 +50,8 @@ class CheckpointResult:
     expectation: str
     outcomes: dict[str, EngineOutcome] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
+    #: for a checkpoint the harness did not write: why the oracle expects a refusal
+    expectation_reason: str = ""
 
 
 class EngineSession:
@@ -121,13 +123,15 @@ class Judgement:
         fmt, knobs = format_and_knobs(directory)
         config = json.loads((directory / "config.json").read_text())
         dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+        refusal = ""  # why a checkpoint the harness did not write must be refused
         if manifest:
             expectation, truth = manifest["expectation"], read_truth(directory, manifest)
         else:  # a checkpoint the harness did not write: the oracle says what it holds, or that it must be refused
             try:
                 truth, expectation = dict(dequantize_checkpoint(directory)), "exact"
-            except CheckpointError:
+            except CheckpointError as error:
                 truth, expectation = {}, "refuse"
+                refusal = f"the reference refuses it: {first_line(error)}"
         notes = {canonical_name(m): info.get("notes", []) for m, info in (manifest or {}).get("modules", {}).items()}
         scratch = session.work / "scratch"
         scratch.mkdir(parents=True, exist_ok=True)
@@ -143,7 +147,7 @@ class Judgement:
             {canonical_name(n): t for n, t in truth.items()},
             notes,
             load_tolerances(fmt.name, dtype),
-            CheckpointResult(str(directory), fmt.name, expectation),
+            CheckpointResult(str(directory), fmt.name, expectation, expectation_reason=refusal),
             probe_sequences(int(config.get("vocab_size", 260))),
             scratch,
             CheckpointMisreadings(directory, fmt.name),
@@ -209,6 +213,7 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
             return None
         if judgement.expectation == "refuse":
             reasons = _module_notes(judgement.manifest) + (judgement.manifest or {}).get("notes", [])
+            reasons = reasons or [judgement.result.expectation_reason]
             finding(engine, "accepted-invalid", "loaded a checkpoint that must be refused: " + "; ".join(reasons))
             return None
         anomalies = _judge_report(engine, outcome.report, finding)
