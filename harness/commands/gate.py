@@ -1,5 +1,9 @@
 """`quantize`, `ppl`, `gate` and `golden`: the tiny models' quantized variants and their golden gates.
 
+A gate checks the engine's weights against the reference dequantization of the checkpoint it
+loaded (or says why it could not), then perplexity and text against the golden; the verdict line
+names the checks that failed (harness/gates/gate.py, docs/golden.md).
+
 Exit codes of `gate` and `golden`: 0 every gate passed (`golden`: or was skipped), 1 a gate failed
 (or a golden was just written, or is missing), 2 an error (bad input, engine unavailable for a
 single `gate`); `gate` 125 (git bisect's "cannot test"): no golden, and golden/unsupported.toml
@@ -95,6 +99,13 @@ def command_gate(args) -> int:
     return EXIT_OK if verdict.ok else EXIT_FAIL
 
 
+def summary(verdict) -> str:
+    """One line per gate for `golden`: PASS or FAIL, the perplexity line, the weight check's status."""
+    perplexity = next((line for line in verdict.lines if line.startswith("perplexity")), verdict.lines[0])
+    weights = f"; {verdict.weights.short}" if verdict.weights is not None else ""
+    return f"{'PASS' if verdict.ok else 'FAIL'}: {perplexity}{weights}"
+
+
 def command_golden(args) -> int:
     """Gate (or with --update, regenerate) every model x format x engine."""
     from harness.differential.runner import EngineSession
@@ -146,11 +157,11 @@ def command_golden(args) -> int:
                             print(f"{model:<11} {fmt:<15} {engine:<19} SKIP: {verdict.skipped}")
                             continue
                         failed += not verdict.ok
-                        print(
-                            f"{model:<11} {fmt:<15} {engine:<19} {'PASS' if verdict.ok else 'FAIL'}: {verdict.lines[0]}"
-                        )
+                        print(f"{model:<11} {fmt:<15} {engine:<19} {summary(verdict)}")
                         if not verdict.ok:
-                            print("\n".join("    " + line for line in verdict.lines[1:]))
+                            print(
+                                "\n".join("    " + line for line in verdict.lines if not line.startswith("perplexity"))
+                            )
         finally:
             session.close()
     if args.update and could_not_run:

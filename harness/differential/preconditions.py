@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import ast
 import json
-import re
 import operator
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path

@@ -1,13 +1,17 @@
 """Golden gates: is the loaded model still the model?
 
-A measurement is perplexity on the corpus's held-out slice plus greedy continuations of fixed
-prompts. The gate compares it with the golden of the same (model, format, engine): perplexity
+First the weights: where the engine gives them, what it holds is judged against the reference
+dequantization of the same checkpoint, as `compare` judges weights (harness.gates.weights); an
+engine that cannot give them is reported as not checked, with the reason. Then a measurement:
+perplexity on the corpus's held-out slice plus greedy continuations of fixed prompts, compared
+with the golden of the same (model, format, engine): perplexity
 one-sided (worse by more than the format's relative tolerance fails); text judged under teacher
 forcing of the golden's tokens: where the golden's margin over its runner-up is above the kernel
 noise measured across machines (`noise_nat`), the golden token must stay the model's top-1
 (exact), and at a near-tie below it, among its top-k; formats whose activation quantization
 flips near-ties take top-k everywhere. Identical greedy text always passes the text check.
-Every metric is reported before the verdict. Policies are data: cases/gates.toml.
+Every metric is reported before the verdict, which names the checks that failed (weights, with
+the modules; perplexity; text). Policies are data: cases/gates.toml.
 """
 
 from __future__ import annotations
@@ -16,11 +20,14 @@ import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from harness.core.errors import HarnessError
 from harness.core.paths import CASES_DIR
 from harness.gates.golden import Golden, golden_path, read_golden, read_unsupported, write_golden, write_unsupported
+
+if TYPE_CHECKING:
+    from harness.gates.weights import WeightCheck
 
 GATES_FILE = CASES_DIR / "gates.toml"
 CONTINUATION_TOKENS = 32
@@ -28,7 +35,9 @@ POLICY_FIELDS = {"perplexity_rel", "text", "top_k", "noise_nat", "reason"}
 
 
 class Scorer(Protocol):
-    """What a gate needs from a loaded model: harness.engines.base.Engine has both methods."""
+    """What a gate needs from a loaded model: harness.engines.base.Engine has both methods. A
+    scorer may also have `weights()` (what it holds, float32 under HF names) and `checkpoint` (the
+    directory it loaded): then the gate checks its weights too (harness.gates.weights)."""
 
     def logprobs(self, sequences: list[list[int]]) -> list: ...
 
@@ -62,6 +71,10 @@ class GateVerdict:
     #: why the gate could not be judged here (no golden for a combination that could not run where
     #: the goldens were recorded); neither a pass nor a failure
     skipped: str | None = None
+    #: the checks that failed, in the order they ran: "weights", "perplexity", "text"
+    failed: list[str] = field(default_factory=list)
+    #: the weight check's result, where the gate ran one
+    weights: WeightCheck | None = None
 
     def __str__(self) -> str:
         return "\n".join(self.lines)
@@ -137,14 +150,17 @@ def text_misses(ranks: list[int], golden_margins: list[float] | None, policy: Ga
     return exact_misses, topk_misses
 
 
-def judge_against_golden(measured: Measurement, golden: Golden, policy: GatePolicy) -> GateVerdict:
-    """Every metric first, then the verdict."""
-    from harness.lm.corpus import decode
-
-    lines, ok = [], True
+def judge_against_golden(
+    measured: Measurement, golden: Golden, policy: GatePolicy, weights: WeightCheck | None = None
+) -> GateVerdict:
+    """Every metric first (the weight check's lines, where one ran; perplexity; text), then the
+    verdict, naming the checks that failed."""
+    lines = list(weights.lines) if weights is not None else []
+    failed = ["weights"] if weights is not None and not weights.ok else []
     limit = golden.perplexity * (1 + policy.perplexity_rel)
     ppl_ok = math.isfinite(measured.perplexity) and measured.perplexity <= limit
-    ok &= ppl_ok
+    if not ppl_ok:
+        failed.append("perplexity")
     lines.append(
         f"perplexity {measured.perplexity:.5g} vs golden {golden.perplexity:.5g} "
         f"(limit {limit:.5g}, +{policy.perplexity_rel:.2%}): {'ok' if ppl_ok else 'FAIL'}"
@@ -154,14 +170,35 @@ def judge_against_golden(measured: Measurement, golden: Golden, policy: GatePoli
             f"golden has {len(golden.continuations)} continuations, measured {len(measured.continuations)}: "
             "FAIL (regenerate the golden)"
         )
-        return GateVerdict(False, lines)
+        failed.append("text")
+    elif not text_ok(measured, golden, policy, lines):
+        failed.append("text")
+    lines.append(verdict_line(failed, weights))
+    return GateVerdict(not failed, lines, failed=failed, weights=weights)
+
+
+def verdict_line(failed: list[str], weights: WeightCheck | None) -> str:
+    """`gate: PASS`, `gate: PASS (weights not checked)`, or `gate: FAIL: ` and the failed checks."""
+    if failed:
+        named = [weights.verdict() if check == "weights" and weights is not None else check for check in failed]
+        return "gate: FAIL: " + ", ".join(named)
+    if weights is not None and weights.status == "not checked":
+        return "gate: PASS (weights not checked)"
+    return "gate: PASS"
+
+
+def text_ok(measured: Measurement, golden: Golden, policy: GatePolicy, lines: list[str]) -> bool:
+    """Each prompt's continuation against the golden's, a line per prompt appended to `lines`."""
+    from harness.lm.corpus import decode
+
+    ok = True
     for index, (got, want) in enumerate(zip(measured.continuations, golden.continuations, strict=True)):
         prompt = golden.prompts[index] if index < len(golden.prompts) else f"prompt {index}"
         same = got == want
         ranks = measured.golden_ranks[index] if index < len(measured.golden_ranks) else []
         margins = golden.margins[index] if index < len(golden.margins) else None
         if policy.text == "exact" and margins is None:
-            text_ok, rule = same, "exact: the golden records no margins"
+            prompt_ok, rule = same, "exact: the golden records no margins"
         else:
             exact_misses, topk_misses = text_misses(ranks, margins, policy)
             near = [] if margins is None else [i for i, m in enumerate(margins) if m < policy.noise_nat]
@@ -175,15 +212,14 @@ def judge_against_golden(measured: Measurement, golden: Golden, policy: GatePoli
                 rule += f"; not top-1 at {exact_misses[:5]}"
             if topk_misses:
                 rule += f"; outside the top-{policy.top_k} at {topk_misses[:5]}"
-            text_ok = same or (bool(ranks) and not exact_misses and not topk_misses)
-        ok &= text_ok
-        verdict = "ok" if text_ok else "FAIL"
+            prompt_ok = same or (bool(ranks) and not exact_misses and not topk_misses)
+        ok &= prompt_ok
+        verdict = "ok" if prompt_ok else "FAIL"
         lines.append(f"text {prompt!r}: {'same' if same else 'differs'} ({rule}): {verdict}")
         if not same:
             lines.append(f"    golden:   {decode(want)!r}")
             lines.append(f"    measured: {decode(got)!r}")
-    lines.append("gate: PASS" if ok else "gate: FAIL")
-    return GateVerdict(ok, lines)
+    return ok
 
 
 def gate(
@@ -195,8 +231,11 @@ def gate(
     update: bool = False,
     provenance: dict | None = None,
     root: Path | None = None,
+    checkpoint: Path | None = None,
 ) -> GateVerdict:
-    """Measure `scorer` and judge it against golden/<model>/<fmt>/<engine>.toml.
+    """Check `scorer`'s weights against the reference dequantization of `checkpoint` (default: the
+    directory the scorer loaded, `scorer.checkpoint`), measure it and judge both against
+    golden/<model>/<fmt>/<engine>.toml.
 
     A missing golden fails, unless golden/unsupported.toml records that the combination could
     not run where the goldens were made (then the gate is skipped, saying so). With `update`, the
@@ -245,7 +284,13 @@ def gate(
     golden = read_golden(path)
     if (golden.model, golden.format, golden.engine) != (model, fmt, engine):
         raise HarnessError(f"{path}: holds the golden of {golden.model}/{golden.format}/{golden.engine}")
-    return judge_against_golden(measure(scorer, golden), golden, load_policy(fmt, engine))
+    from harness.gates.weights import scorer_weights
+
+    # the weights first, right after the load, as `compare` reads them
+    weights = scorer_weights(
+        scorer, checkpoint if checkpoint is not None else getattr(scorer, "checkpoint", None), engine
+    )
+    return judge_against_golden(measure(scorer, golden), golden, load_policy(fmt, engine), weights)
 
 
 class ModelScorer:
@@ -266,10 +311,16 @@ class ModelScorer:
 
 
 class WorkerScorer:
-    """An engine worker (harness.engines.process.EngineProcess) with a loaded checkpoint, as a Scorer."""
+    """An engine worker (harness.engines.process.EngineProcess) with the checkpoint `checkpoint`
+    loaded, as a Scorer whose weights the gate can check."""
 
-    def __init__(self, worker, scratch: Path):
+    def __init__(self, worker, scratch: Path, checkpoint: Path | None = None):
         self.worker, self.scratch = worker, Path(scratch)
+        self.checkpoint = Path(checkpoint) if checkpoint is not None else None
+
+    def weights(self):
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        return self.worker.weights(self.scratch / "gate-weights.safetensors")
 
     def logprobs(self, sequences):
         self.scratch.mkdir(parents=True, exist_ok=True)

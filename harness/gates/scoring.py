@@ -25,7 +25,7 @@ def loaded_scorer(session, engine: str, directory: Path, fmt: str):
         if getattr(error, "unsupported", False):
             return None, f"unsupported: {str(error).splitlines()[0]}"
         raise HarnessError(f"{engine} cannot load {directory}: {first_line(error)}") from None
-    return WorkerScorer(worker, session.work / "scratch"), None
+    return WorkerScorer(worker, session.work / "scratch", directory), None
 
 
 def provenance(session, engine: str, producer: str, command: str) -> dict:

@@ -27,7 +27,9 @@ def variant(tmp_path_factory):
     return get
 
 
-def _run_gate(engine_session, engine, directory, model, fmt, update, producer="harness"):
+def _run_gate(engine_session, engine, directory, model, fmt, update, producer="harness", checkpoint=None):
+    """`checkpoint`: the one whose reference dequantization the engine's weights are judged against
+    (default: `directory`, the one it loaded)."""
     require_engine(engine_session, engine)
     scorer, why = loaded_scorer(engine_session, engine, directory, fmt)
     if scorer is None:
@@ -41,6 +43,7 @@ def _run_gate(engine_session, engine, directory, model, fmt, update, producer="h
         provenance=provenance(
             engine_session, engine, producer, f"pytest tests/golden --update-golden -k '{model} and {fmt} and {engine}'"
         ),
+        checkpoint=checkpoint,
     )
     if verdict.skipped:
         pytest.skip(verdict.skipped)

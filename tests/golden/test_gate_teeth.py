@@ -60,3 +60,46 @@ def test_reference_refuses_the_wrong_convention(fmt, engine_session, variant, ru
     directory = flipped_global_scale(variant, tmp_path, fmt)
     with pytest.raises(HarnessError, match="ModelO"):
         run_gate(engine_session, "reference", directory, "tiny-qwen2", fmt, update=False)
+
+
+# A loader that reads one module's FP8 block-scale grid one block row off: tiny-qwen2's layer 0
+# q_proj (a 2 x 2 grid of 128 x 128 blocks) with block row 1 scaled by row 0's scales. Measured
+# (reference engine): max relative weight error 0.185, perplexity -0.10%, the same greedy text:
+# perplexity and text pass, only the weight check sees it.
+SHIFTED = "model.layers.0.self_attn.q_proj"
+
+
+def shift_scale_grid(directory, module):
+    """Rewrite `module`'s weight scale grid as a loader off by one block row reads it: block row r
+    takes grid row r - 1's scales (row 0 keeps its own)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    key = next(f"{module}.{s}" for s in ("weight_scale_inv", "weight_scale") if f"{module}.{s}" in tensors)
+    grid = tensors[key]
+    assert grid.dim() == 2 and grid.shape[0] > 1, f"{key}: {tuple(grid.shape)} has one block row"
+    tensors[key] = torch.cat([grid[:1], grid[:-1]]).contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return key
+
+
+@pytest.mark.parametrize("engine", ("reference", "transformers"))
+def test_scale_grid_read_one_block_row_off_fails_on_weights(engine, engine_session, variant, run_gate, tmp_path):
+    """The engine holds what a loader misreading the clean checkpoint's scale grid holds (it loads a
+    copy whose grid is shifted); the gate judges it against the clean checkpoint it was asked to
+    load. Perplexity and text pass; the weight check fails, naming the module and the block row."""
+    clean = variant("tiny-qwen2", "fp8-block")
+    misread = faulty(variant, tmp_path, "tiny-qwen2", "fp8-block", lambda d: shift_scale_grid(d, SHIFTED))
+    verdict = run_gate(engine_session, engine, misread, "tiny-qwen2", "fp8-block", update=False, checkpoint=clean)
+    assert verdict.failed == ["weights"], f"\n{verdict}"
+    assert verdict.lines[-1].startswith(f"gate: FAIL: weights ({SHIFTED}.weight max |err|"), f"\n{verdict}"
+    assert [f["name"] for f in verdict.weights.failures] == [f"{SHIFTED}.weight"]
+    failure = verdict.weights.failures[0]
+    assert 0.1 < failure["max_rel"] < 0.3 and {row for row, _ in failure["blocks"]} == {1}, failure
+    assert any(line.startswith("perplexity") and line.endswith(": ok") for line in verdict.lines)
+    # without the weight check (judged against the file it loaded, whose dequantization it holds)
+    # the same load passes: perplexity and text alone do not see the fault
+    control = run_gate(engine_session, engine, misread, "tiny-qwen2", "fp8-block", update=False)
+    assert control.ok and control.weights.status == "ok", f"\n{control}"

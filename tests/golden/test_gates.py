@@ -1,5 +1,7 @@
 """Clean quantized variants of the tiny models pass their golden gates on every engine that
-supports their format; every golden on disk is read by a gate here (no orphans)."""
+supports their format, their weights checked against the reference dequantization (every engine
+here gives its weights: none passes with "weights: not checked"); every golden on disk is read by
+a gate here (no orphans)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ CT_PRODUCED = ("ct-fp8-tensor", "ct-fp8-channel", "ct-fp8-block", "ct-nvfp4", "c
 def test_clean_variant_passes_its_gate(model, fmt, engine, engine_session, variant, run_gate, update_golden):
     verdict = run_gate(engine_session, engine, variant(model, fmt), model, fmt, update_golden)
     assert verdict.ok, f"\n{verdict}"
+    assert verdict.weights.status == "ok", f"\n{verdict}"
 
 
 @pytest.mark.parametrize("engine", ("transformers", "compressed-tensors"))
@@ -34,7 +37,7 @@ def test_compressed_tensors_produced_variant_passes_the_same_gate(fmt, engine, e
         update=False,
         producer="compressed-tensors",
     )
-    assert verdict.ok, f"\n{verdict}"
+    assert verdict.ok and verdict.weights.status == "ok", f"\n{verdict}"
 
 
 def test_no_orphaned_goldens():

@@ -86,8 +86,9 @@ def test_a_golden_without_margins_is_judged_by_exact_text():
 
 def test_every_metric_is_reported_before_the_verdict():
     verdict = judge_against_golden(Measurement(9.0, [[1], [2]]), golden(), EXACT)
-    assert verdict.lines[0].startswith("perplexity") and verdict.lines[-1] == "gate: FAIL"
+    assert verdict.lines[0].startswith("perplexity") and verdict.lines[-1] == "gate: FAIL: perplexity, text"
     assert sum(line.startswith("text") for line in verdict.lines) == 2
+    assert verdict.failed == ["perplexity", "text"]
 
 
 def test_round_trip(tmp_path):
