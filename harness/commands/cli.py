@@ -275,9 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     from harness.commands import audit, bisect, check, merge_reports
     from harness.commands import gate as gate_commands
     from harness.commands import run as run_command
+    from harness.commands import upstream as upstream_command
 
     run_command.add_parser(commands)
     check.add_parser(commands)
+    upstream_command.add_parser(commands)
     audit.add_parser(commands)
     merge_reports.add_parser(commands)
     bisect.add_parser(commands)

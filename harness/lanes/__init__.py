@@ -1,1 +1,1 @@
-"""Regression lanes: check (git bisect run exit codes) and bisect over package releases."""
+"""Lanes: check (git bisect run exit codes), bisect over package releases, and upstream reproducers."""

@@ -1,0 +1,139 @@
+"""Run a generated reproduce.py as upstream will (its engine's interpreter, an empty working
+directory, `python -I`: nothing of this project on sys.path) and write ISSUE.md around what it printed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.engines.environments import engine_python
+from harness.lanes.upstream.parts.common import EXIT_BUG, EXIT_CANNOT_RUN, EXIT_FIXED
+from harness.lanes.upstream.parts.main import BEGIN, END
+from harness.lanes.upstream.script import CHECKS, ENGINE_APIS, Script, render_script
+from harness.lanes.upstream.source import Reproducer
+
+SCRIPT_FILE, ISSUE_FILE = "reproduce.py", "ISSUE.md"
+MEANINGS = {EXIT_FIXED: "fixed", EXIT_BUG: "bug present", EXIT_CANNOT_RUN: "cannot run here"}
+
+
+@dataclass
+class Run:
+    code: int | None  # None: not run
+    result: str  # what the script printed between BEGIN and END (else the tail of its output)
+    python: str | None
+    why: str = ""  # why it was not run
+
+    @property
+    def versions(self) -> str:
+        line = next((line for line in self.result.splitlines() if line.startswith("versions: ")), "")
+        return line.removeprefix("versions: ")
+
+
+def result_block(stdout: str, stderr: str) -> str:
+    start, end = stdout.rfind(BEGIN), stdout.rfind(END)
+    if start >= 0 and end > start:
+        return "\n".join(stdout[start + len(BEGIN) : end].strip("\n").splitlines())
+    tail = (stdout + stderr).strip().splitlines()[-25:]
+    return "\n".join(["(no result block; the end of its output:)", *tail])
+
+
+def run_script(path: Path, engine: str, timeout: float = 600.0) -> Run:
+    """Run `path` with the engine's interpreter from an empty directory, without PYTHONPATH."""
+    python, how = engine_python(engine)
+    if python is None:
+        return Run(None, "", None, how)
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    with tempfile.TemporaryDirectory(prefix="harness-upstream-run-") as empty:
+        try:
+            done = subprocess.run(
+                [python, "-I", str(Path(path).resolve())],
+                cwd=empty,
+                env=environment,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            return Run(None, "", python, f"it ran past {timeout:g} s")
+    return Run(done.returncode, result_block(done.stdout, done.stderr), python)
+
+
+def paragraph(text: str) -> str:
+    return "\n".join(textwrap.wrap(" ".join(text.split()), 100))
+
+
+def title_of(reproducer: Reproducer, script: Script) -> str:
+    """`transformers: fp8 block grid inferred from shape (fp8-block)`: the id without its engine tag."""
+    words = re.sub(r"^(transformers|ct|vllm)-|-ct$", "", reproducer.id).replace("-", " ")
+    return f"{reproducer.engine}: {words} ({script.format})"
+
+
+def issue_markdown(reproducer: Reproducer, script: Script, run: Run) -> str:
+    versions = run.versions or f"not measured here ({run.why or 'no version line in the output'})"
+    if run.code is None:
+        actual = f"Not measured here: {run.why}. Run `python reproduce.py` and paste its output."
+    else:
+        actual = (
+            f"Measured by running `reproduce.py` (exit {run.code}: {MEANINGS.get(run.code, 'unexpected')}):\n\n"
+            f"```text\n{run.result}\n```"
+        )
+    lines = [
+        f"# {title_of(reproducer, script)}",
+        "",
+        f"Format `{script.format}`, architecture `{reproducer.recipe.arch}`: a tiny checkpoint the script builds "
+        "from the recipe at the end.",
+        "",
+        "## Versions",
+        "",
+        versions,
+        "",
+        "## Mechanism",
+        "",
+        paragraph(reproducer.mechanism),
+        *(["", f"The harness reported: {paragraph(reproducer.finding)}"] if reproducer.finding else []),
+        "",
+        "## Expected",
+        "",
+        paragraph(f"A correct loader {script.expected}."),
+        "",
+        "## Actual",
+        "",
+        actual,
+        "",
+        "## How to reproduce",
+        "",
+        paragraph(
+            f"`reproduce.py` is one standalone file: it needs only torch, safetensors and {script.package}. "
+            "It builds the checkpoint (config.json and the quantized tensors with their scales, computed "
+            f"in the script with torch) in a temporary directory, loads it with {ENGINE_APIS[reproducer.engine]}, "
+            f"and {CHECKS[reproducer.engine]}."
+        ),
+        "",
+        "```",
+        "python reproduce.py   # exit 1 while the bug is present, 0 once it is fixed, 2 if it cannot run here",
+        "```",
+        "",
+        f"Recipe ({reproducer.source}): `{json.dumps(reproducer.recipe.to_json())}`.",
+        *(["", f"Upstream: {reproducer.upstream}"] if reproducer.upstream else []),
+        "",
+        f"Generated by quant-load-harness: `python -m harness upstream {reproducer.id}`.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_reproducer(reproducer: Reproducer, out: Path, run: bool = True, timeout: float = 600.0) -> Run:
+    """Write OUT/reproduce.py, run it here (unless `run` is False), and write OUT/ISSUE.md."""
+    script = render_script(reproducer)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / SCRIPT_FILE
+    path.write_text(script.text)
+    path.chmod(0o755)
+    result = run_script(path, reproducer.engine, timeout) if run else Run(None, "", None, "not run (--no-run)")
+    (out / ISSUE_FILE).write_text(issue_markdown(reproducer, script, result))
+    return result

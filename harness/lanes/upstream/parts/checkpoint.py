@@ -1,0 +1,164 @@
+"""The checkpoint, built from scratch.
+
+config.json and safetensors, from the format piece's quantizer; returns what each quantized weight
+is by the format's definition (float64): the values a correct loader holds."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+from safetensors.torch import save_file
+
+from harness.lanes.upstream.parts.common import MODEL_DTYPE
+from harness.lanes.upstream.parts.fp8 import (  # or nvfp4: the format piece the generator picks
+    dequantize_definition,
+    perturb_storage,
+    quantize_weight,
+    scale_block,
+    subnormal_amax,
+)
+from harness.lanes.upstream.parts.parameters import CONFIG, LAYOUT, PERTURB, SEED
+
+# ---- reproduce.py ----
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXTREME_FACTORS = {"none": 1.0, "tiny": 1e-4, "huge": 1e3}
+
+
+def projection_shapes(config) -> dict[str, tuple[int, int]]:
+    """[out, in] of each Linear of a llama / qwen2 decoder layer."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q)}
+    shapes |= {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    return shapes
+
+
+def biased(config, projection: str) -> bool:
+    if config["model_type"] == "qwen2":
+        return projection in ("q_proj", "k_proj", "v_proj")
+    attention = projection in ("q_proj", "k_proj", "v_proj", "o_proj")
+    return bool(config.get("attention_bias") if attention else config.get("mlp_bias"))
+
+
+def tensor_layout(config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor of the float model: name -> (shape, role)."""
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    layout = {"model.embed_tokens.weight": ((vocab, hidden), "embedding")}
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}"
+        layout[f"{prefix}.input_layernorm.weight"] = ((hidden,), "norm")
+        layout[f"{prefix}.post_attention_layernorm.weight"] = ((hidden,), "norm")
+        for projection, shape in projection_shapes(config).items():
+            group = "self_attn" if projection in PROJECTIONS[:4] else "mlp"
+            layout[f"{prefix}.{group}.{projection}.weight"] = (shape, "linear")
+            if biased(config, projection):
+                layout[f"{prefix}.{group}.{projection}.bias"] = ((shape[0],), "bias")
+    layout["model.norm.weight"] = ((hidden,), "norm")
+    if not config.get("tie_word_embeddings"):
+        layout["lm_head.weight"] = ((vocab, hidden), "lm_head")
+    return layout
+
+
+def float_weights(config) -> dict[str, torch.Tensor]:
+    """Random weights in the model dtype; biases away from zero."""
+    generator = torch.Generator().manual_seed(SEED)
+    weights = {}
+    for name, (shape, role) in tensor_layout(config).items():
+        normal = torch.randn(shape, generator=generator)
+        if role == "bias":
+            magnitude = 0.5 + 0.5 * torch.rand(shape, generator=generator)
+            value = torch.where(normal < 0, -magnitude, magnitude)
+        elif role == "norm":
+            value = 1.0 + 0.1 * normal
+        else:
+            value = normal / math.sqrt(shape[1])
+        weights[name] = value.to(MODEL_DTYPE)
+    return weights
+
+
+def perturb_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The recipe's weight perturbations, before quantization: extreme magnitudes, a last block
+    whose scale is subnormal, an all-zero first block."""
+    factor = EXTREME_FACTORS[PERTURB["extreme_amax"]]
+    if factor != 1.0:
+        weight = (weight.float() * factor).to(weight.dtype)
+    weight = weight.clone()
+    bn, bk = scale_block(tuple(weight.shape))
+    rows, cols = weight.shape
+    if PERTURB["subnormal_block"]:
+        r0, c0 = (rows - 1) // bn * bn, (cols - 1) // bk * bk
+        region = weight[r0:, c0:].float()
+        if region.abs().max() > 0:
+            target = subnormal_amax(float(weight.float().abs().max()))
+            weight[r0:, c0:] = (region * (target / float(region.abs().max()))).to(weight.dtype)
+    if PERTURB["zero_block"]:
+        weight[:bn, :bk] = 0
+    return weight
+
+
+def inject_nonfinite(tensors: dict[str, torch.Tensor]) -> str:
+    """NaN or inf in the first element of the first floating-point scale that can hold it."""
+    for suffix, tensor in tensors.items():
+        if suffix in ("weight", "weight_packed") or not tensor.is_floating_point():
+            continue
+        flat = tensor.float().flatten()
+        flat[0] = math.nan if PERTURB["nonfinite_scale"] == "nan" else math.inf
+        stored = flat.reshape(tensor.shape).to(tensor.dtype)
+        if not torch.isfinite(stored.flatten()[0].float()):  # float8_e4m3fn has no inf: the next scale
+            tensors[suffix] = stored
+            return suffix
+    raise RuntimeError("no floating-point scale to make non-finite")
+
+
+def rename(name: str) -> str:
+    prefix = LAYOUT["key_prefix"]
+    return prefix + name.removeprefix("model.") if name.startswith("model.") else name
+
+
+def write_tensors(directory, tensors: dict[str, torch.Tensor], scales: dict[str, str]) -> None:
+    """One model.safetensors, or LAYOUT['shards'] files with an index (with split_scale, each
+    scale in the shard after its weight's)."""
+    shards = LAYOUT["shards"]
+    if shards == 1:
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return
+    primary = [name for name in tensors if name not in scales]
+    place = {name: min(i * shards // len(primary), shards - 1) for i, name in enumerate(primary)}
+    place |= {scale: (place[weight] + 1) % shards for scale, weight in scales.items()}
+    files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    for index, file in enumerate(files):
+        chunk = {name: tensor for name, tensor in tensors.items() if place[name] == index}
+        save_file(chunk, str(directory / file), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {name: files[place[name]] for name in sorted(tensors)}}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def build_checkpoint(directory) -> dict[str, torch.Tensor]:
+    """Write config.json and the tensors into `directory`; return module -> its weight by the
+    format's definition (float64), the values a correct loader holds."""
+    stored, expected, scales = {}, {}, {}
+    first = True
+    for name, weight in float_weights(CONFIG).items():
+        if tensor_layout(CONFIG)[name][1] != "linear":
+            stored[name] = weight
+            continue
+        module = name.removesuffix(".weight")
+        tensors = quantize_weight(perturb_weight(weight))
+        expected[module] = dequantize_definition(tensors)
+        tensors, literal = perturb_storage(tensors)
+        if literal:  # a storage perturbation that cannot be told apart: the files mean what they say
+            expected[module] = dequantize_definition(tensors)
+        if first and PERTURB["nonfinite_scale"] != "none":
+            inject_nonfinite(tensors)
+        first = False
+        stored |= {f"{module}.{suffix}": tensor.contiguous() for suffix, tensor in tensors.items()}
+        if LAYOUT["split_scale"]:
+            names = list(tensors)
+            scales[rename(f"{module}.{names[1]}")] = rename(f"{module}.{names[0]}")
+    write_tensors(directory, {rename(name): tensor for name, tensor in stored.items()}, scales)
+    (directory / "config.json").write_text(json.dumps(CONFIG, indent=2))
+    return expected

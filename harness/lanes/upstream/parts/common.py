@@ -1,0 +1,93 @@
+"""Exit codes, the engine's log records, the weight comparison."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from harness.lanes.upstream.parts.parameters import LAYOUT, WEIGHT_TOLERANCE
+
+# ---- reproduce.py ----
+
+EXIT_FIXED, EXIT_BUG, EXIT_CANNOT_RUN = 0, 1, 2
+MODEL_DTYPE = getattr(torch, LAYOUT["dtype"])
+PROMPT = [1, 3, 4, 5]
+
+
+class CapturedLogs(logging.Handler):
+    """The WARNING and ERROR records of the engine's loggers: some engines log the cause of a
+    load failure and raise a generic error."""
+
+    def __init__(self, names):
+        super().__init__(logging.WARNING)
+        self.names, self.lines = names, []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def __enter__(self):
+        for name in self.names:
+            logging.getLogger(name).addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        for name in self.names:
+            logging.getLogger(name).removeHandler(self)
+
+
+def ranges(indices) -> str:
+    """[0, 1, 2, 7] -> '0..2, 7'."""
+    spans = []
+    for index in sorted(indices):
+        if spans and index == spans[-1][1] + 1:
+            spans[-1][1] = index
+        else:
+            spans.append([index, index])
+    text = ", ".join(f"{a}..{b}" if a != b else f"{a}" for a, b in spans[:6])
+    return text + (f", ... ({len(spans)} spans)" if len(spans) > 6 else "")
+
+
+def weight_problems(held, expected, scale_block) -> list[str]:
+    """One line per module whose held weight is not the definition's value, rounded once to the
+    model dtype, within WEIGHT_TOLERANCE."""
+    problems = []
+    for module, definition in expected.items():
+        got = held.get(module)
+        if got is None:
+            problems.append(f"{module}: the engine holds no weight for it")
+            continue
+        if tuple(got.shape) != tuple(definition.shape):
+            problems.append(
+                f"{module}: held with shape {list(got.shape)}, the checkpoint's is {list(definition.shape)}"
+            )
+            continue
+        want = definition.to(MODEL_DTYPE).to(torch.float64)
+        value = got.detach().to("cpu").to(torch.float64)
+        error = (value - want).abs()
+        bad = ~(error <= WEIGHT_TOLERANCE["rel"] * want.abs() + WEIGHT_TOLERANCE["abs"])
+        if bad.any():
+            problems.append(
+                describe_mismatch(module, got.dtype, value, want, error, bad, scale_block(tuple(want.shape)))
+            )
+    return problems
+
+
+def describe_mismatch(module, dtype, value, want, error, bad, block) -> str:
+    """Where a held weight differs: how many elements, which rows, columns and scale blocks, the
+    largest error and one example."""
+    rows, cols = bad.any(dim=1).nonzero().flatten().tolist(), bad.any(dim=0).nonzero().flatten().tolist()
+    positions = bad.nonzero().tolist()
+    blocks = sorted({(r // block[0], c // block[1]) for r, c in positions})
+    finite = torch.where(bad & torch.isfinite(error), error, torch.zeros_like(error))
+    r, c = divmod(int(finite.flatten().argmax()), want.shape[1]) if finite.any() else positions[0]
+    relative = float(error[r, c] / want[r, c].abs()) if want[r, c] != 0 else float("inf")
+    shown = ", ".join(f"({a}, {b})" for a, b in blocks[:8]) + (
+        f", ... ({len(blocks)} blocks)" if len(blocks) > 8 else ""
+    )
+    return (
+        f"{module} {list(want.shape)}, held as {str(dtype).removeprefix('torch.')}: {len(positions)} of "
+        f"{want.numel()} elements differ; rows {ranges(rows)}; columns {ranges(cols)}; scale blocks "
+        f"[{block[0]} x {block[1]}] (row, col): {shown}; largest at [{r}, {c}]: expected "
+        f"{float(want[r, c]):.6g}, held {float(value[r, c]):.6g} (relative error {relative:.3g})"
+    )

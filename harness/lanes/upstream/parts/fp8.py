@@ -1,0 +1,84 @@
+"""FP8 with a grid of scales: FineGrainedFP8, compressed-tensors float-quantized.
+
+Definitions:
+  fp8-block: W = fp8 * weight_scale_inv of its [{block_rows}, {block_cols}] block (edge blocks partial)
+  ct-fp8-tensor: W = fp8 * weight_scale (one per tensor)
+  ct-fp8-channel: W = fp8 * weight_scale of its row
+  ct-fp8-block: W = fp8 * weight_scale of its [{block_rows}, {block_cols}] block (edge blocks partial)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness.lanes.upstream.parts.common import MODEL_DTYPE
+from harness.lanes.upstream.parts.parameters import FORMAT, KNOBS, LAYOUT
+
+# ---- reproduce.py ----
+
+E4M3_MAX = 448.0
+STRATEGY = "block" if FORMAT == "fp8-block" else FORMAT.rpartition("-")[2]  # tensor, channel or block
+SCALE_NAME = "weight_scale_inv" if FORMAT == "fp8-block" else "weight_scale"
+
+
+def scale_block(shape) -> tuple[int, int]:
+    """The [rows, cols] one scale covers."""
+    if STRATEGY == "tensor":
+        return tuple(shape)
+    if STRATEGY == "channel":
+        return 1, shape[1]
+    return KNOBS["block_rows"], KNOBS["block_cols"]
+
+
+def scale_dtype() -> torch.dtype:
+    return MODEL_DTYPE if KNOBS["scale_dtype"] == "model" else getattr(torch, KNOBS["scale_dtype"])
+
+
+def expand(grid: torch.Tensor, rows: int, cols: int, block) -> torch.Tensor:
+    """A [ceil(rows/bn), ceil(cols/bk)] grid repeated over [rows, cols], edge blocks cut."""
+    bn, bk = min(block[0], rows), min(block[1], cols)
+    return grid.repeat_interleave(bn, dim=0)[:rows].repeat_interleave(bk, dim=1)[:, :cols]
+
+
+def quantize_weight(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """scale = amax / 448 per block (1 where that is 0), fp8 = e4m3(weight / scale)."""
+    rows, cols = weight.shape
+    bn, bk = scale_block((rows, cols))
+    grid_rows, grid_cols = -(-rows // bn), -(-cols // bk)
+    padded = torch.zeros(grid_rows * bn, grid_cols * bk)
+    padded[:rows, :cols] = weight.float().abs()
+    amax = padded.reshape(grid_rows, bn, grid_cols, bk).amax(dim=(1, 3))
+    scale = (amax / E4M3_MAX).to(scale_dtype())
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    quantized = (weight.float() / expand(scale.float(), rows, cols, (bn, bk))).clamp(-E4M3_MAX, E4M3_MAX)
+    tensors = {
+        "weight": quantized.to(torch.float8_e4m3fn),
+        SCALE_NAME: scale.reshape(1) if STRATEGY == "tensor" else scale,
+    }
+    if KNOBS.get("input_scale"):  # a static per-tensor activation scale
+        tensors["input_scale"] = torch.tensor([LAYOUT["activation_amax"] / E4M3_MAX]).to(scale_dtype())
+    return tensors
+
+
+def dequantize_definition(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """W = fp8 * scale of its block, in float64."""
+    weight = tensors["weight"]
+    rows, cols = weight.shape
+    scale = tensors[SCALE_NAME].to(torch.float64)
+    scale = scale.reshape(1, 1) if STRATEGY == "tensor" else scale
+    return weight.to(torch.float64) * expand(scale, rows, cols, scale_block((rows, cols)))
+
+
+def perturb_storage(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], bool]:
+    """The recipe's storage perturbation: the scale grid stored transposed. True when the result
+    cannot be told apart from a valid checkpoint (a square grid): it then means what it says."""
+    if KNOBS.get("scale_layout") != "transposed":
+        return tensors, False
+    grid = tensors[SCALE_NAME]
+    tensors[SCALE_NAME] = grid.t().contiguous()
+    return tensors, tensors[SCALE_NAME].shape == grid.shape
+
+
+def subnormal_amax(weight_amax: float) -> float:
+    """A block amax whose scale (amax / 448 = 2**-130) is subnormal in float32 and bfloat16."""
+    return E4M3_MAX * 2.0**-130

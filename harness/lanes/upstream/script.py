@@ -1,0 +1,278 @@
+"""reproduce.py, generated: one standalone file per reproducer, joined from the pieces in `parts/`
+(one per format family, one per engine, shared checkpoint writing and judging) and the reproducer's
+own parameters (the recipe's config.json, knobs, layout and perturbations, what a correct loader
+does, the weight tolerance)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+import tempfile
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.checkpoints.writer import generate
+from harness.core.errors import HarnessError
+from harness.core.tolerances import load_tolerances
+from harness.engines import ENGINES
+from harness.engines.vllm_capability import MISSING_KERNEL
+from harness.lanes.upstream.source import Reproducer
+
+PARTS = Path(__file__).resolve().parent / "parts"
+MARKER = "# ---- reproduce.py ----"
+#: the piece that holds each format's quantizer and definition
+FORMAT_PIECES = {
+    "fp8-block": "fp8",
+    "ct-fp8-tensor": "fp8",
+    "ct-fp8-channel": "fp8",
+    "ct-fp8-block": "fp8",
+    "ct-nvfp4": "nvfp4",
+    "ct-nvfp4a16": "nvfp4",
+    "modelopt-nvfp4": "nvfp4",
+}
+ENGINE_PIECES = {
+    "transformers": ("modules", "engine_transformers"),
+    "compressed-tensors": ("modules", "engine_ct"),
+    "vllm": ("engine_vllm",),
+}
+#: how each engine is asked, for the reader
+ENGINE_APIS = {
+    "transformers": "`AutoModelForCausalLM.from_pretrained`",
+    "compressed-tensors": "`apply_quantization_config` and `ModelCompressor.compress_model` / `decompress_model`",
+    "vllm": "`vllm.LLM` (eager, small KV cache, no tokenizer)",
+}
+#: what the script compares, for the reader
+CHECKS = {
+    "transformers": "compares the weights it holds with the format's definition, computed in plain torch",
+    "compressed-tensors": "compares the weights it holds with the format's definition, computed in plain torch",
+    "vllm": "checks its layers' sizes against config.json and runs a forward pass (vLLM repacks its weights)",
+}
+THIRD_PARTY = ("torch", "safetensors")
+
+
+@dataclass
+class Script:
+    text: str
+    expectation: str  # exact, refuse, exact-or-refuse
+    expected: str  # what a correct loader does, in words
+    definition: str  # the format's definition, in words
+    format: str
+    package: str  # the engine's importable package
+
+
+def pieces(format_name: str, engine: str) -> list[str]:
+    if format_name not in FORMAT_PIECES:
+        raise HarnessError(f"no standalone reproducer for format '{format_name}' (known: {', '.join(FORMAT_PIECES)})")
+    return ["common", FORMAT_PIECES[format_name], "checkpoint", *ENGINE_PIECES[engine], "main"]
+
+
+@dataclass
+class Piece:
+    header: ast.Module  # what stands above the marker, parsed: its docstring and imports
+    body: str  # what follows the marker: copied into the script
+
+    @property
+    def docstring(self) -> list[str]:
+        return (ast.get_docstring(self.header) or "").splitlines()
+
+    def section(self, definition: str | None) -> str:
+        """The piece as a section of the script: its docstring as comments (the format piece's
+        definitions narrowed to the script's format), then its code."""
+        title, *rest = self.docstring or ["(untitled)"]
+        prose = [line for line in rest if line and not line.startswith("  ") and line != "Definitions:"]
+        comments = [f"# {line}" for line in prose] + ([f"# Definition: {definition}"] if definition else [])
+        return "\n".join([f"# ---- {title.rstrip('.')} ----", *comments, "", self.body])
+
+
+def read_piece(name: str) -> Piece:
+    text = (PARTS / f"{name}.py").read_text()
+    head, marker, body = text.partition(MARKER)
+    if not marker:
+        raise HarnessError(f"{PARTS / name}.py has no `{MARKER}` line")
+    return Piece(ast.parse(head), body.strip("\n"))
+
+
+def definition_of(format_name: str, knobs: dict) -> str:
+    """The format's definition, as its piece's docstring states it (`  NAME: W = ...`)."""
+    for line in read_piece(FORMAT_PIECES[format_name]).docstring:
+        name, colon, text = line.strip().partition(": ")
+        if colon and name == format_name:
+            return text.format(**knobs)
+    raise HarnessError(f"parts/{FORMAT_PIECES[format_name]}.py states no definition for {format_name}")
+
+
+def literal(value, indent: int = 0) -> str:
+    """A Python literal of JSON-like data, one item a line where it does not fit on one."""
+    if isinstance(value, str):  # json's string literal is a valid Python one
+        chunks = textwrap.wrap(value, 84, drop_whitespace=False, break_on_hyphens=False)
+        if indent or len(chunks) < 2 or "".join(chunks) != value:
+            return json.dumps(value)
+        return "(\n" + "".join(f"    {json.dumps(chunk)}\n" for chunk in chunks) + ")"
+    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+        return f"float({str(value)!r})"
+    if not isinstance(value, (dict, list, tuple)) or not value:
+        return repr(value)
+    pairs = value.items() if isinstance(value, dict) else None
+    items = [f"{literal(k)}: {literal(v, indent + 1)}" for k, v in pairs] if pairs is not None else None
+    items = items if items is not None else [literal(v, indent + 1) for v in value]
+    opening, closing = ("{", "}") if isinstance(value, dict) else ("[", "]")
+    flat = opening + ", ".join(items) + closing
+    if len(flat) + 4 * indent <= 88 and "\n" not in flat:
+        return flat
+    pad = "    " * (indent + 1)
+    return opening + "\n" + "".join(f"{pad}{item},\n" for item in items) + "    " * indent + closing
+
+
+def imports_of(headers: list[ast.Module]) -> tuple[list[str], list[str]]:
+    """(standard library import lines, third-party ones) the pieces need; never this project's."""
+    names: dict[str, set[str]] = {}
+    for header in headers:
+        for node in header.body:
+            if isinstance(node, ast.Import):
+                names.update({alias.name: names.get(alias.name, set()) for alias in node.names})
+            elif isinstance(node, ast.ImportFrom) and node.module not in ("__future__", None):
+                names.setdefault(node.module, set()).update(alias.name for alias in node.names)
+    names.setdefault("sys", set())
+    stdlib, third = [], []
+    ordered = sorted((bool(names[m]), m) for m in names if not m.startswith("harness"))  # `import x` first
+    for _, module in ordered:
+        line = f"from {module} import {', '.join(sorted(names[module]))}" if names[module] else f"import {module}"
+        (stdlib if module.partition(".")[0] in sys.stdlib_module_names else third).append(line)
+        if module.partition(".")[0] not in (*THIRD_PARTY, *sys.stdlib_module_names):
+            raise HarnessError(f"a script piece imports {module} at module level: only torch and safetensors may be")
+    return stdlib, third
+
+
+def parameter_comments() -> dict[str, list[str]]:
+    """The `#:` comment lines above each parameter in parts/parameters.py, by name."""
+    lines = (PARTS / "parameters.py").read_text().splitlines()
+    comments: dict[str, list[str]] = {}
+    for node in ast.parse("\n".join(lines)).body:
+        if isinstance(node, ast.Assign):
+            above, row = [], node.lineno - 2
+            while row >= 0 and lines[row].startswith("#:"):
+                above.insert(0, "# " + lines[row][2:].strip())
+                row -= 1
+            comments[node.targets[0].id] = above
+    return comments
+
+
+def render_parameters(values: dict) -> str:
+    comments = parameter_comments()
+    if set(values) != set(comments):
+        raise HarnessError(f"script parameters {sorted(values)} are not parts/parameters.py's {sorted(comments)}")
+    out = []
+    for name in comments:
+        out += comments[name]
+        out.append(f"{name} = {literal(values[name])}")
+    return "\n".join(out)
+
+
+def docstring(reproducer: Reproducer, values: dict, package: str) -> str:
+    lines = [
+        f"Reproducer: {reproducer.id} ({reproducer.engine}, {values['FORMAT']} {values['CONFIG']['model_type']}).",
+        "",
+        *textwrap.wrap(reproducer.mechanism, 96),
+        "",
+        *textwrap.wrap(f"Expected: a correct loader {values['EXPECTED']}.", 96),
+        "",
+        *textwrap.wrap(
+            "Builds the checkpoint (config.json and quantized safetensors, computed here with torch) in a "
+            f"temporary directory, loads it with {ENGINE_APIS[reproducer.engine]}, and {CHECKS[reproducer.engine]}. "
+            f"Needs only torch, safetensors and {package}. Run: python reproduce.py",
+            96,
+        ),
+        "Exit 1 while the bug is present, 0 once it is fixed, 2 when it cannot run here.",
+        f"Generated by quant-load-harness from {reproducer.source} (python -m harness upstream).",
+    ]
+    return "\n".join(lines).replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
+
+
+def checkpoint_facts(reproducer: Reproducer) -> tuple[dict, dict]:
+    """(config.json, harness_manifest.json) of the recipe's checkpoint as the harness generates it:
+    the same config, and the harness's own words for what a correct loader must do."""
+    with tempfile.TemporaryDirectory(prefix="harness-upstream-") as scratch:
+        directory = Path(scratch) / "checkpoint"
+        manifest = generate(reproducer.recipe, directory)
+        return json.loads((directory / "config.json").read_text()), manifest
+
+
+def expected_words(engine: str, expectation: str, definition: str, notes: list[str], tolerance: str) -> str:
+    held = (
+        "sizes every layer as config.json says and runs a forward pass with finite log-probabilities"
+        if engine == "vllm"
+        else f"holds every quantized weight as the format defines it ({definition}; within {tolerance}) "
+        "and runs a forward pass"
+    )
+    why = f" ({'; '.join(notes)})" if notes else ""
+    if expectation == "refuse":
+        return f"refuses the checkpoint when loading it{why}"
+    if expectation == "exact-or-refuse":
+        return f"refuses the checkpoint, or loads it and {held}{why}"
+    return f"loads the checkpoint and {held}"
+
+
+def perturbation_notes(manifest: dict) -> list[str]:
+    """What the generator did to the checkpoint, once each (the first module's notes, the checkpoint's)."""
+    notes = [*manifest.get("notes", [])]
+    for info in manifest["modules"].values():
+        notes += [n for n in info.get("notes", []) if n not in notes]
+        if info.get("notes"):
+            break
+    return notes
+
+
+def render_script(reproducer: Reproducer) -> Script:
+    resolved = reproducer.recipe.resolved()
+    config, manifest = checkpoint_facts(reproducer)
+    format_name, dtype = reproducer.recipe.format, resolved.layout["dtype"]
+    names = pieces(format_name, reproducer.engine)
+    parsed = {name: read_piece(name) for name in names}
+    tolerance = load_tolerances(format_name, dtype)
+    definition = definition_of(format_name, resolved.knobs)
+    expected = expected_words(
+        reproducer.engine,
+        manifest["expectation"],
+        definition,
+        perturbation_notes(manifest) if manifest["expectation"] != "exact" else [],
+        f"|held - W| <= {tolerance.weight_rel:g} |W| + {tolerance.weight_abs:.3g}, W rounded once to {dtype}",
+    )
+    layout = reproducer.recipe.layout
+    values = {
+        "ISSUE": reproducer.id,
+        "ENGINE": reproducer.engine,
+        "FORMAT": format_name,
+        "SEED": reproducer.recipe.seed,
+        "CONFIG": config,
+        "KNOBS": resolved.knobs,
+        "LAYOUT": {
+            "dtype": dtype,
+            "key_prefix": resolved.layout["key_prefix"],
+            "shards": layout.get("shards", 1),  # one file unless the recipe asks for shards
+            "split_scale": layout.get("split_scale", False),
+            "activation_amax": resolved.layout["activation_amax"],
+        },
+        "PERTURB": resolved.perturb,
+        "EXPECTATION": manifest["expectation"],
+        "EXPECTED": expected,
+        "REPORTED_ERROR": reproducer.reported_error,
+        "WEIGHT_TOLERANCE": {"rel": tolerance.weight_rel, "abs": tolerance.weight_abs},
+        "CANNOT_RUN_HERE": MISSING_KERNEL.pattern if reproducer.engine == "vllm" else None,
+    }
+    package = ENGINES[reproducer.engine].package
+    stdlib, third = imports_of([piece.header for piece in parsed.values()])
+    guarded = "\n".join(f"    {line}" for line in third)
+    sections = [
+        "#!/usr/bin/env python3",
+        f'"""{docstring(reproducer, values, package)}\n"""',
+        "\n".join(["from __future__ import annotations", "", *stdlib]),
+        f"try:\n{guarded}\nexcept ImportError as missing:\n"
+        '    print(f"cannot run: {missing} (needs torch and safetensors)")\n    sys.exit(2)',
+        f"# ---- what to reproduce ({reproducer.source}) ----\n\n{render_parameters(values)}",
+    ]
+    code = [piece.section(definition if name == FORMAT_PIECES[format_name] else None) for name, piece in parsed.items()]
+    text = "\n\n".join(sections) + "\n\n\n" + "\n\n\n".join(code) + "\n"
+    compile(text, "reproduce.py", "exec")
+    return Script(text, manifest["expectation"], expected, definition, format_name, package)

@@ -1,0 +1,294 @@
+"""`python -m harness upstream`: every known issue gets one standalone reproduce.py that imports
+only torch, safetensors, the standard library and its engine's package (never this project), whose
+checkpoint means what the harness's reference says it means, and which exits 1 while the bug is
+present when run as upstream will: another interpreter's `python -I`, from an empty directory."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from packaging.version import Version
+
+from harness.checkpoints.reader import Checkpoint
+from harness.checkpoints.recipe import Recipe
+from harness.commands.cli import main
+from harness.core.naming import canonical_name
+from harness.differential.known_issues import KnownIssues
+from harness.engines import ENGINES
+from harness.engines.environments import engine_python
+from harness.formats.base import FormatError
+from harness.lanes.upstream import from_issue, render_script
+from harness.oracle.reference import format_and_knobs, group_modules
+from tests.cli import run_cli
+
+ISSUES = KnownIssues.load().issues
+IDS = [issue.id for issue in ISSUES]
+
+
+@cache
+def script_text(issue_id: str) -> str:
+    return render_script(from_issue(KnownIssues.load().by_id(issue_id))).text
+
+
+def script_namespace(issue_id: str) -> dict:
+    """The script's definitions, without running it (its `main` runs only as __main__)."""
+    namespace = {"__name__": "reproduce"}
+    exec(compile(script_text(issue_id), "reproduce.py", "exec"), namespace)
+    return namespace
+
+
+def imported_modules(text: str) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "a relative import in a standalone script"
+            found.add(node.module.partition(".")[0])
+    return found
+
+
+def parameters(text: str) -> dict:
+    """The script's literal parameters (CONFIG, KNOBS, ...)."""
+    return {
+        node.targets[0].id: ast.literal_eval(node.value)
+        for node in ast.parse(text).body
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id.isupper()
+        if isinstance(node.value, (ast.Dict, ast.Constant, ast.List))
+    }
+
+
+# ---------------------------------------------------------------- the script, read
+
+
+@pytest.mark.parametrize("issue", ISSUES, ids=IDS)
+def test_script_imports_only_torch_safetensors_and_its_engine(issue):
+    modules = imported_modules(script_text(issue.id))
+    allowed = set(sys.stdlib_module_names) | {"torch", "safetensors", ENGINES[issue.engine].package}
+    assert "harness" not in modules
+    assert modules <= allowed, f"imports beyond torch, safetensors and {issue.engine}: {modules - allowed}"
+
+
+@pytest.mark.parametrize("issue", ISSUES, ids=IDS)
+def test_script_keeps_the_reproducer_recipe(issue):
+    values = parameters(script_text(issue.id))
+    recipe = issue.reproducer
+    assert values["ISSUE"] == issue.id and values["ENGINE"] == issue.engine and values["FORMAT"] == recipe["format"]
+    assert values["CONFIG"]["model_type"] == recipe["arch"]
+    assert recipe.get("config", {}).items() <= values["CONFIG"].items()
+    knobs = dict(recipe.get("knobs", {}))
+    if "block_size" in knobs:
+        size = knobs.pop("block_size")
+        knobs |= {"block_rows": size, "block_cols": size}
+    assert knobs.items() <= values["KNOBS"].items()
+    assert recipe.get("layout", {}).items() <= values["LAYOUT"].items()
+    assert recipe.get("perturb", {}).items() <= values["PERTURB"].items()
+
+
+@pytest.mark.parametrize("issue", ISSUES, ids=IDS)
+def test_script_checkpoint_is_what_the_reference_reads(issue, tmp_path):
+    """The script's own quantizer and definition against the harness's reference dequantizer, on
+    the checkpoint the script writes: the same values, exactly (modules the reference refuses, a
+    NaN scale or a swapped convention, are what the script expects a loader to refuse)."""
+    assert_reference_agrees(script_namespace(issue.id), tmp_path)
+
+
+#: recipes beyond the known issues' reproducers: the other formats, storage and layout knobs
+OTHER_RECIPES = {
+    "modelopt-nvfp4": {"format": "modelopt-nvfp4", "arch": "llama", "config": {"num_hidden_layers": 1}},
+    "ct-nvfp4-w4a4-swapped": {
+        "format": "ct-nvfp4",
+        "arch": "qwen2",
+        "config": {"num_hidden_layers": 1},
+        "knobs": {"global_scale_convention": "swapped"},
+    },
+    "fp8-block-transposed-zero-subnormal": {
+        "format": "fp8-block",
+        "arch": "llama",
+        "config": {"num_hidden_layers": 1, "hidden_size": 200},
+        "knobs": {"block_size": 64, "scale_layout": "transposed"},
+        "perturb": {"zero_block": True, "subnormal_block": True},
+    },
+    "ct-fp8-block-shards-split": {
+        "format": "ct-fp8-block",
+        "arch": "llama",
+        "config": {"num_hidden_layers": 1},
+        "layout": {"shards": 3, "split_scale": True, "dtype": "float32"},
+    },
+    "ct-fp8-tensor-input-scale-vlm-prefix": {
+        "format": "ct-fp8-tensor",
+        "arch": "llama",
+        "config": {"num_hidden_layers": 1},
+        "knobs": {"input_scale": True},
+        "layout": {"key_prefix": "model.language_model."},
+        "perturb": {"extreme_amax": "huge"},
+    },
+}
+
+
+@pytest.mark.parametrize("recipe", OTHER_RECIPES.values(), ids=OTHER_RECIPES)
+def test_script_checkpoint_is_what_the_reference_reads_for_other_recipes(recipe, tmp_path):
+    reproducer = from_issue(ISSUES[0])
+    reproducer.recipe = Recipe.from_json({"seed": 0, **recipe})
+    namespace = {"__name__": "reproduce"}
+    exec(compile(render_script(reproducer).text, "reproduce.py", "exec"), namespace)
+    assert_reference_agrees(namespace, tmp_path)
+
+
+def assert_reference_agrees(namespace: dict, tmp_path: Path) -> None:
+    expected = namespace["build_checkpoint"](tmp_path)
+    checkpoint = Checkpoint(tmp_path)
+    fmt, knobs = format_and_knobs(checkpoint)
+    modules, _ = group_modules(checkpoint.names(), fmt)
+    assert {canonical_name(m) for m in modules} == set(expected)
+    swapped = namespace["KNOBS"].get("global_scale_convention") == "swapped"
+    compared = 0
+    for module, parts in modules.items():
+        tensors = {suffix: checkpoint.tensor(name) for suffix, name in parts.items()}
+        if swapped:  # the script expects the intended weights: read with the reciprocal put back
+            tensors |= {s: 1 / t for s, t in tensors.items() if s.endswith("global_scale")}
+        try:
+            reference = fmt.dequantize(tensors, knobs)
+        except FormatError:
+            if namespace["KNOBS"].get("scale_layout") != "transposed":
+                continue  # refused: the script expects a loader to refuse it too
+            # a transposed grid that does not fit: the script expects the intended weights
+            scale = next(s for s in tensors if s.startswith("weight_scale"))
+            reference = fmt.dequantize(tensors | {scale: tensors[scale].t().contiguous()}, knobs)
+        rtol = 2**-23 if swapped else 0  # 1 / (1 / x) in float32
+        torch.testing.assert_close(expected[canonical_name(module)], reference, rtol=rtol, atol=0)
+        compared += 1
+    assert compared == len(modules) - (namespace["PERTURB"]["nonfinite_scale"] != "none")
+
+
+def test_script_judges_a_correct_loader_fixed():
+    """The verdict rules, on what a correct loader holds: the definition's values, or a refusal
+    where the checkpoint is invalid."""
+    exact = script_namespace("transformers-fp8-block-grid-inferred-from-shape")
+    weights = {"m": torch.randn(160, 64, dtype=torch.float64)}
+    assert exact["weight_problems"](weights, weights, exact["scale_block"]) == []
+    assert exact["judge_loaded"]([], [])[0] == 0
+    assert exact["judge_refusal"](ValueError("no"), [])[0] == 1
+    refuse = script_namespace("transformers-nonfinite-scale-accepted")
+    assert refuse["judge_refusal"](ValueError("scale is nan"), [])[0] == 0
+    assert refuse["judge_loaded"]([], [])[0] == 1
+
+
+# ---------------------------------------------------------------- the script, run as upstream runs it
+
+
+def run_standalone(text: str, engine: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run the script with the engine's interpreter (`python -I`, an empty working directory, no
+    PYTHONPATH); also return every module it imported (`-X importtime`)."""
+    python, why = engine_python(engine)
+    if python is None:
+        pytest.skip(why)
+    script, empty = tmp_path / "reproduce.py", tmp_path / "empty"
+    script.write_text(text)
+    empty.mkdir()
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [python, "-I", "-X", "importtime", str(script)],
+        cwd=empty,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    imported = {line.rpartition("|")[2].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    return done, imported
+
+
+def engine_version(stdout: str) -> Version | None:
+    found = re.search(r"^versions: \S+ (\S+),", stdout, re.MULTILINE)
+    return Version(found.group(1).split("+")[0]) if found else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("issue", ISSUES, ids=IDS)
+def test_script_reproduces_without_the_project(issue, tmp_path):
+    done, imported = run_standalone(script_text(issue.id), issue.engine, tmp_path)
+    assert imported, "no -X importtime output"
+    assert not {m for m in imported if m == "harness" or m.startswith("harness.")}, "the script imported harness"
+    output = f"{done.stdout[-4000:]}\n{done.stderr[-3000:]}"
+    version = engine_version(done.stdout)
+    if done.returncode == 2 or (version is not None and version not in issue.versions):
+        pytest.skip(f"{issue.engine} {version} here: {issue.id} applies to {issue.versions} (exit {done.returncode})")
+    assert done.returncode == 1, f"{issue.id}: exit {done.returncode}, expected 1 (bug present)\n{output}"
+    assert "verdict: bug present" in done.stdout, output
+
+
+@pytest.mark.slow
+def test_script_says_fixed_when_the_engine_loads_right(tmp_path):
+    """The same transformers script with every dimension a multiple of the block: the engine loads
+    it as defined, and the script exits 0."""
+    reproducer = from_issue(KnownIssues.load().by_id("transformers-fp8-block-grid-inferred-from-shape"))
+    reproducer.recipe.config["intermediate_size"] = 256
+    done, _ = run_standalone(render_script(reproducer).text, "transformers", tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "verdict: fixed" in done.stdout
+
+
+# ---------------------------------------------------------------- the command
+
+
+@pytest.mark.slow
+def test_upstream_writes_the_script_and_the_issue_with_the_measured_result(tmp_path):
+    out = tmp_path / "out"
+    done = run_cli("upstream", "ct-nonfinite-scale-accepted", "--out", out)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (out / "reproduce.py").read_text() == script_text("ct-nonfinite-scale-accepted")
+    issue = (out / "ISSUE.md").read_text()
+    for heading in ("## Versions", "## Mechanism", "## Expected", "## Actual", "## How to reproduce"):
+        assert heading in issue
+    assert "exit 1: bug present" in issue and "verdict: bug present: an invalid checkpoint is accepted" in issue
+    assert re.search(r"compressed-tensors \d", issue) and "torch " in issue
+
+
+def test_upstream_from_a_report_finding(tmp_path):
+    checkpoint = tmp_path / "repro"
+    set_ = ["--set", "num_hidden_layers=1", "--set", "dtype=float16", "--set", "scale_dtype=float32"]
+    assert main(["gen", "--format", "ct-fp8-tensor", "--arch", "llama", "--out", str(checkpoint), *set_]) == 0
+    finding = {
+        "engine": "compressed-tensors",
+        "engine_version": "0.20.0",
+        "kind": "weight-mismatch",
+        "format": "ct-fp8-tensor",
+        "message": "model.layers.0.self_attn.q_proj.weight: 3 elements differ",
+        "checkpoint": str(checkpoint),
+        "reproduction": str(checkpoint),
+        "known_issue": None,
+    }
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"findings": [finding]}))
+    out = tmp_path / "out"
+    assert main(["upstream", "--report", str(report), "--finding", "1", "--out", str(out), "--no-run"]) == 0
+    values = parameters((out / "reproduce.py").read_text())
+    assert values["FORMAT"] == "ct-fp8-tensor" and values["ENGINE"] == "compressed-tensors"
+    assert values["LAYOUT"]["dtype"] == "float16" and values["KNOBS"]["scale_dtype"] == "float32"
+    issue = (out / "ISSUE.md").read_text()
+    assert "3 elements differ" in issue and "Not measured here" in issue
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["no-such-issue"],
+        [],
+        ["ct-nonfinite-scale-accepted", "--report", "r.json", "--finding", "1"],
+        ["--report", "missing.json", "--finding", "1"],
+        ["--finding", "1"],
+    ],
+)
+def test_upstream_usage_errors_exit_2(argv, tmp_path, capsys):
+    assert main(["upstream", *argv, "--out", str(tmp_path / "out")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
