@@ -32,6 +32,16 @@ from tests.cli import run_cli
 
 ISSUES = KnownIssues.load().issues
 IDS = [issue.id for issue in ISSUES]
+#: the scripts CI runs (one per engine and template family); all of them run in the nightly lane.
+#: Every issue's reproducer is also replayed through the harness in CI (tests/differential/test_known_issues.py).
+CI_SCRIPTS = {
+    "transformers-fp8-block-grid-inferred-from-shape",
+    "ct-nvfp4-global-scale-convention-unchecked",
+    "vllm-qwen2-ignores-head-dim",
+}
+RUN_SCRIPTS = [
+    pytest.param(issue, id=issue.id, marks=() if issue.id in CI_SCRIPTS else pytest.mark.nightly) for issue in ISSUES
+]
 
 
 @cache
@@ -214,7 +224,7 @@ def engine_version(stdout: str) -> Version | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("issue", ISSUES, ids=IDS)
+@pytest.mark.parametrize("issue", RUN_SCRIPTS)
 def test_script_reproduces_without_the_project(issue, tmp_path):
     done, imported = run_standalone(script_text(issue.id), issue.engine, tmp_path)
     assert imported, "no -X importtime output"
