@@ -507,6 +507,39 @@ def _(sandbox, ck):
     return Expect([SHARD2], "malformed")
 
 
+@case("header-duplicate-key", cli=True)
+def _(sandbox, ck):
+    header, data = read_shard(ck / SHARD2)
+    name = last_tensor(header)
+    text = json.dumps(header).encode()
+    write_shard(ck / SHARD2, text[:-1] + b", " + json.dumps({name: header[name]}).encode()[1:], data)
+    return Expect([SHARD2, "duplicate key"], "JSON")
+
+
+@case("header-name-lone-surrogate", cli=True)
+def _(sandbox, ck):
+    # json.loads turns the escape into a str no terminal can print: the refusal must still be one line
+    header, data = read_shard(ck / SHARD2)
+    name = last_tensor(header)
+    write_shard(ck / SHARD2, json.dumps(header).encode().replace(name.encode(), name.encode() + b"\\udc80"), data)
+    return Expect([SHARD2], "surrogate")
+
+
+@case("empty-shard")
+def _(sandbox, ck):
+    truncate(ck / SHARD1, 0)
+    return Expect([SHARD1], "truncated")
+
+
+@case("header-huge-shape")
+def _(sandbox, ck):
+    def edit(header):
+        header[last_tensor(header)]["shape"] = [2**62, 2**62, 2**62]
+
+    edit_header(ck / SHARD2, edit)
+    return Expect([SHARD2], "shape")
+
+
 # scales
 
 
@@ -617,6 +650,19 @@ def _(sandbox, ck):
     return Expect(["config.json"], "object")
 
 
+@case("config-hidden-size-string")
+def _(sandbox, ck):
+    edit_json(ck / "config.json", lambda config: config.__setitem__("hidden_size", "64"))
+    return Expect(["config.json", "hidden_size"], "positive integer")
+
+
+@case("config-duplicate-key")
+def _(sandbox, ck):
+    text = (ck / "config.json").read_text().rstrip().removesuffix("}")
+    (ck / "config.json").write_text(text + ', "hidden_size": 64}')
+    return Expect(["config.json", "duplicate key"], "JSON")
+
+
 @case("config-huge-file")
 def _(sandbox, ck):
     truncate(ck / "config.json", 2**30)  # sparse: 1 GiB of NUL bytes, refused before it is read
@@ -682,6 +728,13 @@ def _(sandbox, ck):
 def _(sandbox, ck):
     edit_json(ck / INDEX, lambda index: index.__setitem__("weight_map", {}))
     return Expect([INDEX], "weight_map")
+
+
+@case("index-duplicate-key")
+def _(sandbox, ck):
+    text = (ck / INDEX).read_text().rstrip().removesuffix("}")
+    (ck / INDEX).write_text(text + ', "weight_map": {}}')
+    return Expect([INDEX, "duplicate key"], "JSON")
 
 
 @case("index-not-json")

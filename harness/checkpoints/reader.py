@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +76,50 @@ def _regular_file(path: Path, what: str) -> os.stat_result:
     return info
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object hook that refuses a key given twice: parsers disagree on which one wins (Python's
+    and serde's keep the last, others the first), so an engine may read a different tensor."""
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise ValueError(f"duplicate key {ascii(key)}")
+        found[key] = value
+    return found
+
+
+#: a JSON escape of a UTF-16 surrogate: json.loads turns a lone one into a str no file system or
+#: terminal can encode (a pair becomes one valid character)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first string (key or value) holding a lone surrogate, in ascii() form, or None."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return ascii(item)[:80]
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
 def _parse_json(data: bytes) -> Any:
-    """json.loads, with every way it can fail (bad UTF, bad syntax, deep nesting, huge ints) as ValueError."""
+    """json.loads, with every way it can fail (bad UTF, bad syntax, deep nesting, huge ints, a
+    duplicate key, a string that is not Unicode text) as ValueError."""
     try:
-        return json.loads(data)
+        value = json.loads(data, object_pairs_hook=_unique_keys)
+        if _SURROGATE_ESCAPE.search(data):
+            bad = _lone_surrogate(value)
+            if bad:
+                raise ValueError(f"a string with a lone UTF-16 surrogate, not text: {bad}")
+        return value
     except RecursionError:
         raise ValueError("nested too deeply") from None
     except UnicodeDecodeError as error:
@@ -224,6 +266,43 @@ def contained_file(directory: Path, name: Any, what: str, referrer: Path | None 
     return path
 
 
+#: config.json fields every engine reads as positive integers, or as names; null counts as absent
+CONFIG_INTEGERS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+)
+CONFIG_STRINGS = ("model_type", "dtype", "torch_dtype")
+
+
+def config_problems(config: dict) -> list[str]:
+    """Fields of config.json with a type no engine can use (`hidden_size` as a string, a
+    `quantization_config` that is a list), each as one line; [] when every present field fits."""
+    problems = []
+    for key in CONFIG_INTEGERS:
+        value = config.get(key)
+        if value is not None and not (_is_int(value) and value > 0):
+            problems.append(f"config.json {key} is {_shown(value)}, not a positive integer")
+    for key in CONFIG_STRINGS:
+        value = config.get(key)
+        if value is not None and not isinstance(value, str):
+            problems.append(f"config.json {key} is {_shown(value)}, not a string")
+    quant = config.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        problems.append(f"config.json quantization_config is {_shown(quant)}, not a JSON object")
+    return problems
+
+
+def _shown(value: Any) -> str:
+    """A JSON value, shortened for a one-line message."""
+    text = ascii(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
 class Checkpoint:
     """A checkpoint directory: config.json, and tensors in one file or shards behind an index."""
 
@@ -235,6 +314,9 @@ class Checkpoint:
         self.config: dict = read_json(config_path, CONFIG_FILE)
         if not isinstance(self.config, dict):
             raise CheckpointError(config_path, "config.json is not a JSON object")
+        problems = config_problems(self.config)
+        if problems:
+            raise CheckpointError(config_path, problems[0])
         self.weight_map = self._resolve_weight_map()
         self.headers = {path: read_safetensors_header(path) for path in sorted(set(self.weight_map.values()))}
         for name, path in self.weight_map.items():
@@ -314,3 +396,92 @@ class Checkpoint:
 def _one_line(error: BaseException) -> str:
     text = " ".join(str(error).split())
     return text or type(error).__name__
+
+
+@dataclass(frozen=True)
+class Hazard:
+    """Something in a checkpoint's layout that makes a loader read outside its directory, or read
+    an unbounded header: what `compare --hostile` then watches each engine for."""
+
+    kind: str  # "escape" (an index entry leaves the directory), "symlink-out", "header-bomb"
+    file: str  # the name the checkpoint uses for it
+    detail: str  # where it leads, or the header length it declares
+    tensors: tuple[str, ...] = ()  # the tensors the index places there; () for a file nothing lists
+
+    def describe(self) -> str:
+        if self.kind == "header-bomb":
+            return f"{self.file} declares a {self.detail}-byte header (the limit is {MAX_HEADER_BYTES})"
+        how = "index entry" if self.kind == "escape" else "symlink"
+        return f"{how} {ascii(self.file)} leads to {self.detail}"
+
+
+def hostile_layout(directory: str | Path) -> list[Hazard]:
+    """The hazards of a checkpoint's layout, found without reading a byte outside the directory
+    (names are resolved, never opened; headers are judged by their 8-byte length field)."""
+    directory = Path(directory)
+    real = directory.resolve()
+    hazards: list[Hazard] = []
+    listed: dict[str, list[str]] = {}
+    index_path = directory / INDEX_FILE
+    if index_path.is_symlink() and not index_path.resolve().is_relative_to(real):
+        hazards.append(Hazard("symlink-out", INDEX_FILE, str(index_path.resolve())))
+    elif index_path.is_file():
+        try:
+            index = read_json(index_path, "index")
+        except CheckpointError:
+            index = None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        for tensor, shard in (weight_map if isinstance(weight_map, dict) else {}).items():
+            if isinstance(shard, str) and shard:
+                listed.setdefault(shard, []).append(tensor)
+    names = set(listed) | {p.name for p in directory.glob("*.safetensors")} | {CONFIG_FILE}
+    for name in sorted(names):
+        hazard = _hazard_of(directory, real, name, tuple(sorted(listed.get(name, ()))))
+        if hazard:
+            hazards.append(hazard)
+    return hazards
+
+
+def _hazard_of(directory: Path, real: Path, name: str, tensors: tuple[str, ...]) -> Hazard | None:
+    path = directory / name
+    try:
+        target = path.resolve()
+    except (OSError, RuntimeError, ValueError):
+        return None
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        return Hazard("escape", name, str(target), tensors)
+    if not (target.is_relative_to(real) or _in_hub_cache_blobs(directory, target)):
+        return Hazard("symlink-out", name, str(target), tensors)
+    if not name.endswith(".safetensors"):
+        return None
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            return None
+        with path.open("rb") as handle:
+            prefix = handle.read(8)
+    except OSError:
+        return None
+    if len(prefix) == 8 and struct.unpack("<Q", prefix)[0] > MAX_HEADER_BYTES:
+        return Hazard("header-bomb", name, str(struct.unpack("<Q", prefix)[0]), tensors)
+    return None
+
+
+def declared_format(directory: str | Path) -> tuple[Any, dict]:
+    """The format and knobs config.json declares, read from config.json alone (contained, size-capped),
+    without trusting or reading the tensor files: what an engine wrapper needs to interpret what
+    its engine holds, so that the engine itself meets the layout (`compare --hostile`)."""
+    from harness.formats import detect_format
+    from harness.formats.base import FormatError
+
+    config_path = contained_file(Path(directory), CONFIG_FILE, CONFIG_FILE, referrer=Path(directory))
+    config = read_json(config_path, CONFIG_FILE)
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(quant, dict):
+        raise CheckpointError(config_path, "config.json has no quantization_config object")
+    try:
+        fmt = detect_format(quant)
+        return fmt, fmt.knobs_from_config(quant)
+    except FormatError as error:
+        raise CheckpointError(config_path, str(error)) from None
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as error:
+        raise CheckpointError(config_path, f"malformed quantization_config ({type(error).__name__}: {error})") from None

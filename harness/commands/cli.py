@@ -57,18 +57,27 @@ def command_dequant(args) -> int:
     if out.is_dir():
         raise HarnessError(f"{out}: is a directory; --out names the .safetensors file to write")
     dtype = getattr(torch, args.dtype)
+    if args.fast and args.dtype == "float64":
+        raise HarnessError("--fast writes float32 or bfloat16; float64 is the reference's own path (drop --fast)")
     names = dequantized_names(args.directory)
+    if args.fast:
+        from harness.oracle.fast import fast_dequantize_checkpoint
+
+        # the writer copies each tensor out before the next is asked for: one output buffer serves all
+        tensors = fast_dequantize_checkpoint(args.directory, dtype, reuse_output=True)
+    else:
+        tensors = dequantize_checkpoint(args.directory)
     temporary = out.with_name(out.name + ".partial")
     try:
         with StreamingSafetensorsWriter(temporary, names, {"format": "pt", "producer": "harness dequant"}) as writer:
-            for name, tensor in dequantize_checkpoint(args.directory):
+            for name, tensor in tensors:
                 writer.add(name, tensor.to(dtype))
         os.replace(temporary, out)
     except OSError as error:
         raise HarnessError(f"{out}: cannot write it ({error.strerror or error})") from None
     finally:
         temporary.unlink(missing_ok=True)
-    print(f"wrote {out}: {len(names)} tensors, {args.dtype}")
+    print(f"wrote {out}: {len(names)} tensors, {'fast path, ' if args.fast else ''}{args.dtype}")
     return EXIT_OK
 
 
@@ -142,12 +151,16 @@ def command_compare(args) -> int:
     engines = parse_engines(args.engines)
     optional = parse_optional(args, engines)
     known = KnownIssues.load()
+    if not args.hostile:  # unusable input stops here, before any engine's worker starts
+        from harness.oracle.reference import format_and_knobs
+
+        format_and_knobs(directory)
     with tempfile.TemporaryDirectory(prefix="harness-") as scratch:
         work = Path(args.report) if args.report else Path(scratch)
         session = EngineSession(engines, work / "work", Limits(args.timeout, args.memory_mb))
         try:
             start_engines(session, engines, optional)
-            result = evaluate(directory, session, known)
+            result = evaluate(directory, session, known, hostile=args.hostile)
         finally:
             session.close()
         for item in result.findings:
@@ -247,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         help="dtype written (default float32; float64 keeps the reference's exact values)",
     )
+    dequant.add_argument(
+        "--fast",
+        action="store_true",
+        help="float32/bfloat16 fast path (torch's threads), equal to the reference rounded to --dtype; "
+        "sampled tiles of every tensor are checked against the float64 reference",
+    )
     dequant.set_defaults(run=command_dequant)
 
     compare = commands.add_parser("compare", help="load one checkpoint in several engines and judge each")
@@ -263,6 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--timeout", type=float, default=600.0, help="seconds an engine may take per request")
     compare.add_argument("--memory-mb", type=float, default=16000.0, help="resident memory limit per engine worker")
+    compare.add_argument(
+        "--hostile",
+        action="store_true",
+        help="when the harness refuses the checkpoint (an index entry or symlink leading outside it, a header "
+        "bomb), let each engine load it anyway: one that reads outside or accepts the bomb is a security "
+        "finding (docs/hostile.md)",
+    )
     compare.set_defaults(run=command_compare)
 
     sweep = commands.add_parser(

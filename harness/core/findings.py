@@ -21,6 +21,8 @@ KINDS = {
     "engine-crash": "the engine's worker process died",
     "engine-timeout": "the engine's worker gave no answer in time",
     "engine-memory": "the engine's worker went over its memory limit",
+    "security": "the engine read outside the checkpoint directory (an escaping index entry, a symlink out) or "
+    "accepted a header bomb (`compare --hostile`)",
 }
 
 

@@ -3,13 +3,20 @@ against the truth (weights) and against the reference engine (log-probabilities)
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from harness.checkpoints.manifest import read_manifest, read_truth
+from harness.checkpoints.reader import (
+    CONFIG_FILE,
+    Hazard,
+    contained_file,
+    declared_format,
+    hostile_layout,
+    read_json,
+)
 from harness.checkpoints.writer import MANIFEST_FILE
 from harness.core.errors import CheckpointError, first_line
 from harness.core.findings import Finding
@@ -116,15 +123,26 @@ class Judgement:
     scratch: Path
     #: the known bugs' predicted readings of this checkpoint, compared with each weight finding
     misreadings: CheckpointMisreadings | None = None
+    #: `compare --hostile`: what in the layout leads outside the directory (or is a header bomb)
+    hazards: list[Hazard] = field(default_factory=list)
 
     @classmethod
-    def of(cls, directory: Path, session: EngineSession) -> Judgement:
+    def of(cls, directory: Path, session: EngineSession, hostile: bool = False) -> Judgement:
         manifest = read_manifest(directory) if (directory / MANIFEST_FILE).is_file() else None
-        fmt, knobs = format_and_knobs(directory)
-        config = json.loads((directory / "config.json").read_text())
-        dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
         refusal = ""  # why a checkpoint the harness did not write must be refused
-        if manifest:
+        hazards: list[Hazard] = []
+        try:
+            fmt, knobs = format_and_knobs(directory)
+        except CheckpointError as error:
+            if not hostile:
+                raise
+            fmt, knobs = _format_despite(directory, error)
+            refusal, hazards = f"the reference refuses it: {first_line(error)}", hostile_layout(directory)
+        config = read_json(contained_file(directory, CONFIG_FILE, CONFIG_FILE, referrer=directory), CONFIG_FILE)
+        dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+        if refusal:  # --hostile: the harness refuses it; the engines load it all the same
+            expectation, truth = "refuse", read_truth(directory, manifest) if manifest else {}
+        elif manifest:
             expectation, truth = manifest["expectation"], read_truth(directory, manifest)
         else:  # a checkpoint the harness did not write: the oracle says what it holds, or that it must be refused
             try:
@@ -151,6 +169,7 @@ class Judgement:
             probe_sequences(int(config.get("vocab_size", 260))),
             scratch,
             CheckpointMisreadings(directory, fmt.name),
+            hazards,
         )
 
     def finding(self, engine: str, kind: str, message: str, **extra) -> Finding:
@@ -172,11 +191,26 @@ class Judgement:
         return self.scratch / f"{engine.replace(':', '_')}-{what}.safetensors"
 
 
+def _format_despite(directory: Path, refusal: CheckpointError) -> tuple[object, dict]:
+    """For `compare --hostile`: the format config.json declares when the checkpoint's layout is
+    refused; the refusal itself when even that cannot be read."""
+    try:
+        return declared_format(directory)
+    except CheckpointError:
+        raise refusal from None
+
+
 def evaluate(
-    directory: str | Path, session: EngineSession, known: KnownIssues | None = None, engines: list[str] | None = None
+    directory: str | Path,
+    session: EngineSession,
+    known: KnownIssues | None = None,
+    engines: list[str] | None = None,
+    hostile: bool = False,
 ) -> CheckpointResult:
-    """Load `directory` in each engine (default: all of the session's) and judge each."""
-    judgement = Judgement.of(Path(directory).resolve(), session)
+    """Load `directory` in each engine (default: all of the session's) and judge each. `hostile`:
+    a checkpoint the reference refuses is loaded by the engines all the same, and one that reads
+    outside the directory or accepts a header bomb is a `security` finding."""
+    judgement = Judgement.of(Path(directory).resolve(), session, hostile)
     logprobs: dict[str, list[torch.Tensor]] = {}
     for engine in engines or session.engines:
         rows = _load_and_judge(judgement, engine)
@@ -211,6 +245,9 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
                 outcome.status, outcome.detail = "failed", first_line(error)
                 finding(engine, "load-error", first_line(error), metrics={"traceback_tail": error.traceback[-1500:]})
             return None
+        if judgement.hazards:
+            _judge_hostile_load(judgement, engine, worker, outcome.report)
+            return None
         if judgement.expectation == "refuse":
             reasons = _module_notes(judgement.manifest) + (judgement.manifest or {}).get("notes", [])
             reasons = reasons or [judgement.result.expectation_reason]
@@ -242,6 +279,51 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
             metrics={"traceback_tail": error.traceback[-1500:]},
         )
     return None
+
+
+def _judge_hostile_load(judgement: Judgement, engine: str, worker: EngineProcess, report: dict) -> None:
+    """An engine loaded a checkpoint whose layout is hostile. Reading outside the directory is a
+    `security` finding when the engine holds the checkpoint's own values for tensors that exist only
+    there (the truth of a generated checkpoint is the evidence; without one, that it loaded them
+    without reporting them missing); accepting a header bomb is one by itself."""
+    missing = {canonical_name(k) for k in report.get("missing", [])}
+    held = worker.weights(judgement.scratch_file(engine, "weights"))
+    for hazard in judgement.hazards:
+        if hazard.kind == "header-bomb":
+            judgement.finding(engine, "security", f"accepted a header bomb: {hazard.describe()}")
+            continue
+        placed = {canonical_name(t) for t in hazard.tensors} if hazard.tensors else set(judgement.truth)
+        if placed and placed <= missing:
+            judgement.finding(
+                engine, "accepted-invalid", f"loaded without the tensors of {hazard.describe()} (reported missing)"
+            )
+            continue
+        if judgement.truth:
+            equal = sorted(n for n in placed & set(judgement.truth) if _holds_truth(judgement, held, n))
+            if not equal:
+                judgement.finding(
+                    engine,
+                    "accepted-invalid",
+                    f"loaded a checkpoint that must be refused ({hazard.describe()}), holding other values there",
+                )
+                continue
+            evidence = f"holds the values of {len(equal)} tensor(s) stored only there, e.g. {equal[0]}"
+        else:
+            equal, evidence = [], "loaded its tensors without reporting them missing (no truth to compare)"
+        judgement.finding(
+            engine,
+            "security",
+            f"read outside the checkpoint directory: {hazard.describe()}; {evidence}",
+            metrics={"hazard": hazard.kind, "file": hazard.file, "target": hazard.detail, "held": equal[:50]},
+        )
+
+
+def _holds_truth(judgement: Judgement, held: dict[str, torch.Tensor], name: str) -> bool:
+    want, got = judgement.truth[name], held.get(name)
+    if got is None or tuple(got.shape) != tuple(want.shape):
+        return False
+    block = judgement.fmt.scale_block(judgement.knobs, tuple(want.shape)) if want.dim() == 2 else None
+    return compare_weight(name, got, want, judgement.dtype, judgement.tol, block).ok
 
 
 def _judge_logits(judgement: Judgement, logprobs: dict[str, list[torch.Tensor]]) -> None:

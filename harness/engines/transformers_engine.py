@@ -39,10 +39,10 @@ class TransformersEngine(HFModelEngine):
     def load(self, directory: str) -> LoadReport:
         from transformers import AutoModelForCausalLM
 
-        from harness.oracle.reference import format_and_knobs
+        from harness.checkpoints.reader import declared_format
 
         config = json.loads((Path(directory) / "config.json").read_text())
-        self.fmt, self.knobs = format_and_knobs(directory) if "quantization_config" in config else (None, None)
+        self.fmt, self.knobs = declared_format(directory) if "quantization_config" in config else (None, None)
         report = LoadReport()
         logged: list[str] = []
         with captured_warnings(report.warnings, full=logged):

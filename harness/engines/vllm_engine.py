@@ -124,10 +124,10 @@ class VllmEngine(Engine):
         )
 
     def load(self, directory: str) -> LoadReport:
-        from harness.oracle.reference import format_and_knobs
+        from harness.checkpoints.reader import declared_format
 
         config = checkpoint_config(directory)
-        self.fmt, self.knobs = format_and_knobs(directory) if "quantization_config" in config else (None, None)
+        self.fmt, self.knobs = declared_format(directory) if "quantization_config" in config else (None, None)
         self.vocab_size = config["vocab_size"]
         report = LoadReport()
         try:

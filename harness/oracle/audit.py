@@ -34,6 +34,7 @@ from harness.checkpoints.reader import (
     CONFIG_FILE,
     INDEX_FILE,
     SINGLE_FILE,
+    config_problems,
     contained_file,
     read_json,
     read_safetensors_header,
@@ -122,7 +123,7 @@ class AuditResult:
         if check not in CHECKS:
             raise ValueError(f"unknown audit check {check!r}")
         module = tensor.rpartition(".")[0] if module is None else module
-        self.findings.append(AuditFinding(check, module, tensor, file, reason))
+        self.findings.append(AuditFinding(check, *map(_text, (module, tensor, file, reason))))
 
     def to_json(self) -> dict:
         by_check = {c: sum(1 for f in self.findings if f.check == c) for c in CHECKS}
@@ -139,6 +140,12 @@ class AuditResult:
             "findings": [asdict(f) for f in self.findings],
             "refusals": self.refusals,
         }
+
+
+def _text(name: str) -> str:
+    """A name as text any terminal or file takes: a file name that is not UTF-8 on disk (Python
+    holds its bytes as lone surrogates) is shown with backslash escapes, never a crash."""
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def audit_checkpoint(directory: str | Path) -> AuditResult:
@@ -159,6 +166,8 @@ def audit_checkpoint(directory: str | Path) -> AuditResult:
     except FormatError as error:
         raise CheckpointError(config_path, str(error)) from None
     result = AuditResult(str(directory), fmt.name)
+    for problem in config_problems(config):
+        result.add("config", "", CONFIG_FILE, problem, module="")
     tensors = read_layout(directory, result)
     result.tensors = len(tensors)
     result.files = len({s.file for s in tensors.values()})

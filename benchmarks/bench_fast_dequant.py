@@ -1,0 +1,191 @@
+"""Throughput of the fast dequantizer (harness/oracle/fast.py) on a real-size weight, next to a
+plain copy of its output timed in the same process.
+
+Not a test: it asserts nothing about speed. For each format it quantizes one random bfloat16
+[size, size] weight once (untimed), then for each output dtype (float32, bfloat16) times
+`FastDequantizer(dtype, verify=False, reuse_output=True).dequantize` (the output and scratch
+buffers are allocated by one untimed warm-up call, as `dequant --fast` reuses them from tensor
+to tensor), the same with the sampled verification against the float64 reference (`verify=True`,
+what `dequant --fast` runs), and `copy_()` of a [size, size] tensor of the output dtype into an
+existing one. Once per format the whole result is compared with the float64 reference, bit for
+bit, and the bfloat16 elements that differ from the float64 value rounded once are counted.
+
+    .venv/bin/python benchmarks/bench_fast_dequant.py                 # 8192 x 8192, 2 threads
+    .venv/bin/python benchmarks/bench_fast_dequant.py --size 2048 --repeat 3 --formats fp8-block
+
+Results go to a JSON file (default benchmarks/results/fast-dequant-<host>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from machine import cpu_model, machine_tag  # noqa: E402  (benchmarks/ is the script directory)
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from harness.formats import FORMAT_NAMES, get_format  # noqa: E402
+from harness.oracle.fast import TILE_ELEMENTS, FastDequantizer, first_difference  # noqa: E402
+
+OUTPUTS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def best_and_median(fn, repeat: int) -> dict:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return {"best_s": round(min(times), 6), "median_s": round(statistics.median(times), 6)}
+
+
+def rounded_once_to_bfloat16(reference: torch.Tensor) -> torch.Tensor:
+    """float64 -> bfloat16 with a single rounding: round to odd into float32 (24 >= 8 + 2 bits),
+    then to nearest-even bfloat16."""
+    nearest = reference.to(torch.float32)
+    inexact = nearest.to(torch.float64) != reference
+    overshot = nearest.to(torch.float64).abs() > reference.abs()
+    toward_zero = torch.where(overshot, torch.nextafter(nearest, torch.zeros_like(nearest)), nearest)
+    odd = (toward_zero.view(torch.int32) | inexact.to(torch.int32)).view(torch.float32)
+    return odd.to(torch.bfloat16)
+
+
+def bench_output(fmt, knobs, tensors, name, dtype, reference, repeat: int, tile_elements: int) -> dict:
+    elements = reference.numel()
+    bytes_in = sum(t.numel() * t.element_size() for t in tensors.values())
+    plain = FastDequantizer(dtype, verify=False, reuse_output=True, tile_elements=tile_elements)
+    checked = FastDequantizer(dtype, verify=True, reuse_output=True, tile_elements=tile_elements)
+    out = plain.dequantize(fmt, knobs, tensors)  # warm-up: allocates the output and scratch buffers
+    checked.dequantize(fmt, knobs, tensors, name)
+    fast = best_and_median(functools.partial(plain.dequantize, fmt, knobs, tensors), repeat)
+    verified = best_and_median(functools.partial(checked.dequantize, fmt, knobs, tensors, name), repeat)
+    source, target = out.clone(), torch.empty_like(out)
+    target.copy_(source)
+    copy = best_and_median(functools.partial(target.copy_, source), repeat)
+    bytes_out = elements * out.element_size()
+    entry = {
+        "fast": fast,
+        "fast_with_sampled_verification": verified,
+        "copy_output_into_existing": copy,
+        "output_bytes": bytes_out,
+        "fast_melem_per_s_best": round(elements / fast["best_s"] / 1e6, 1),
+        "fast_gb_per_s_in_plus_out_best": round((bytes_in + bytes_out) / fast["best_s"] / 1e9, 3),
+        "copy_melem_per_s_best": round(elements / copy["best_s"] / 1e6, 1),
+        "copy_gb_per_s_in_plus_out_best": round(2 * bytes_out / copy["best_s"] / 1e9, 3),
+        "fast_over_copy_time_best": round(fast["best_s"] / copy["best_s"], 3),
+        "fast_over_copy_time_median": round(fast["median_s"] / copy["median_s"], 3),
+        "verification_overhead_s_median": round(verified["median_s"] - fast["median_s"], 4),
+        "equal_to_reference_rounded": first_difference(out, reference) is None,
+    }
+    extra = ""
+    if dtype == torch.bfloat16:
+        differs = int((out.view(torch.int16) != rounded_once_to_bfloat16(reference).view(torch.int16)).sum())
+        entry["bfloat16_elements_off_by_double_rounding"] = differs
+        extra = f", bf16 elements off by double rounding: {differs}"
+    print(
+        f"[{name}] {str(dtype).removeprefix('torch.')}: fast {fast['best_s'] * 1e3:.1f} ms best / "
+        f"{fast['median_s'] * 1e3:.1f} median ({entry['fast_melem_per_s_best']:.0f} Melem/s, "
+        f"{entry['fast_gb_per_s_in_plus_out_best']:.2f} GB/s in+out), with verification "
+        f"{verified['median_s'] * 1e3:.1f} ms median | copy {copy['best_s'] * 1e3:.1f} ms "
+        f"({entry['copy_gb_per_s_in_plus_out_best']:.2f} GB/s) | fast/copy {entry['fast_over_copy_time_best']:.2f}x "
+        f"| equal to the reference: {entry['equal_to_reference_rounded']}{extra}",
+        flush=True,
+    )
+    return entry
+
+
+def bench_format(name: str, weight: torch.Tensor, repeat: int, tile_elements: int) -> dict:
+    fmt = get_format(name)
+    knobs = fmt.resolve_knobs({})
+    start = time.perf_counter()
+    quantized = fmt.quantize(weight, knobs, model_dtype=torch.bfloat16, activation_amax=4.0)
+    record = {"format": name, "quantize_s": round(time.perf_counter() - start, 2)}
+    tensors = quantized.tensors
+    record["input_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
+    start = time.perf_counter()
+    reference = fmt.dequantize(tensors, knobs)
+    record["reference_s_once"] = round(time.perf_counter() - start, 3)
+    for label, dtype in OUTPUTS.items():
+        record[label] = bench_output(fmt, knobs, tensors, name, dtype, reference, repeat, tile_elements)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=int, default=8192)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    parser.add_argument("--formats", default=",".join(FORMAT_NAMES))
+    parser.add_argument("--tile-elements", type=int, default=TILE_ELEMENTS)
+    parser.add_argument("--out", default=None, help="default benchmarks/results/fast-dequant-<host>.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    names = [n.strip() for n in args.formats.split(",") if n.strip()]
+    out_path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"fast-dequant-{machine_tag()}.json"
+    info = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    print(f"machine: {info['cpu_model']}, {info['cpu_count']} cores, torch {info['torch']}, {args.threads} threads")
+    load = os.getloadavg()
+    if load[0] > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: load average {load[0]:.2f}: other processes use the CPUs; figures will be noisy")
+    started = time.perf_counter()
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(args.size, args.size, generator=generator) * 0.02).to(torch.bfloat16)
+    report = {
+        "benchmark": "fast dequantize (float32 / bfloat16) vs copy of its output",
+        "command": " ".join([".venv/bin/python", "benchmarks/bench_fast_dequant.py", *(argv or sys.argv[1:])]),
+        "settings": {
+            "size": args.size,
+            "repeat": args.repeat,
+            "threads": args.threads,
+            "tile_elements": args.tile_elements,
+            "weight": f"randn * 0.02 -> bfloat16 [{args.size}, {args.size}], default knobs",
+        },
+        "machine": info,
+        "loadavg_start": [round(x, 2) for x in load],
+        "definitions": {
+            "fast": "FastDequantizer(verify=False, reuse_output=True).dequantize: preallocated output",
+            "fast_with_sampled_verification": "the same with verify=True (dequant --fast): corner and seeded "
+            "tiles recomputed by the float64 reference",
+            "copy_output_into_existing": "copy_() of a [size, size] tensor of the output dtype into an existing one",
+            "gb_per_s_in_plus_out": "(bytes of the stored tensors + bytes of the output) / best time; "
+            "copy: 2 x output bytes / best time",
+            "equal_to_reference_rounded": "bit for bit equal to fmt.dequantize(...).to(float32).to(dtype)",
+            "bfloat16_elements_off_by_double_rounding": "elements differing from the float64 reference "
+            "rounded once to bfloat16",
+        },
+        "results": [],
+    }
+    for name in names:
+        report["results"].append(bench_format(name, weight, args.repeat, args.tile_elements))
+    report["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    report["total_s"] = round(time.perf_counter() - started, 1)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out_path} ({report['total_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
