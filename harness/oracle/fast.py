@@ -51,8 +51,8 @@ from harness.formats.modelopt_nvfp4 import ModeloptNvfp4
 from harness.oracle.reference import format_and_knobs, group_modules
 
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-#: output elements per row tile: below torch's grain size (see TileRunner), and in cache between passes
-TILE_ELEMENTS = 1 << 14
+#: output elements per row tile: just below torch's grain size, 32768 (see TileRunner); 128 KiB of float32
+TILE_ELEMENTS = (1 << 15) - 1
 #: the largest verification tile side; tiles hold whole scale blocks where the blocks are smaller
 VERIFY_SIDE = 128
 #: verified tiles per tensor besides the four corners (the last one holds the last partial block)
@@ -158,7 +158,7 @@ class _Scratch:
 class TileRunner:
     """Runs row tiles on torch.get_num_threads() worker threads, each over its own contiguous share
     of the rows with its own scratch. A tile holds at most `tile_elements` (below torch's grain
-    size, 32768), so torch runs every op inline in its worker: the workers never wait for one
+    size, 32768, at which an op starts using torch's own threads), so torch runs every op inline in its worker: the workers never wait for one
     another inside an op, which on a shared machine costs more than the op (docs/benchmarks.md)."""
 
     def __init__(self, tile_elements: int = TILE_ELEMENTS):
