@@ -24,6 +24,17 @@ TINY_DEFAULTS: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+#: config.json fields every engine reads as positive integers (the reader refuses anything else)
+CONFIG_INTEGERS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+)
+
 PROJECTIONS = (
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -49,15 +60,7 @@ class Architecture:
             if key not in values:
                 raise KeyError(key)
             values[key] = value
-        for key in (
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "vocab_size",
-        ):
+        for key in CONFIG_INTEGERS:
             if not isinstance(values[key], int) or isinstance(values[key], bool) or values[key] < 1:
                 raise ValueError(f"{key} must be a positive integer, got {values[key]!r}")
         if values["hidden_size"] % values["num_attention_heads"]:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from harness.checkpoints.architectures import CONFIG_INTEGERS
 from harness.core.errors import CheckpointError
 
 CONFIG_FILE = "config.json"
@@ -266,16 +267,7 @@ def contained_file(directory: Path, name: Any, what: str, referrer: Path | None 
     return path
 
 
-#: config.json fields every engine reads as positive integers, or as names; null counts as absent
-CONFIG_INTEGERS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "vocab_size",
-)
+#: config.json fields every engine reads as names (CONFIG_INTEGERS: as positive integers); null counts as absent
 CONFIG_STRINGS = ("model_type", "dtype", "torch_dtype")
 
 
