@@ -21,7 +21,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from harness.core.errors import HarnessError
-from harness.core.findings import KINDS, Finding
+from harness.core.findings import CONSEQUENCE_KINDS, KINDS, Finding
 from harness.core.paths import CASES_DIR
 from harness.differential.misreadings import WEIGHT_KINDS, require_misreading
 from harness.differential.preconditions import Predicate, checkpoint_context, known_names, module_context
@@ -43,7 +43,6 @@ FIELDS = {
     "reproducer",
     "status",
 }
-CONSEQUENCES = {"logprobs", "topk", "perplexity", "nonfinite-logits"}
 REQUIRED = {"id", "engine", "versions", "formats", "kind", "reason", "reproducer"}
 
 
@@ -219,11 +218,11 @@ class KnownIssues:
             if note:
                 item.metrics["attribution"] = note
         for engine in {f.engine for f in findings}:
-            causes = [f for f in findings if f.engine == engine and f.kind not in CONSEQUENCES]
+            causes = [f for f in findings if f.engine == engine and f.kind not in CONSEQUENCE_KINDS]
             ids = {f.known_issue for f in causes}
             if causes and None not in ids:
                 for item in findings:
-                    if item.engine == engine and item.kind in CONSEQUENCES and item.known_issue is None:
+                    if item.engine == engine and item.kind in CONSEQUENCE_KINDS and item.known_issue is None:
                         item.known_issue = sorted(ids)[0]
 
     def by_id(self, issue_id: str) -> KnownIssue:
