@@ -2,12 +2,19 @@
 
 Sizes are free (`--set hidden_size=200`): `head_dim` is set explicitly so that hidden and
 intermediate sizes need not be multiples of anything, which is where block grids break.
+
+Each architecture writes the tensor names its producers write on disk: dense llama/qwen2;
+Phi-3 with `qkv_proj` and `gate_up_proj` fused on disk; Mixtral (`block_sparse_moe.experts.E.w1/w2/w3`),
+Qwen2-MoE (a shared expert and its gate), Qwen3-MoE (q/k norms) and DeepSeek-V3 (MLA attention,
+dense first layers, shared experts, `e_score_correction_bias`) with one tensor per expert. The
+routers are plain Linears that producers leave unquantized (`ignored_modules`). How a transformers
+model holds these tensors (experts packed 3-D) is `harness.checkpoints.model_layout`'s job.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from harness.checkpoints.tokenizer import BYTE_VOCAB_SIZE
@@ -35,15 +42,26 @@ CONFIG_INTEGERS = (
     "vocab_size",
 )
 
-PROJECTIONS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
+ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+PROJECTIONS = ATTENTION + MLP
+
+
+@dataclass(frozen=True)
+class MoE:
+    """How an architecture names and sizes its mixture of experts."""
+
+    block: str  # "block_sparse_moe" (Mixtral) or "mlp"
+    experts_key: str  # the config field holding the number of routed experts
+    intermediate_key: str  # the config field holding an expert's intermediate size
+    #: (gate, up, down) names of one expert's projections
+    parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    #: the shared expert's module name and how its intermediate size is found
+    shared: str = ""
+    shared_size_key: str = ""  # a config field, or "" for moe_intermediate_size x n_shared_experts
+    shared_gate: bool = False  # Qwen2-MoE's Linear(hidden, 1) that gates the shared expert
+    score_bias: bool = False  # DeepSeek-V3's router `e_score_correction_bias` (float32)
+    dense_first_key: str = ""  # config field: how many first layers keep a dense MLP
 
 
 @dataclass(frozen=True)
@@ -53,6 +71,13 @@ class Architecture:
     class_name: str
     #: config keys this architecture accepts beyond TINY_DEFAULTS, with their defaults
     extra_defaults: Mapping[str, Any]
+    #: config fields written as they are (not settable: the model class needs them)
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    attention: str = "split"  # "split" q/k/v/o, "fused" qkv_proj (Phi-3), "mla" (DeepSeek)
+    mlp: str = "split"  # "split" gate/up/down, "fused" gate_up_proj (Phi-3)
+    moe: MoE | None = None
+    qkv_bias: bool = False  # q/k/v always biased (Qwen2, Qwen2-MoE)
+    qk_norm: bool = False  # per-head RMSNorm of q and k (Qwen3)
 
     def settings(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
         values = {**TINY_DEFAULTS, **self.extra_defaults}
@@ -60,8 +85,13 @@ class Architecture:
             if key not in values:
                 raise KeyError(key)
             values[key] = value
-        for key in CONFIG_INTEGERS:
-            if not isinstance(values[key], int) or isinstance(values[key], bool) or values[key] < 1:
+        if self.attention == "mla":  # no grouped-query attention: transformers repeats k/v by this ratio
+            values["num_key_value_heads"] = values["num_attention_heads"]
+        integers = CONFIG_INTEGERS + tuple(k for k, v in self.extra_defaults.items() if type(v) is int)
+        for key in integers:
+            if not isinstance(values[key], int) or isinstance(values[key], bool) or values[key] < 0:
+                raise ValueError(f"{key} must be a positive integer, got {values[key]!r}")
+            if values[key] < 1 and key in CONFIG_INTEGERS + self.positive_keys():
                 raise ValueError(f"{key} must be a positive integer, got {values[key]!r}")
         if values["hidden_size"] % values["num_attention_heads"]:
             # transformers' LlamaConfig validation refuses it, even with an explicit head_dim
@@ -70,13 +100,23 @@ class Architecture:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if values["vocab_size"] < BYTE_VOCAB_SIZE:
             raise ValueError(f"vocab_size must be at least {BYTE_VOCAB_SIZE} (the byte-level tokenizer)")
+        if self.moe and values["num_experts_per_tok"] > values[self.moe.experts_key]:
+            raise ValueError("num_experts_per_tok must not exceed the number of experts")
         return values
+
+    def positive_keys(self) -> tuple[str, ...]:
+        """Integer fields that must be at least 1 (others, e.g. first_k_dense_replace, may be 0)."""
+        if not self.moe:
+            return ()
+        keys = (self.moe.experts_key, self.moe.intermediate_key, "num_experts_per_tok")
+        return keys + ((self.moe.shared_size_key,) if self.moe.shared_size_key else ())
 
     def config_json(self, settings: Mapping[str, Any], dtype: str) -> dict[str, Any]:
         config = {
             "architectures": [self.class_name],
             "model_type": self.model_type,
             **settings,
+            **self.fixed,
             "hidden_act": "silu",
             "rms_norm_eps": 1e-6,
             "rope_theta": 10000.0,
@@ -87,56 +127,234 @@ class Architecture:
             "use_cache": True,
             "dtype": dtype,
         }
+        if self.attention == "mla":
+            config["head_dim"] = settings["qk_rope_head_dim"]  # what DeepseekV3Config derives
         return config
 
+    # -- the tensors -------------------------------------------------------------------------
+
+    def attention_shapes(self, settings: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+        hidden, head = settings["hidden_size"], settings["head_dim"]
+        heads, kv_heads = settings["num_attention_heads"], settings["num_key_value_heads"]
+        if self.attention == "mla":
+            qk_head = settings["qk_nope_head_dim"] + settings["qk_rope_head_dim"]
+            q_rank, kv_rank = settings["q_lora_rank"], settings["kv_lora_rank"]
+            return {
+                "self_attn.q_a_proj": (q_rank, hidden),
+                "self_attn.q_b_proj": (heads * qk_head, q_rank),
+                "self_attn.kv_a_proj_with_mqa": (kv_rank + settings["qk_rope_head_dim"], hidden),
+                "self_attn.kv_b_proj": (heads * (settings["qk_nope_head_dim"] + settings["v_head_dim"]), kv_rank),
+                "self_attn.o_proj": (hidden, heads * settings["v_head_dim"]),
+            }
+        if self.attention == "fused":
+            return {
+                "self_attn.qkv_proj": ((heads + 2 * kv_heads) * head, hidden),
+                "self_attn.o_proj": (hidden, heads * head),
+            }
+        return {
+            "self_attn.q_proj": (heads * head, hidden),
+            "self_attn.k_proj": (kv_heads * head, hidden),
+            "self_attn.v_proj": (kv_heads * head, hidden),
+            "self_attn.o_proj": (hidden, heads * head),
+        }
+
+    def dense_mlp_shapes(self, settings: Mapping[str, Any], prefix: str = "mlp", size: int | None = None):
+        hidden, inter = settings["hidden_size"], settings["intermediate_size"] if size is None else size
+        if self.mlp == "fused":
+            return {f"{prefix}.gate_up_proj": (2 * inter, hidden), f"{prefix}.down_proj": (hidden, inter)}
+        return {
+            f"{prefix}.gate_proj": (inter, hidden),
+            f"{prefix}.up_proj": (inter, hidden),
+            f"{prefix}.down_proj": (hidden, inter),
+        }
+
+    def is_sparse(self, settings: Mapping[str, Any], layer: int) -> bool:
+        return bool(self.moe) and layer >= (settings[self.moe.dense_first_key] if self.moe.dense_first_key else 0)
+
+    def mlp_shapes(self, settings: Mapping[str, Any], layer: int) -> dict[str, tuple[int, int]]:
+        """[out, in] of each MLP Linear of decoder layer `layer` (experts one by one)."""
+        moe = self.moe
+        if not self.is_sparse(settings, layer):
+            return self.dense_mlp_shapes(settings)
+        hidden, inter = settings["hidden_size"], settings[moe.intermediate_key]
+        gate, up, down = moe.parts
+        shapes = {}
+        for expert in range(settings[moe.experts_key]):
+            prefix = f"{moe.block}.experts.{expert}"
+            shapes |= {
+                f"{prefix}.{gate}": (inter, hidden),
+                f"{prefix}.{up}": (inter, hidden),
+                f"{prefix}.{down}": (hidden, inter),
+            }
+        size = settings[moe.shared_size_key] if moe.shared_size_key else inter * settings.get("n_shared_experts", 0)
+        if moe.shared and size:
+            shapes |= self.dense_mlp_shapes(settings, f"{moe.block}.{moe.shared}", size)
+        return shapes
+
+    def projection_shapes(self, settings: Mapping[str, Any], layer: int | None = None) -> dict[str, tuple[int, int]]:
+        """[out, in] of each quantizable Linear in decoder layer `layer` (the last one by default:
+        a sparse layer where the architecture has experts)."""
+        layer = settings["num_hidden_layers"] - 1 if layer is None else layer
+        return self.attention_shapes(settings) | self.mlp_shapes(settings, layer)
+
     def biased_projections(self, settings: Mapping[str, Any]) -> set[str]:
-        if self.name == "qwen2":
+        if self.qkv_bias:
             return {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}
         biased = set()
         if settings.get("attention_bias"):
-            biased |= {p for p in PROJECTIONS if p.startswith("self_attn.")}
+            biased |= set(self.attention_shapes(settings))
         if settings.get("mlp_bias"):
-            biased |= {p for p in PROJECTIONS if p.startswith("mlp.")}
+            biased |= {p for p in self.dense_mlp_shapes(settings)}
         return biased
 
-    def projection_shapes(self, settings: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
-        """[out, in] of each Linear in one decoder layer."""
-        hidden, inter, head = settings["hidden_size"], settings["intermediate_size"], settings["head_dim"]
-        q_out = settings["num_attention_heads"] * head
-        kv_out = settings["num_key_value_heads"] * head
-        return {
-            "self_attn.q_proj": (q_out, hidden),
-            "self_attn.k_proj": (kv_out, hidden),
-            "self_attn.v_proj": (kv_out, hidden),
-            "self_attn.o_proj": (hidden, q_out),
-            "mlp.gate_proj": (inter, hidden),
-            "mlp.up_proj": (inter, hidden),
-            "mlp.down_proj": (hidden, inter),
-        }
+    def router_shapes(self, settings: Mapping[str, Any], layer: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The unquantized routing tensors of a sparse layer: name -> (shape, role)."""
+        if not self.is_sparse(settings, layer):
+            return {}
+        moe, hidden = self.moe, settings["hidden_size"]
+        experts = settings[moe.experts_key]
+        tensors = {f"{moe.block}.gate.weight": ((experts, hidden), "router")}
+        if moe.score_bias:
+            tensors[f"{moe.block}.gate.e_score_correction_bias"] = ((experts,), "router_bias")
+        if moe.shared_gate:
+            tensors[f"{moe.block}.shared_expert_gate.weight"] = ((1, hidden), "router")
+        return tensors
+
+    def norm_shapes(self, settings: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        hidden = settings["hidden_size"]
+        norms = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,)}
+        if self.qk_norm:
+            norms |= {
+                "self_attn.q_norm.weight": (settings["head_dim"],),
+                "self_attn.k_norm.weight": (settings["head_dim"],),
+            }
+        if self.attention == "mla":
+            norms |= {
+                "self_attn.q_a_layernorm.weight": (settings["q_lora_rank"],),
+                "self_attn.kv_a_layernorm.weight": (settings["kv_lora_rank"],),
+            }
+        return norms
+
+    def ignored_modules(self, settings: Mapping[str, Any]) -> list[str]:
+        """Modules producers leave unquantized, as listed in the ignore list: lm_head and routers."""
+        ignored = ["lm_head"]
+        for layer in range(settings["num_hidden_layers"]):
+            for name, (_, role) in self.router_shapes(settings, layer).items():
+                if role == "router":
+                    ignored.append(f"model.layers.{layer}.{name.removesuffix('.weight')}")
+        return ignored
 
     def tensor_layout(self, settings: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
         """Every checkpoint tensor of the float model: name -> (shape, role).
 
-        Roles: `linear` (quantizable weight), `bias`, `norm`, `embedding`, `lm_head`.
+        Roles: `linear` (quantizable weight), `bias`, `norm`, `embedding`, `lm_head`, `router`
+        (an unquantized routing Linear) and `router_bias` (stored float32, as DeepSeek-V3 does).
         """
         hidden, vocab = settings["hidden_size"], settings["vocab_size"]
         layout: dict[str, tuple[tuple[int, ...], str]] = {"model.embed_tokens.weight": ((vocab, hidden), "embedding")}
         biased = self.biased_projections(settings)
         for layer in range(settings["num_hidden_layers"]):
             prefix = f"model.layers.{layer}"
-            layout[f"{prefix}.input_layernorm.weight"] = ((hidden,), "norm")
-            layout[f"{prefix}.post_attention_layernorm.weight"] = ((hidden,), "norm")
-            for projection, shape in self.projection_shapes(settings).items():
+            for name, shape in self.norm_shapes(settings).items():
+                layout[f"{prefix}.{name}"] = (shape, "norm")
+            for projection, shape in self.projection_shapes(settings, layer).items():
                 layout[f"{prefix}.{projection}.weight"] = (shape, "linear")
                 if projection in biased:
                     layout[f"{prefix}.{projection}.bias"] = ((shape[0],), "bias")
+            for name, spec in self.router_shapes(settings, layer).items():
+                layout[f"{prefix}.{name}"] = spec
         layout["model.norm.weight"] = ((hidden,), "norm")
         if not settings["tie_word_embeddings"]:
             layout["lm_head.weight"] = ((vocab, hidden), "lm_head")
         return layout
 
 
+_MOE_COMMON = {"num_experts_per_tok": 2, "norm_topk_prob": True, "output_router_logits": False}
+#: small odd expert sizes: three experts (an odd count), an intermediate that is not a multiple of 16
+_EXPERTS = 3
+_EXPERT_SIZE = 96
+
 ARCHITECTURES = {
     "llama": Architecture("llama", "llama", "LlamaForCausalLM", {"attention_bias": False, "mlp_bias": False}),
-    "qwen2": Architecture("qwen2", "qwen2", "Qwen2ForCausalLM", {}),
+    "qwen2": Architecture("qwen2", "qwen2", "Qwen2ForCausalLM", {}, qkv_bias=True),
+    "phi3": Architecture("phi3", "phi3", "Phi3ForCausalLM", {}, attention="fused", mlp="fused"),
+    "mixtral": Architecture(
+        "mixtral",
+        "mixtral",
+        "MixtralForCausalLM",
+        {"num_local_experts": _EXPERTS, "num_experts_per_tok": 2},
+        fixed={"router_aux_loss_coef": 0.02, "output_router_logits": False, "sliding_window": None},
+        moe=MoE("block_sparse_moe", "num_local_experts", "intermediate_size", parts=("w1", "w3", "w2")),
+    ),
+    "qwen2_moe": Architecture(
+        "qwen2_moe",
+        "qwen2_moe",
+        "Qwen2MoeForCausalLM",
+        {
+            "num_experts": _EXPERTS,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": _EXPERT_SIZE,
+            "shared_expert_intermediate_size": 112,
+        },
+        fixed={**_MOE_COMMON, "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
+        moe=MoE(
+            "mlp",
+            "num_experts",
+            "moe_intermediate_size",
+            shared="shared_expert",
+            shared_size_key="shared_expert_intermediate_size",
+            shared_gate=True,
+        ),
+        qkv_bias=True,
+    ),
+    "qwen3_moe": Architecture(
+        "qwen3_moe",
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        {"num_experts": _EXPERTS, "num_experts_per_tok": 2, "moe_intermediate_size": _EXPERT_SIZE},
+        fixed={**_MOE_COMMON, "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False},
+        moe=MoE("mlp", "num_experts", "moe_intermediate_size"),
+        qk_norm=True,
+    ),
+    "deepseek_v3": Architecture(
+        "deepseek_v3",
+        "deepseek_v3",
+        "DeepseekV3ForCausalLM",
+        {
+            "n_routed_experts": _EXPERTS,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": _EXPERT_SIZE,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "q_lora_rank": 48,
+            "kv_lora_rank": 32,
+            "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 32,
+            "v_head_dim": 32,
+        },
+        fixed={
+            **_MOE_COMMON,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "rope_interleave": True,
+            "attention_bias": False,
+        },
+        attention="mla",
+        moe=MoE(
+            "mlp",
+            "n_routed_experts",
+            "moe_intermediate_size",
+            shared="shared_experts",
+            score_bias=True,
+            dense_first_key="first_k_dense_replace",
+        ),
+    ),
 }
+
+
+def architecture_for(model_type: str) -> Architecture | None:
+    """The registered architecture a checkpoint's `model_type` names (None: not one of ours)."""
+    return next((arch for arch in ARCHITECTURES.values() if arch.model_type == model_type), None)

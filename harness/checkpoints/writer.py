@@ -30,7 +30,6 @@ MANIFEST_FILE = "harness_manifest.json"
 TRUTH_DIR = "harness_truth"
 TRUTH_FILE = f"{TRUTH_DIR}/truth.safetensors"
 ORIGINAL_FILE = f"{TRUTH_DIR}/original.safetensors"
-IGNORED_MODULES = ["lm_head"]
 EXTREME_FACTORS = {"none": 1.0, "tiny": 1e-4, "huge": 1e3}
 
 
@@ -45,8 +44,11 @@ def float_weights(resolved: ResolvedRecipe) -> dict[str, torch.Tensor]:
     weights = {}
     for name, (shape, role) in arch.tensor_layout(resolved.settings).items():
         normal = torch.randn(shape, generator=generator, dtype=torch.float32)
-        if role in ("linear", "lm_head"):
+        if role in ("linear", "lm_head", "router"):
             value = normal / math.sqrt(shape[1])
+        elif role == "router_bias":  # DeepSeek-V3 stores it float32, whatever the model dtype
+            weights[name] = 0.1 * normal
+            continue
         elif role == "bias":
             magnitude = 0.5 + 0.5 * torch.rand(shape, generator=generator)
             value = torch.where(normal < 0, -magnitude, magnitude)
@@ -180,7 +182,8 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
     _write_shards(out, {rename[n]: t for n, t in tensors.items()}, names, resolved.layout["shards"], split_pairs)
 
     config = arch.config_json(resolved.settings, resolved.layout["dtype"])
-    config["quantization_config"] = fmt.quantization_config(resolved.knobs, IGNORED_MODULES)
+    ignored = [rename_key(m, prefix) for m in arch.ignored_modules(resolved.settings)]
+    config["quantization_config"] = fmt.quantization_config(resolved.knobs, ignored)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}, indent=2) + "\n"

@@ -39,7 +39,24 @@ class CompressedTensorsEngine(HFModelEngine):
             compressor.compress_model(self.model)
             state = {canonical_name(name): tensor for name, tensor in Checkpoint(directory).tensors()}
             result = self.model.load_state_dict(state, strict=False)
+            homeless_experts(self.model, result.unexpected_keys)
             compressor.decompress_model(self.model)
         report.missing = sorted(set(result.missing_keys) - tied)
         report.unexpected = sorted(result.unexpected_keys)
         return report
+
+
+def homeless_experts(model, unexpected: list[str]) -> None:
+    """compressed-tensors attaches its schemes to nn.Linear modules; transformers 5 packs a sparse
+    layer's experts in 3-D parameters, so per-expert tensors have no module to load into. That
+    is this way of driving compressed-tensors that cannot load the model: say so (unsupported)
+    rather than judge random experts."""
+    from harness.engines.base import EngineUnsupported
+
+    packed = [name for name, _ in model.named_parameters() if name.endswith(".experts.gate_up_proj")]
+    orphans = [key for key in unexpected if ".experts." in key]
+    if packed and orphans:
+        raise EngineUnsupported(
+            f"compressed-tensors quantizes nn.Linear modules; this transformers model packs its experts in 3-D "
+            f"parameters ({packed[0]}), so {len(orphans)} per-expert checkpoint tensors have no module to load into"
+        )

@@ -44,7 +44,9 @@ class HFModelEngine(Engine):
         self.fmt = self.knobs = None
 
     def weights(self):
-        return held_weights(self.model, self.fmt, self.knobs)
+        from harness.checkpoints.model_layout import to_checkpoint_names
+
+        return to_checkpoint_names(loaded_config(self.model), held_weights(self.model, self.fmt, self.knobs))
 
     def logprobs(self, sequences):
         return model_logprobs(self.model, sequences)
@@ -80,6 +82,18 @@ def model_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+#: the parameters and buffers compared: weights, biases, a transformers experts module's packed
+#: 3-D tensors (harness.checkpoints.model_layout) and DeepSeek-V3's router score bias
+COMPARED = ("weight", "bias", "gate_up_proj", "down_proj", "e_score_correction_bias")
+
+
+def loaded_config(model) -> dict:
+    """The config.json the model was loaded from (its field names, which transformers may rename
+    in `config.to_dict()`: Qwen3-MoE's num_experts), else the model's config."""
+    path = Path(str(getattr(model.config, "name_or_path", ""))) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else model.config.to_dict()
+
+
 def held_weights(model, fmt=None, knobs=None) -> dict[str, torch.Tensor]:
     """The model's parameters under canonical names, float32. A Linear that still holds packed
     tensors (its weight not floating point, or FP8) is dequantized with the format's reference
@@ -98,7 +112,7 @@ def held_weights(model, fmt=None, knobs=None) -> dict[str, torch.Tensor]:
                 result[canonical_name(f"{module_name}.bias")] = params["bias"].float()
             continue
         for name, tensor in params.items():
-            if name in ("weight", "bias") and tensor.is_floating_point():
+            if name in COMPARED and tensor.is_floating_point():
                 result[canonical_name(f"{module_name}.{name}" if module_name else name)] = tensor.float()
     return result
 

@@ -1,0 +1,80 @@
+"""How a transformers model holds the tensors a checkpoint stores, and back.
+
+Producers write one tensor per expert (`…experts.E.gate_proj.weight`); transformers 5 holds a
+sparse layer's experts packed in 3-D (`…mlp.experts.gate_up_proj` [E, 2I, H], gate rows first,
+and `…mlp.experts.down_proj` [E, H, I]) and Mixtral's `block_sparse_moe` under `mlp`. Written
+here from the architecture's own layout, not from transformers' conversion code, so the reference
+engine does not borrow the loader it judges. Weights are compared under checkpoint names:
+`to_checkpoint_names` splits what a model holds back into the tensors the checkpoint stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from harness.checkpoints.architectures import Architecture, architecture_for
+
+
+def packed_experts(arch: Architecture, settings: Mapping) -> dict[str, tuple[list[str], list[str]]]:
+    """model name of each packed expert tensor -> (checkpoint names concatenated along dim 1 per
+    expert, one list per part)."""
+    moe = arch.moe
+    if moe is None:
+        return {}
+    gate, up, down = moe.parts
+    packed = {}
+    for layer in range(settings["num_hidden_layers"]):
+        if not arch.is_sparse(settings, layer):
+            continue
+        source = f"model.layers.{layer}.{moe.block}.experts"
+        target = f"model.layers.{layer}.mlp.experts"
+        experts = range(settings[moe.experts_key])
+        packed[f"{target}.gate_up_proj"] = (
+            [f"{source}.{e}.{gate}.weight" for e in experts],
+            [f"{source}.{e}.{up}.weight" for e in experts],
+        )
+        packed[f"{target}.down_proj"] = ([f"{source}.{e}.{down}.weight" for e in experts],)
+    return packed
+
+
+def renamed(arch: Architecture, name: str) -> str:
+    """A checkpoint name as the model calls it (Mixtral's block_sparse_moe lives under mlp)."""
+    if arch.moe and arch.moe.block != "mlp":
+        return name.replace(f".{arch.moe.block}.", ".mlp.")
+    return name
+
+
+def to_model_state(config: Mapping, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint-named tensors -> the model's state dict names (experts packed). Tensors of
+    a packed group that are absent leave the group out (the model reports it missing)."""
+    arch = architecture_for(config.get("model_type", ""))
+    if arch is None:
+        return state
+    result = dict(state)
+    for target, parts in packed_experts(arch, config).items():
+        if not all(name in result for part in parts for name in part):
+            continue
+        stacked = [torch.stack([result.pop(name) for name in part]) for part in parts]
+        result[target] = torch.cat(stacked, dim=1)
+    return {renamed(arch, name): tensor for name, tensor in result.items()}
+
+
+def to_checkpoint_names(config: Mapping, held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's tensors under the checkpoint's names: packed experts split per expert and part."""
+    arch = architecture_for(config.get("model_type", ""))
+    if arch is None:
+        return held
+    inverse = {renamed(arch, name): name for name in arch.tensor_layout(config)}
+    result = {}
+    for name, tensor in held.items():
+        parts = packed_experts(arch, config).get(name.removesuffix(".weight"))
+        if parts is None:
+            result[inverse.get(name, name)] = tensor
+            continue
+        widths = [tensor.shape[1] // len(parts)] * len(parts)
+        for part, piece in zip(parts, torch.split(tensor, widths, dim=1), strict=True):
+            for expert, checkpoint_name in enumerate(part):
+                result[checkpoint_name] = piece[expert]
+    return result
