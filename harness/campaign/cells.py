@@ -31,6 +31,9 @@ class Family:
     name: str
     why: str
     force: dict[str, tuple] = field(default_factory=dict, hash=False, compare=False)
+    #: the architectures and dtypes this family's cells span (empty: the coverage's own)
+    archs: tuple[str, ...] = ()
+    dtypes: tuple[str, ...] = ()
 
     def knobs(self) -> list[str]:
         return [key.partition(".")[2] for key in self.force if key.startswith("knobs.")]
@@ -59,6 +62,7 @@ class Coverage:
     families: dict[str, Family]
     held: tuple[str, ...]
     dtypes: tuple[str, ...]
+    archs: tuple[str, ...] = tuple(ARCHITECTURES)
 
     @classmethod
     def load(cls, path: Path = DEFAULT_FILE) -> Coverage:
@@ -66,24 +70,24 @@ class Coverage:
             data = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as error:
             raise HarnessError(f"{path}: cannot read the coverage cells ({error})") from None
-        unknown = set(data) - {"held", "dtypes", "family"}
+        unknown = set(data) - {"held", "dtypes", "archs", "family"}
         if unknown:
             raise HarnessError(f"{path}: unknown key(s) {sorted(unknown)}")
         families = {}
         for name, entry in data.get("family", {}).items():
-            if set(entry) - {"why", "force"}:
-                raise HarnessError(f"{path}: family {name}: unknown key(s) {sorted(set(entry) - {'why', 'force'})}")
+            if set(entry) - {"why", "force", "archs", "dtypes"}:
+                extra = sorted(set(entry) - {"why", "force", "archs", "dtypes"})
+                raise HarnessError(f"{path}: family {name}: unknown key(s) {extra}")
             force = {key: tuple(values) for key, values in entry.get("force", {}).items()}
             for key in force:
                 if key.partition(".")[0] not in SECTIONS or not key.partition(".")[2]:
                     raise HarnessError(f"{path}: family {name}: '{key}' is not one of {', '.join(SECTIONS)}.NAME")
-            families[name] = Family(name, entry.get("why", ""), force)
-        dtypes = tuple(data.get("dtypes", LAYOUT_CHOICES["dtype"]))
-        if set(dtypes) - set(LAYOUT_CHOICES["dtype"]):
-            raise HarnessError(
-                f"{path}: dtypes {sorted(set(dtypes) - set(LAYOUT_CHOICES['dtype']))} are not model dtypes"
-            )
-        return cls(families, tuple(data.get("held", ())), dtypes)
+            archs = _known(path, f"family {name}: archs", entry.get("archs", ()), ARCHITECTURES)
+            dtypes = _known(path, f"family {name}: dtypes", entry.get("dtypes", ()), LAYOUT_CHOICES["dtype"])
+            families[name] = Family(name, entry.get("why", ""), force, archs, dtypes)
+        dtypes = _known(path, "dtypes", data.get("dtypes", LAYOUT_CHOICES["dtype"]), LAYOUT_CHOICES["dtype"])
+        archs = _known(path, "archs", data.get("archs", tuple(ARCHITECTURES)), ARCHITECTURES)
+        return cls(families, tuple(data.get("held", ())), dtypes, archs)
 
     def force(self, cell: Cell) -> dict[str, tuple] | None:
         """The recipe fields `cell` forces (harness.campaign.strategies.recipes' `force`), or None
@@ -114,16 +118,24 @@ class Coverage:
         """Every cell that exists, in the order exploration visits them: a fixed interleaving
         (by a hash of the name) so that the first ones already span formats and families."""
         found = []
-        for fmt in formats or FORMAT_NAMES:
-            for arch in archs or ARCHITECTURES:
-                for dtype in self.dtypes:
-                    for family in families or self.families:
-                        if family not in self.families:
-                            raise HarnessError(f"unknown family '{family}' (known: {', '.join(self.families)})")
+        for family in families or self.families:
+            if family not in self.families:
+                raise HarnessError(f"unknown family '{family}' (known: {', '.join(self.families)})")
+            spans = self.families[family]
+            for fmt in formats or FORMAT_NAMES:
+                for arch in spans.archs or self.archs:
+                    for dtype in spans.dtypes or self.dtypes:
                         cell = Cell(fmt, arch, dtype, family)
-                        if self.force(cell) is not None:
+                        if (not archs or arch in archs) and self.force(cell) is not None:
                             found.append(cell)
         return sorted(found, key=lambda c: c.key())
+
+
+def _known(path: Path, what: str, values, known) -> tuple[str, ...]:
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise HarnessError(f"{path}: {what} {unknown} unknown (known: {', '.join(known)})")
+    return tuple(values)
 
 
 def parse_shard(text: str) -> tuple[int, int]:

@@ -17,6 +17,7 @@ import torch
 from hypothesis import event
 from hypothesis import strategies as st
 
+from harness.checkpoints import disagreements
 from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.recipe import LAYOUT_CHOICES, LAYOUT_DEFAULTS, PERTURB_CHOICES, PERTURB_DEFAULTS, Recipe
 from harness.core.numerics import ceil_div
@@ -179,6 +180,9 @@ def _architectures(draw, archs: tuple[str, ...], block: tuple[int, int], column_
     for key, default in ARCHITECTURES[name].extra_defaults.items():
         if isinstance(default, bool):
             config[key] = draw(st.booleans())
+        elif key.endswith("intermediate_size"):  # an expert's (or the shared expert's) width
+            config[key] = draw(dimensions(block[0], column_multiple))
+            event(f"{key}: {dimension_class(config[key], block[0])}")
     event(f"arch: {name}")
     event(f"tie_word_embeddings: {config['tie_word_embeddings']}")
     if name == "llama":
@@ -293,6 +297,20 @@ def scale_grids(recipe: Recipe) -> dict[str, tuple[int, int]]:
     return grids
 
 
+def fit_disagreement(recipe: Recipe) -> None:
+    """Give a drawn disagreement what it needs: an index (two shards) to disagree with; one the
+    format cannot carry (a quantization_status outside compressed-tensors) is dropped."""
+    kind = recipe.perturb.get("disagreement", "none")
+    if kind == "none":
+        return
+    fmt = get_format(recipe.format)
+    config = fmt.quantization_config(fmt.resolve_knobs(recipe.knobs), [])
+    if disagreements.DISAGREEMENTS[kind].needs_index and recipe.layout["shards"] < 2:
+        recipe.layout["shards"] = 2
+    if not disagreements.applies(kind, recipe.layout["shards"], config):
+        recipe.perturb["disagreement"] = "none"
+
+
 def recipes(formats=None, archs=None, force: Mapping[str, tuple] | None = None) -> st.SearchStrategy[Recipe]:
     """A valid recipe: a format and its knobs, then sizes against that format's scale block,
     an architecture, a layout, perturbations and a seed. `formats` and `archs` narrow the
@@ -319,6 +337,7 @@ def _recipes(draw, formats: tuple[str, ...], archs: tuple[str, ...], force: Forc
         layout=draw(layouts(force)),
         perturb=draw(perturbations(force)),
     )
+    fit_disagreement(recipe)
     if knobs.get("scale_layout") == "transposed":
         grids = scale_grids(recipe).values()
         event(

@@ -355,6 +355,10 @@ class Checkpoint:
     def names(self) -> list[str]:
         return sorted(self.weight_map)
 
+    def storage_dtypes(self) -> dict[str, str]:
+        """Tensor name -> its safetensors dtype (e.g. "F8_E4M3"), from the headers alone."""
+        return {name: self.headers[path][name]["dtype"] for name, path in self.weight_map.items()}
+
     def shard_of(self, name: str) -> Path:
         return self.weight_map[name]
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from harness.checkpoints.architectures import ARCHITECTURES
+from harness.checkpoints.disagreements import CHOICES as DISAGREEMENT_CHOICES
 from harness.core.errors import HarnessError
 from harness.core.naming import VLM_PREFIX
 from harness.formats import FORMAT_NAMES, get_format, require_formats
@@ -31,10 +32,12 @@ PERTURB_DEFAULTS: dict[str, Any] = {
     "subnormal_block": False,  # the last scale block is so small its scale is subnormal
     "extreme_amax": "none",  # "tiny" (x1e-4) or "huge" (x1e3) weights: global scales at extremes
     "nonfinite_scale": "none",  # "nan" or "inf" in one scale of the first layer: must be refused
+    "disagreement": "none",  # config and tensors disagree on one module (harness.checkpoints.disagreements)
 }
 PERTURB_CHOICES: dict[str, tuple] = {
     "extreme_amax": ("none", "tiny", "huge"),
     "nonfinite_scale": ("none", "nan", "inf"),
+    "disagreement": DISAGREEMENT_CHOICES,
 }
 
 

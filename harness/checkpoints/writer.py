@@ -17,7 +17,9 @@ import torch
 from safetensors.torch import save_file
 
 from harness import __version__
+from harness.checkpoints import disagreements
 from harness.checkpoints.architectures import ARCHITECTURES
+from harness.checkpoints.disagreements import DISAGREEMENTS
 from harness.checkpoints.reader import INDEX_FILE, SINGLE_FILE
 from harness.checkpoints.recipe import VLM_PREFIX, Recipe, ResolvedRecipe
 from harness.checkpoints.tokenizer import write_tokenizer
@@ -121,6 +123,26 @@ def combined_expectation(expectations) -> str:
     return max(expectations, key=EXPECTATIONS.index, default="exact")
 
 
+def quantize_module(name: str, weight: torch.Tensor, resolved: ResolvedRecipe, fmt, first: bool) -> QuantizedWeight:
+    """Quantize one Linear after its weight-level perturbations; NaN/inf into the first one's scale."""
+    block = fmt.scale_block(resolved.knobs, tuple(weight.shape))
+    weight, notes = perturb_weight(weight, block, resolved.perturb, fmt, resolved.knobs)
+    try:
+        quantized = fmt.quantize(
+            weight,
+            resolved.knobs,
+            model_dtype=DTYPES[resolved.layout["dtype"]],
+            activation_amax=resolved.layout["activation_amax"],
+        )
+    except FormatError as error:
+        raise HarnessError(f"{fmt.name} cannot quantize {name} {list(weight.shape)}: {error}") from None
+    quantized.notes[:0] = notes
+    quantized.source = weight
+    if first and resolved.perturb["nonfinite_scale"] != "none":
+        inject_nonfinite(quantized, resolved.perturb["nonfinite_scale"])
+    return quantized
+
+
 def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
     """Write the checkpoint for `recipe` into `out` (created; must be empty) and return its manifest."""
     resolved = recipe.resolved()
@@ -129,33 +151,25 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
         raise HarnessError(f"{out}: output directory exists and is not empty")
     fmt = get_format(recipe.format)
     arch = ARCHITECTURES[recipe.arch]
-    dtype = DTYPES[resolved.layout["dtype"]]
+    kind = resolved.perturb["disagreement"]
+    disagreements.check(kind, resolved.layout["shards"], fmt.quantization_config(resolved.knobs, []))
+    layout = arch.tensor_layout(resolved.settings)
+    target = None
+    if kind != "none":
+        target = disagreements.target_module([n.removesuffix(".weight") for n, s in layout.items() if s[1] == "linear"])
     originals = float_weights(resolved)
     tensors: dict[str, torch.Tensor] = {}
     truth: dict[str, torch.Tensor] = {}
     modules: dict[str, dict] = {}
     split_pairs: dict[str, str] = {}
-    first_linear = True
     for name, weight in originals.items():
-        role = arch.tensor_layout(resolved.settings)[name][1]
-        if role != "linear":
+        module = name.removesuffix(".weight")
+        if layout[name][1] != "linear" or (module == target and kind == "plain-not-ignored"):
             tensors[name] = weight
             truth[name] = weight.to(torch.float64)
             continue
-        module = name.removesuffix(".weight")
-        block = fmt.scale_block(resolved.knobs, tuple(weight.shape))
-        weight, notes = perturb_weight(weight, block, resolved.perturb, fmt, resolved.knobs)
-        originals[name] = weight
-        try:
-            quantized = fmt.quantize(
-                weight, resolved.knobs, model_dtype=dtype, activation_amax=resolved.layout["activation_amax"]
-            )
-        except FormatError as error:
-            raise HarnessError(f"{recipe.format} cannot quantize {name} {list(weight.shape)}: {error}") from None
-        quantized.notes[:0] = notes
-        if first_linear and resolved.perturb["nonfinite_scale"] != "none":
-            inject_nonfinite(quantized, resolved.perturb["nonfinite_scale"])
-        first_linear = False
+        quantized = quantize_module(name, weight, resolved, fmt, first=not modules)
+        originals[name] = quantized.source
         for suffix, tensor in quantized.tensors.items():
             tensors[f"{module}.{suffix}"] = tensor
         if resolved.layout["split_scale"]:
@@ -164,6 +178,15 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
             split_pairs[f"{module}.{scale}"] = f"{module}.{weight_name}"
         truth[name] = quantized.truth
         modules[module] = {"shape": list(weight.shape), "expectation": quantized.expectation, "notes": quantized.notes}
+    unused: list[str] = []
+    if target is not None:
+        unused = disagreements.edit_tensors(kind, target, tensors, fmt.marker)
+        entry = modules.setdefault(target, {"shape": list(layout[f"{target}.weight"][0]), "notes": []})
+        entry["expectation"] = combined_expectation(
+            [entry.get("expectation", "exact"), DISAGREEMENTS[kind].expectation]
+        )
+        entry["notes"].append(DISAGREEMENTS[kind].note)
+        split_pairs = {s: w for s, w in split_pairs.items() if s in tensors and w in tensors}
     checkpoint_notes = []
     prefix = resolved.layout["key_prefix"]
     if prefix == VLM_PREFIX:
@@ -179,11 +202,16 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
     names = [rename[n] for n in tensors]
     split_pairs = {rename[s]: rename[w] for s, w in split_pairs.items()}
     out.mkdir(parents=True, exist_ok=True)
-    _write_shards(out, {rename[n]: t for n, t in tensors.items()}, names, resolved.layout["shards"], split_pairs)
+    unlisted = {rename[n] for n in disagreements.omitted_from_index(kind, target or "", list(tensors), fmt.marker)}
+    _write_shards(
+        out, {rename[n]: t for n, t in tensors.items()}, names, resolved.layout["shards"], split_pairs, unlisted
+    )
 
     config = arch.config_json(resolved.settings, resolved.layout["dtype"])
-    ignored = [rename_key(m, prefix) for m in arch.ignored_modules(resolved.settings)]
-    config["quantization_config"] = fmt.quantization_config(resolved.knobs, ignored)
+    ignored = arch.ignored_modules(resolved.settings) + ([target] if kind == "ignored-but-quantized" else [])
+    config["quantization_config"] = fmt.quantization_config(resolved.knobs, [rename_key(m, prefix) for m in ignored])
+    if kind == "status-not-compressed":
+        config["quantization_config"]["quantization_status"] = "frozen"
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}, indent=2) + "\n"
@@ -206,6 +234,8 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
         "expectation": expectation,
         "notes": checkpoint_notes,
         "modules": {rename_key(m, prefix): info for m, info in modules.items()},
+        #: tensors a correct loader leaves unused (and may report as unexpected)
+        "unused_tensors": [rename_key(n, prefix) for n in unused],
         "truth_file": TRUTH_FILE,
         "original_file": ORIGINAL_FILE,
     }
@@ -214,8 +244,14 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
 
 
 def _write_shards(
-    out: Path, tensors: dict[str, torch.Tensor], names: list[str], shards: int, split_pairs: dict[str, str]
+    out: Path,
+    tensors: dict[str, torch.Tensor],
+    names: list[str],
+    shards: int,
+    split_pairs: dict[str, str],
+    unlisted: set[str] = frozenset(),
 ) -> None:
+    """The shards, and the index over them (which leaves out the names in `unlisted`)."""
     if shards == 1:
         save_file({n: tensors[n].contiguous() for n in names}, str(out / SINGLE_FILE), metadata={"format": "pt"})
         return
@@ -225,5 +261,8 @@ def _write_shards(
         chunk = {n: tensors[n].contiguous() for n in names if placement[n] == index}
         save_file(chunk, str(out / file), metadata={"format": "pt"})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": {n: files[placement[n]] for n in sorted(names)}}
+    index = {
+        "metadata": {"total_size": total},
+        "weight_map": {n: files[placement[n]] for n in sorted(names) if n not in unlisted},
+    }
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -239,6 +239,9 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
         try:
             outcome.report = worker.load(judgement.directory)
         except EngineError as error:
+            if error.unsupported:  # the engine says it cannot load this layout, with its reason
+                outcome.status, outcome.detail = "unsupported", first_line(error)
+                return None
             if judgement.expectation in ("refuse", "exact-or-refuse"):
                 outcome.status, outcome.detail = "refused", first_line(error)
             else:
@@ -253,7 +256,8 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
             reasons = reasons or [judgement.result.expectation_reason]
             finding(engine, "accepted-invalid", "loaded a checkpoint that must be refused: " + "; ".join(reasons))
             return None
-        anomalies = _judge_report(engine, outcome.report, finding)
+        unused = {canonical_name(n) for n in (judgement.manifest or {}).get("unused_tensors", [])}
+        anomalies = _judge_report(engine, outcome.report, finding, unused)
         held = worker.weights(judgement.scratch_file(engine, "weights"))
         # a module whose tensors the load report names as missing is that finding's consequence
         missing = {canonical_name(k).rpartition(".")[0] for k in outcome.report.get("missing", [])}
@@ -381,8 +385,9 @@ def _module_notes(manifest) -> list[str]:
     return notes
 
 
-def _judge_report(engine: str, report: dict, finding) -> bool:
-    """Scale keys missing or unexpected are their own kind of finding; True if any anomaly."""
+def _judge_report(engine: str, report: dict, finding, unused: set[str] = frozenset()) -> bool:
+    """Scale keys missing or unexpected are their own kind of finding; True if any anomaly.
+    Tensors the checkpoint holds for no module (`unused`) are rightly unexpected."""
 
     def describe(missing: list[str], unexpected: list[str]) -> str:
         examples = ", ".join(
@@ -390,7 +395,9 @@ def _judge_report(engine: str, report: dict, finding) -> bool:
         )
         return f"{len(missing)} missing, {len(unexpected)} unexpected key(s): e.g. {examples}"
 
-    missing, unexpected = report.get("missing", []), report.get("unexpected", [])
+    missing = report.get("missing", [])
+    orphans = {name.rpartition(".")[0] for name in unused}  # an engine may rename the orphan's suffix
+    unexpected = [k for k in report.get("unexpected", []) if canonical_name(k).rpartition(".")[0] not in orphans]
     scale_missing = [k for k in missing if "scale" in k]
     scale_unexpected = [k for k in unexpected if "scale" in k]
     other_missing = [k for k in missing if "scale" not in k]

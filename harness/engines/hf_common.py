@@ -29,6 +29,9 @@ def unquantized_model(directory: str | Path):
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    # experts one by one in plain matmuls (the definition), not torch's grouped_mm, whose CPU
+    # kernel refuses rows whose byte stride is not a multiple of 16 (an expert width of 18)
+    config._experts_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config, dtype=checkpoint_dtype(directory)).eval()
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     return model, tied

@@ -38,7 +38,7 @@ class QuantizedCheckpoint:
     def open(cls, directory: str | Path) -> QuantizedCheckpoint:
         checkpoint = Checkpoint(directory)
         fmt, knobs = format_and_knobs(checkpoint)
-        modules, plain = group_modules(checkpoint.names(), fmt)
+        modules, plain = group_modules(checkpoint.names(), fmt, checkpoint.storage_dtypes())
         return cls(checkpoint, fmt, knobs, modules, plain)
 
     def tensors(self, module: str) -> dict[str, torch.Tensor]:

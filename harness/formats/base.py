@@ -42,6 +42,8 @@ class QuantizedWeight:
     notes: list[str] = field(default_factory=list)
     truth: torch.Tensor | None = None
     expectation: str = "exact"
+    #: the weight that was quantized, after the writer's weight-level perturbations
+    source: torch.Tensor | None = None
 
 
 class QuantFormat:

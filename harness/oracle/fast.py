@@ -403,7 +403,7 @@ def fast_dequantize_checkpoint(
 
 def _stream(checkpoint: Checkpoint, fmt: QuantFormat, knobs, dequantizer: FastDequantizer):
     dtype = dequantizer.dtype
-    modules, plain = group_modules(checkpoint.names(), fmt)
+    modules, plain = group_modules(checkpoint.names(), fmt, checkpoint.storage_dtypes())
     for module, parts in sorted(modules.items()):
         tensors = {suffix: checkpoint.tensor(name) for suffix, name in parts.items()}
         try:

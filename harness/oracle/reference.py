@@ -6,7 +6,7 @@ checkpoint: files are checked by `Checkpoint`, tensors by the format's `dequanti
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -17,12 +17,24 @@ from harness.formats import detect_format
 from harness.formats.base import FormatError, QuantFormat
 
 
-def group_modules(names: list[str], fmt: QuantFormat) -> tuple[dict[str, dict[str, str]], list[str]]:
-    """Split tensor names into quantized modules (module -> suffix -> name) and plain tensors."""
+#: safetensors dtypes a quantized weight is stored in: a module whose weight is one of these is
+#: quantized whatever else the checkpoint says (its scale may be missing or renamed: refused)
+QUANTIZED_STORAGE = ("F8_E4M3", "F8_E5M2", "U8", "I8", "I32")
+
+
+def group_modules(
+    names: list[str], fmt: QuantFormat, storage: Mapping[str, str] | None = None
+) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """Split tensor names into quantized modules (module -> suffix -> name) and plain tensors.
+
+    A module is quantized when it has the format's marker tensor, or when `storage` (tensor name
+    -> safetensors dtype) shows its weight stored quantized: a weight without its scale is then a
+    module the format cannot dequantize, not a plain tensor."""
     modules: dict[str, dict[str, str]] = {}
+    stored = fmt.suffixes[0] if fmt.suffixes else ""
     for name in names:
         module, _, suffix = name.rpartition(".")
-        if suffix == fmt.marker:
+        if suffix == fmt.marker or (suffix == stored and (storage or {}).get(name) in QUANTIZED_STORAGE):
             modules[module] = {}
     plain = []
     for name in names:
@@ -42,7 +54,7 @@ def dequantize_checkpoint(
     are consumed, not yielded."""
     checkpoint = Checkpoint(directory)
     fmt, knobs = format_and_knobs(checkpoint)
-    modules, plain = group_modules(checkpoint.names(), fmt)
+    modules, plain = group_modules(checkpoint.names(), fmt, checkpoint.storage_dtypes())
     for module, parts in sorted(modules.items()):  # the order dequantized_names gives
         tensors = {suffix: checkpoint.tensor(name).to(device) for suffix, name in parts.items()}
         try:
@@ -58,7 +70,7 @@ def dequantize_checkpoint(
 def dequantized_names(directory: str | Path) -> list[str]:
     """The names dequantize_checkpoint yields, in its order, without computing anything."""
     checkpoint = Checkpoint(directory)
-    modules, plain = group_modules(checkpoint.names(), format_and_knobs(checkpoint)[0])
+    modules, plain = group_modules(checkpoint.names(), format_and_knobs(checkpoint)[0], checkpoint.storage_dtypes())
     return [f"{module}.weight" for module in sorted(modules)] + plain
 
 

@@ -78,7 +78,9 @@ def test_bad_coverage_files_are_one_line_errors(tmp_path):
     for text, message in (
         ('[family.x]\nforce = { "nowhere.k" = [1] }\n', "is not one of"),
         ("[family.x]\ncolour = 1\n", "unknown key"),
-        ('dtypes = ["int8"]\n', "not model dtypes"),
+        ('dtypes = ["int8"]\n', r"dtypes \['int8'\] unknown"),
+        ('archs = ["gpt2"]\n', r"archs \['gpt2'\] unknown"),
+        ('[family.x]\narchs = ["gpt2"]\n', r"family x: archs \['gpt2'\] unknown"),
         ("stray = 1\n", "unknown key"),
         ("[family\n", "cannot read"),
     ):
@@ -87,3 +89,15 @@ def test_bad_coverage_files_are_one_line_errors(tmp_path):
             Coverage.load(path)
     with pytest.raises(HarnessError, match="unknown family"):
         COVERAGE.cells(families=("no-such-family",))
+
+
+def test_a_family_spans_its_own_archs_and_dtypes(tmp_path):
+    path = tmp_path / "coverage.toml"
+    path.write_text(
+        'archs = ["llama"]\ndtypes = ["bfloat16", "float16"]\n[family.a]\nforce = {}\n'
+        '[family.b]\nforce = {}\narchs = ["mixtral", "phi3"]\ndtypes = ["float32"]\n'
+    )
+    cells = Coverage.load(path).cells(formats=["fp8-block"])
+    assert {(c.arch, c.dtype) for c in cells if c.family == "a"} == {("llama", "bfloat16"), ("llama", "float16")}
+    assert {(c.arch, c.dtype) for c in cells if c.family == "b"} == {("mixtral", "float32"), ("phi3", "float32")}
+    assert {c.arch for c in Coverage.load(path).cells(formats=["fp8-block"], archs=["phi3"])} == {"phi3"}

@@ -1,0 +1,115 @@
+"""Checkpoints whose config and tensors disagree, each with what a correct loader does with it.
+
+One disagreement per checkpoint (the recipe's `perturb.disagreement`), applied to one target
+module: an expert's projection where the architecture has experts (per expert), else the last
+layer's down projection. A correct loader either honours the tensors exactly or refuses; what it
+must never do is load a weight without its scale, or stored values without their meaning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from harness.core.errors import HarnessError
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    expectation: str
+    note: str
+    needs_index: bool = False  # only a sharded checkpoint has an index to disagree with
+    needs_status: bool = False  # only compressed-tensors declares a quantization_status
+
+
+DISAGREEMENTS = {
+    "ignored-but-quantized": Disagreement(
+        "exact-or-refuse",
+        "stored quantized but listed in the ignore list: dequantize it by its tensors or refuse, "
+        "never load its stored values as weights",
+    ),
+    "plain-not-ignored": Disagreement(
+        "exact-or-refuse",
+        "stored unquantized in the model dtype but not in the ignore list: load it as stored or refuse",
+    ),
+    "missing-scale": Disagreement(
+        "refuse", "its scale tensor is absent: a loader must refuse, never use an initial value"
+    ),
+    "scale-renamed": Disagreement(
+        "refuse",
+        "its scale is stored under the other convention's name (weight_scale <-> weight_scale_inv): "
+        "a loader must refuse, never drop it as an unexpected key",
+    ),
+    "index-omits-tensor": Disagreement(
+        "exact-or-refuse",
+        "its scale is in a shard but the index does not list it: refuse, or find it and load exactly",
+        needs_index=True,
+    ),
+    "status-not-compressed": Disagreement(
+        "exact-or-refuse",
+        "quantization_status is 'frozen' while the tensors are compressed: decompress them or refuse",
+        needs_status=True,
+    ),
+    "orphan-scale": Disagreement(
+        "exact-or-refuse",
+        "a scale tensor for a module the model does not have: refuse, or report it unused and load the rest exactly",
+    ),
+}
+CHOICES = ("none", *DISAGREEMENTS)
+
+
+def check(kind: str, shards: int, quantization_config: dict) -> None:
+    """Refuse a disagreement the checkpoint cannot carry (one line)."""
+    if kind == "none":
+        return
+    if DISAGREEMENTS[kind].needs_index and shards < 2:
+        raise HarnessError(f"disagreement={kind} needs shards >= 2 (an index to disagree with)")
+    if DISAGREEMENTS[kind].needs_status and "quantization_status" not in quantization_config:
+        raise HarnessError(f"disagreement={kind} needs a compressed-tensors format (quantization_status)")
+
+
+def applies(kind: str, shards: int, quantization_config: dict) -> bool:
+    try:
+        check(kind, shards, quantization_config)
+    except HarnessError:
+        return False
+    return True
+
+
+def target_module(linear_modules: list[str]) -> str:
+    """An expert's projection where there are experts, else the last quantizable module."""
+    return next((m for m in linear_modules if ".experts.1." in m), linear_modules[-1])
+
+
+def main_scale(suffixes: list[str], marker: str) -> str:
+    """The scale a loader cannot do without: the marker when it is a scale, else the first scale."""
+    scales = [s for s in suffixes if s not in ("weight", "weight_packed", "input_scale")]
+    return marker if marker in scales else scales[0]
+
+
+def edit_tensors(kind: str, module: str, tensors: dict[str, torch.Tensor], marker: str) -> list[str]:
+    """Apply a tensor-level disagreement to `tensors` (checkpoint names) in place; the names a
+    correct loader leaves unused (an orphan scale) are returned."""
+    if kind not in ("missing-scale", "scale-renamed", "orphan-scale"):
+        return []
+    suffixes = [name.removeprefix(f"{module}.") for name in tensors if name.startswith(f"{module}.")]
+    scale = main_scale(suffixes, marker)
+    if kind == "missing-scale":
+        del tensors[f"{module}.{scale}"]
+    elif kind == "scale-renamed":
+        other = "weight_scale" if scale == "weight_scale_inv" else "weight_scale_inv"
+        tensors[f"{module}.{other}"] = tensors.pop(f"{module}.{scale}")
+    elif kind == "orphan-scale":
+        orphan = module.rpartition(".")[0] + ".unused_proj." + scale
+        tensors[orphan] = tensors[f"{module}.{scale}"].clone()
+        return [orphan]
+    return []
+
+
+def omitted_from_index(kind: str, module: str, names: list[str], marker: str) -> set[str]:
+    """The names the index leaves out (index-omits-tensor: the target's main scale)."""
+    if kind != "index-omits-tensor":
+        return set()
+    suffixes = [n.removeprefix(f"{module}.") for n in names if n.startswith(f"{module}.")]
+    return {f"{module}.{main_scale(suffixes, marker)}"}
