@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--seed", type=int, default=0)
     sweep.set_defaults(run=command_sweep)
 
-    from harness.commands import audit, bisect, check, merge_reports
+    from harness.commands import audit, bisect, check, merge_reports, tp_shards
     from harness.commands import gate as gate_commands
     from harness.commands import run as run_command
     from harness.commands import upstream as upstream_command
@@ -310,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge_reports.add_parser(commands)
     bisect.add_parser(commands)
     gate_commands.add_parsers(commands)
+    tp_shards.add_parser(commands)
     fixes = commands.add_parser("fixes", help="list the fix modules: what each repairs and when it applies")
     fixes.set_defaults(run=command_fixes)
     return parser

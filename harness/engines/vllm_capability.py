@@ -22,11 +22,14 @@ from pathlib import Path
 
 from harness.core.machine import cpu_flags, cpu_model
 
-#: vLLM's words for "no kernel here": its kernel selection (searched, or forced for a scheme), and a
-#: GPU-only op its CPU build stubs out
+#: vLLM's words for "no kernel here": its kernel selection (searched, or forced for a scheme), its
+#: MoE kernel selection (none fits: NONE on CPU, an error on CUDA/ROCm), and a GPU-only op its CPU
+#: build stubs out
 MISSING_KERNEL = re.compile(
     r"Failed to find a kernel that can implement|"
     r"Forced \w+ kernel \w+ is not supported|"
+    r"Unsupported \w+ MoE backend: NONE|"
+    r"No \w+ MoE backend supports the deployment configuration|"
     r"_C::\w+\(\) expected at most 0 argument\(s\)"
 )
 #: the shape the probe writes: every fused part a multiple of 128 rows, a head size vLLM's CPU

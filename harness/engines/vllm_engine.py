@@ -1,25 +1,35 @@
 """`vllm`: vLLM's offline `LLM`, in-process, as users run it (checkpoint dtype, eager mode).
 
 Weights are read as vLLM's loader wrote them, just before `process_weights_after_loading`
-repacks them for its kernels (after which CPU weights are opaque or empty). vLLM fuses
-q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; those rows are split back by the
-widths vLLM itself allocated, and packed FP8 tensors are dequantized with the format's
-reference exactly as vLLM's kernel reads them (one block grid over the fused rows).
+repacks them for its kernels (after which CPU weights are opaque or empty), and compared under
+the checkpoint's names. vLLM fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; those
+rows are split back by the widths vLLM itself allocated (unless the checkpoint stores them fused,
+as Phi-3 does), and packed FP8 tensors are dequantized with the format's reference exactly as
+vLLM's kernel reads them (one block grid over the fused rows). A sparse layer's experts are
+stacked (`…experts.w13_weight` [E, 2I, H], gate rows first, `…experts.w2_weight` [E, H, I], each
+with its stacked scales): they are cut back per expert and part and named as the checkpoint names
+them (`harness.checkpoints.model_layout`). Where vLLM places every weight but has no kernel to run
+the experts here, the weights are still judged and the forward is unsupported, in vLLM's words.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import logging
 import math
 import os
+import re
 import sys
+import traceback
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 
+from harness.checkpoints.architectures import architecture_for
+from harness.checkpoints.model_layout import packed_experts
 from harness.core.naming import canonical_name
 from harness.engines.base import Engine, EngineUnsupported, LoadReport
 from harness.engines.environments import engine_python
@@ -34,6 +44,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 PACKED_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 #: the scale suffixes vLLM registers on a quantized Linear, as the formats name them
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
+#: a FusedMoE layer's stacked tensors: `w13_<suffix>` (gate rows, then up rows) and `w2_<suffix>` (down)
+EXPERT_GROUPS = {"w13": 2, "w2": 1}
+#: parameters compared besides Linear weights and biases: DeepSeek-V3's router score bias
+ROUTER_TENSORS = ("e_score_correction_bias",)
+#: vLLM's MoE kernel oracles, which log at DEBUG level why each backend does not fit
+MOE_ORACLES = ("fp8", "nvfp4", "mxfp4", "mxfp8", "int8", "int_wna16", "unquantized", "w4a8", "w4a8_int8")
 MAX_MODEL_LEN = 256
 KV_CACHE_BYTES = 32 * 2**20
 #: vLLM's start-up chatter about the host and its own re-imports, not about the checkpoint
@@ -48,6 +64,7 @@ HOST_NOISE = (
     "torch.set_num_threads",
     "torch.distributed.reduce_op",
     "oneDNN",
+    "Reset SSM cache type",
 )
 
 
@@ -92,6 +109,7 @@ class VllmEngine(Engine):
     def __init__(self):
         self.llm = None
         self.fmt = self.knobs = None
+        self.config: dict = {}
         self.vocab_size = 0
         self.snapshot: dict[str, torch.Tensor] = {}
         self.modules: dict[str, dict] = {}
@@ -129,11 +147,22 @@ class VllmEngine(Engine):
         config = checkpoint_config(directory)
         self.fmt, self.knobs = declared_format(directory) if "quantization_config" in config else (None, None)
         self.vocab_size = config["vocab_size"]
-        report = LoadReport()
+        self.config = config
+        report, backend_reasons = LoadReport(), []
         try:
-            with captured_warnings(report.warnings), self.capture_weights():
+            with (
+                captured_warnings(report.warnings),
+                self.capture_weights(),
+                moe_backend_reasons(backend_reasons),
+            ):
                 self.llm = self.construct(directory, config)
         except BaseException as error:
+            if missing_kernel(error) and self.snapshot:
+                # the loader placed every weight, then no kernel fits (e.g. no FP8 MoE backend on a
+                # CPU without AMX): the weights are judged, the forward is unsupported
+                self.llm = None
+                self.forward_unsupported = unsupported_after_loading(missing_kernel(error), backend_reasons)
+                return self.finish_report(report, config)
             self.unload()  # vLLM refused: nothing it half-loaded may answer for this checkpoint
             if missing_kernel(error):  # a limit of this machine or build, never a finding
                 raise EngineUnsupported(
@@ -145,7 +174,14 @@ class VllmEngine(Engine):
                 # also takes float32): a limit of the method, not a misreading of the checkpoint
                 message = refusal[0].strip().removeprefix("Value error, ").partition(" [type=")[0]
                 raise EngineUnsupported(f"vLLM: {message}") from error
+            if unimplemented_scheme(error):  # a bare assert where vLLM picks a quantization method
+                raise EngineUnsupported(
+                    f"vLLM does not implement this scheme here: {unimplemented_scheme(error)}"
+                ) from error
             raise
+        return self.finish_report(report, config)
+
+    def finish_report(self, report: LoadReport, config: dict) -> LoadReport:
         relevant = [w for w in report.warnings if not any(noise in w for noise in HOST_NOISE)]
         report.warnings = list(dict.fromkeys(relevant))
         report.warnings += self.layout_notes(config)
@@ -187,8 +223,13 @@ class VllmEngine(Engine):
 
     def record(self, model) -> None:
         packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        names: dict[int, tuple[torch.nn.Parameter, list[str]]] = {}
         for name, parameter in model.named_parameters(remove_duplicate=False):
-            self.snapshot[name] = parameter.detach().to("cpu", copy=True)
+            names.setdefault(id(parameter), (parameter, []))[1].append(name)
+        for parameter, aliases in names.values():
+            copy = parameter.detach().to("cpu", copy=True)
+            for name in primary_names(aliases):
+                self.snapshot[name] = copy
         for name, module in model.named_modules():
             info = {}
             sizes = getattr(module, "output_partition_sizes", None)
@@ -217,14 +258,16 @@ class VllmEngine(Engine):
     def layout_notes(self, config: dict) -> list[str]:
         """What the load report should say about how vLLM laid the weights out."""
         notes = [self.forward_unsupported] if self.forward_unsupported else []
-        expected = expected_widths(config)
+        expected, layout = expected_widths(config), checkpoint_layout(config)
         for name, info in sorted(self.modules.items()):
             if "parts" not in info:
                 continue
             widths = [rows for _, rows in info["parts"]]
-            leaf = name.rpartition(".")[2]
-            if leaf in expected and widths != expected[leaf]:
-                notes.append(f"{name}: vLLM allocated rows {widths}, config.json implies {expected[leaf]}")
+            leaf, parent = name.rpartition(".")[2], name.rpartition(".")[0]
+            stored = [layout.get(canonical_name(f"{parent}.{part}.weight")) for part, _ in info["parts"]]
+            implied = [spec[0][0] for spec in stored] if all(stored) else expected.get(leaf)
+            if implied is not None and widths != implied:
+                notes.append(f"{name}: vLLM allocated rows {widths}, config.json implies {implied}")
             if "block" in info and any(rows % info["block"][0] for rows in widths[:-1]):
                 notes.append(
                     f"{name}: parts {widths} are not multiples of block_n={info['block'][0]}; vLLM "
@@ -240,16 +283,21 @@ class VllmEngine(Engine):
         for name, tensor in self.snapshot.items():
             module, _, suffix = name.rpartition(".")
             by_module.setdefault(module, {})[suffix] = tensor
-        result = {}
+        result, stored = {}, checkpoint_layout(self.config)
         for module, tensors in by_module.items():
-            info = self.modules.get(module, {})
+            info = dict(self.modules.get(module, {}))
+            if canonical_name(f"{module}.weight") in stored:
+                info.pop("parts", None)  # stored fused on disk (Phi-3's qkv_proj, gate_up_proj)
+            if any(suffix.partition("_")[0] in EXPERT_GROUPS for suffix in tensors):
+                result |= {name: t.to(torch.float32) for name, t in self.expert_weights(module, tensors).items()}
+                continue
             if "weight" in tensors and tensors["weight"].dtype in PACKED_DTYPES:
                 weights = self.dequantized_parts(module, tensors, info)
             else:
                 weights = {
                     suffix: tensor
                     for suffix, tensor in tensors.items()
-                    if suffix in ("weight", "bias") and tensor.is_floating_point()
+                    if suffix in ("weight", "bias", *ROUTER_TENSORS) and tensor.is_floating_point()
                 }
                 if "vocab" in info and "weight" in weights:  # vLLM pads the vocabulary rows
                     weights["weight"] = weights["weight"][: info["vocab"]]
@@ -262,6 +310,33 @@ class VllmEngine(Engine):
                 full = key if "." in key else f"{module}.{key}" if module else key
                 result[canonical_name(full)] = tensor.to(torch.float32)
         return result
+
+    def expert_weights(self, module: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A FusedMoE layer's stacked tensors, cut per expert and part, under checkpoint names."""
+        result = {}
+        for group, count in EXPERT_GROUPS.items():
+            held = {s.removeprefix(f"{group}_"): t for s, t in tensors.items() if s.startswith(f"{group}_")}
+            if not held:
+                continue
+            experts = next(iter(held.values())).shape[0]
+            names = expert_names(self.config, module, group, experts)
+            for expert in range(experts):
+                piece = {suffix: tensor[expert] for suffix, tensor in held.items()}
+                for part, part_names in zip(split_parts(f"{module}.{group}", piece, count), names, strict=True):
+                    result[part_names[expert]] = self.dequantized_expert(f"{module}.{group}", part)
+                    if "bias" in part and part["bias"].is_floating_point():
+                        result[part_names[expert].removesuffix(".weight") + ".bias"] = part["bias"]
+        return result
+
+    def dequantized_expert(self, name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        weight = tensors.get("weight", tensors.get("weight_packed"))
+        if weight is None:
+            raise RuntimeError(f"{name}: vLLM holds no weight ({sorted(tensors)})")
+        if weight.dtype not in PACKED_DTYPES:
+            return weight
+        if self.fmt is None:
+            raise RuntimeError(f"{name} holds {weight.dtype} weights but config.json declares no quantization format")
+        return self.fmt.dequantize({s: t for s, t in tensors.items() if s in self.fmt.suffixes}, self.knobs)
 
     def dequantized_parts(self, module: str, tensors: dict, info: dict) -> dict[str, torch.Tensor]:
         """Dequantize one packed Linear as vLLM's kernel reads it; fused parts come back split."""
@@ -331,10 +406,10 @@ class VllmEngine(Engine):
         return list(output.outputs[0].token_ids)
 
     def require_forward(self) -> None:
-        if self.llm is None:
-            raise RuntimeError("no model loaded")
         if self.forward_unsupported:
             raise EngineUnsupported(self.forward_unsupported)
+        if self.llm is None:
+            raise RuntimeError("no model loaded")
 
     def unload(self):
         self.llm = None
@@ -351,6 +426,127 @@ def kernel_limits():
         if missing_kernel(error):
             raise EngineUnsupported(f"vLLM has no kernel for this forward here: {missing_kernel(error)}") from error
         raise
+
+
+@contextmanager
+def moe_backend_reasons(sink: list[str]):
+    """vLLM's reasons, logged at DEBUG level (once per process) while it picks an MoE kernel, why
+    each backend does not fit here: collected into `sink` for this load, not printed."""
+    try:
+        from vllm.logger import _print_debug_once
+
+        _print_debug_once.cache_clear()  # a second load in this process logs its reasons again
+    except (ImportError, AttributeError):
+        pass
+
+    def collect(record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.INFO:
+            return True
+        message = record.getMessage()
+        if "does not support the deployment configuration" in message:
+            sink.append(message.strip())
+        return False
+
+    loggers = [logging.getLogger(f"vllm.model_executor.layers.fused_moe.oracle.{name}") for name in MOE_ORACLES]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.DEBUG)
+        logger.addFilter(collect)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeFilter(collect)
+            logger.setLevel(level)
+
+
+def unimplemented_scheme(error: BaseException) -> str | None:
+    """vLLM's own words when a bare `assert` in its quantization code refuses the scheme while
+    choosing a layer's method (e.g. compressed-tensors FP8 MoE with per-tensor weights and
+    per-token activations), else None."""
+    if not isinstance(error, AssertionError) or error.__traceback__ is None:
+        return None
+    frames = traceback.extract_tb(error.__traceback__)
+    last = frames[-1]
+    if "model_executor/layers/quantization" not in last.filename.replace(os.sep, "/"):
+        return None
+    if not any(frame.name in ("get_quant_method", "get_moe_method") for frame in frames):
+        return None
+    said = f": {error}" if str(error) else ""
+    return f"`{last.line}` failed in {last.name} ({Path(last.filename).name}:{last.lineno}){said}"
+
+
+def unsupported_after_loading(reason: str, backend_reasons: list[str]) -> str:
+    """What the report says when vLLM loaded the weights, then found no kernel to run them here."""
+    local = [r for r in dict.fromkeys(backend_reasons) if "CPU" in r] or list(dict.fromkeys(backend_reasons))[:4]
+    because = f" ({'; '.join(local)})" if local else ""
+    return f"vLLM loaded the weights but has no kernel to run them here: {reason}{because}"
+
+
+def primary_names(aliases: list[str]) -> list[str]:
+    """The names of one parameter that are not a longer path around another of its names: vLLM
+    registers some modules twice (DeepSeek's `self_attn.mla_attn.…`, MoE's `experts.gate`,
+    `experts._shared_experts._layer.…`). Tied weights (`lm_head`, `embed_tokens`) keep both."""
+
+    def within(short: list[str], long: list[str]) -> bool:
+        rest = iter(long)
+        return len(short) < len(long) and all(part in rest for part in short)
+
+    parts = {name: [p.lstrip("_") for p in name.split(".")] for name in aliases}
+    return [name for name in aliases if not any(within(parts[o], parts[name]) for o in aliases if o != name)]
+
+
+def checkpoint_layout(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The tensors a registered architecture's checkpoint stores, name -> (shape, role); empty for
+    any other architecture, or a config.json that lacks the sizes."""
+    arch = architecture_for(config.get("model_type", ""))
+    try:
+        return arch.tensor_layout(config) if arch else {}
+    except (KeyError, TypeError, ValueError):
+        return {}
+
+
+def expert_names(config: dict, module: str, group: str, experts: int) -> list[list[str]]:
+    """Checkpoint names of a stacked group's experts, one list per part (w13: gate, up; w2: down),
+    from the architecture's layout (model_layout); vLLM's own shard names (w1, w3, w2) otherwise."""
+    arch = architecture_for(config.get("model_type", ""))
+    layer = re.search(r"(?:^|\.)layers\.(\d+)\.", module)
+    if arch is not None and layer is not None:
+        packed = packed_experts(arch, config).get(
+            f"model.layers.{layer.group(1)}.mlp.experts.{'gate_up_proj' if group == 'w13' else 'down_proj'}"
+        )
+        if packed is not None and all(len(names) == experts for names in packed):
+            return [list(names) for names in packed]
+    base = module.removesuffix(".routed_experts")
+    shards = ("w1", "w3") if group == "w13" else ("w2",)
+    return [[f"{base}.{e}.{shard}.weight" for e in range(experts)] for shard in shards]
+
+
+def split_parts(name: str, tensors: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
+    """One expert's fused tensors -> one dict per part. Rows split evenly (vLLM allocates each part
+    the same rows); a tensor with one entry per part (per-tensor scales, global scales) is indexed;
+    a block-scale grid with its own rows per part (vLLM's MoE allocates ceil(I/bn) per part) is
+    halved; a scalar is shared."""
+    tensors = {s: t.reshape(1) if t.dim() == 0 else t for s, t in tensors.items()}
+    if count == 1:
+        return [tensors]
+    weight = tensors.get("weight", tensors.get("weight_packed"))
+    rows = weight.shape[0] // count if weight is not None else 0
+    parts: list[dict[str, torch.Tensor]] = [{} for _ in range(count)]
+    for suffix, tensor in tensors.items():
+        for index, part in enumerate(parts):
+            if tensor.numel() == 1:
+                part[suffix] = tensor
+            elif tensor.dim() == 1 and tensor.numel() == count:
+                part[suffix] = tensor[index : index + 1]
+            elif rows and tensor.shape[0] == rows * count:
+                part[suffix] = tensor[index * rows : (index + 1) * rows]
+            elif tensor.shape[0] % count == 0:
+                step = tensor.shape[0] // count
+                part[suffix] = tensor[index * step : (index + 1) * step]
+            else:
+                raise RuntimeError(f"{name}_{suffix} {list(tensor.shape)} does not split into {count} parts")
+    return parts
 
 
 def split_rows(module: str, suffix: str, tensor: torch.Tensor, parts: list[tuple[str, int]]) -> dict:

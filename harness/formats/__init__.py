@@ -24,6 +24,8 @@ REGISTRY: dict[str, str] = {
     "ct-nvfp4": "harness.formats.ct_nvfp4:W4A4",
     "ct-nvfp4a16": "harness.formats.ct_nvfp4:W4A16",
     "modelopt-nvfp4": "harness.formats.modelopt_nvfp4:FORMAT",
+    "modelopt-fp8": "harness.formats.modelopt_fp8:FORMAT",
+    "ct-int4": "harness.formats.ct_int4:FORMAT",
 }
 
 FORMAT_NAMES = tuple(REGISTRY)

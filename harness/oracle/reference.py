@@ -16,7 +16,6 @@ from harness.core.errors import CheckpointError
 from harness.formats import detect_format
 from harness.formats.base import FormatError, QuantFormat
 
-
 #: safetensors dtypes a quantized weight is stored in: a module whose weight is one of these is
 #: quantized whatever else the checkpoint says (its scale may be missing or renamed: refused)
 QUANTIZED_STORAGE = ("F8_E4M3", "F8_E5M2", "U8", "I8", "I32")
