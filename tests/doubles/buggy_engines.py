@@ -4,8 +4,10 @@ own loader plugs in: `--engines tests.doubles.buggy_engines:DroppedScaleEngine`.
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -122,3 +124,57 @@ class MemoryHogEngine(ReferenceEngine):
             time.sleep(0.05)
         time.sleep(3600)
         return LoadReport()
+
+
+class ConfigTrustingEngine(ReferenceEngine):
+    """Trusts the config over the tensors, the bug class every config/tensor disagreement
+    (harness.checkpoints.disagreements) probes: a module the ignore list names gets its stored
+    values as weights; a quantized module whose scale never arrived (absent, renamed, left out of
+    the index) gets the scale's initial value 1 and loads anyway; a module stored plain but not
+    ignored is forced through FP8; a "frozen" status makes every stored value a weight; an orphan
+    scale is applied to the sibling module whose name it shares the prefix of. It reads the
+    manifest to know which disagreement the checkpoint carries."""
+
+    name = "double-config-trusting"
+
+    def load(self, directory):
+        from harness.checkpoints.reader import Checkpoint
+        from harness.core.naming import canonical_name
+        from harness.engines.hf_common import checkpoint_dtype, unquantized_model
+        from harness.oracle.reference import format_and_knobs, group_modules
+
+        checkpoint = Checkpoint(directory)
+        manifest = json.loads((Path(directory) / "harness_manifest.json").read_text())
+        kind = manifest["resolved"]["perturb"]["disagreement"]
+        fmt, knobs = format_and_knobs(checkpoint)
+        modules, plain = group_modules(checkpoint.names(), fmt, checkpoint.storage_dtypes())
+        config = checkpoint.quantization_config
+        ignored = set(config.get("ignore", config.get("modules_to_not_convert", [])))
+        report = LoadReport()
+        state = {}
+        for module, names in modules.items():
+            if fmt.suffixes[0] not in names:  # an orphan scale: see below
+                continue
+            raw = checkpoint.tensor(names[fmt.suffixes[0]]).to(torch.float64)
+            if module in ignored or kind == "status-not-compressed":
+                state[f"{module}.weight"] = raw  # the stored codes as weights
+                continue
+            try:
+                state[f"{module}.weight"] = fmt.dequantize({s: checkpoint.tensor(n) for s, n in names.items()}, knobs)
+            except Exception:
+                state[f"{module}.weight"] = raw  # the scale's initial value: 1
+                report.missing.append(f"{module}.{fmt.marker}")
+        for name in plain:
+            module = name.rpartition(".")[0]
+            forced = kind == "plain-not-ignored" and module in manifest["modules"]
+            tensor = checkpoint.tensor(name)
+            state[name] = (tensor.to(torch.float8_e4m3fn) if forced else tensor).to(torch.float64)
+        for name in manifest.get("unused_tensors", []):  # the orphan scales a sibling by prefix
+            parent = name.rsplit(".", 2)[0]
+            sibling = next(m for m in sorted(modules) if m.rpartition(".")[0] == parent and m != name.rsplit(".", 1)[0])
+            state[f"{sibling}.weight"] = state[f"{sibling}.weight"] * 2.0
+        self.model, _ = unquantized_model(directory)
+        dtype = checkpoint_dtype(directory)
+        result = self.model.load_state_dict({canonical_name(n): t.to(dtype) for n, t in state.items()}, strict=False)
+        report.unexpected = sorted(result.unexpected_keys)
+        return report
