@@ -13,8 +13,10 @@ from hypothesis import given
 from safetensors.torch import load_file
 
 from harness.campaign.strategies import recipes
+from harness.checkpoints.disagreements import DISAGREEMENTS
 from harness.checkpoints.reader import INDEX_FILE, SINGLE_FILE, Checkpoint
 from harness.checkpoints.writer import MANIFEST_FILE, TRUTH_FILE, generate
+from harness.core.dtypes import MODEL_DTYPES as DTYPES
 from harness.core.errors import CheckpointError
 from harness.formats import get_format
 from harness.oracle.reference import dequantize_checkpoint, group_modules
@@ -87,6 +89,43 @@ def assert_layout(directory: Path, manifest: dict) -> None:
     )
 
 
+def assert_disagreement(directory: Path, manifest: dict) -> None:
+    """The checkpoint carries exactly the disagreement its recipe names, on its target module."""
+    __tracebackhide__ = True
+    kind = manifest["resolved"]["perturb"]["disagreement"]
+    note = DISAGREEMENTS[kind].note
+    (target,) = [m for m, info in manifest["modules"].items() if note in info["notes"]]
+    checkpoint = Checkpoint(directory)
+    stored = {name for header in checkpoint.headers.values() for name in header}
+    fmt = get_format(manifest["format"])
+    suffixes = [n.removeprefix(f"{target}.") for n in stored if n.startswith(f"{target}.")]
+    quantization = checkpoint.quantization_config
+    if kind == "ignored-but-quantized":
+        assert target in quantization.get("ignore", quantization.get("modules_to_not_convert", []))
+        assert fmt.marker in suffixes
+    elif kind == "plain-not-ignored":
+        assert (
+            suffixes == ["weight"]
+            and checkpoint.tensor(f"{target}.weight").dtype == DTYPES[manifest["resolved"]["layout"]["dtype"]]
+        )
+    elif kind in ("missing-scale", "scale-renamed"):
+        scales = [s for s in suffixes if "scale" in s and s != "input_scale"]
+        assert fmt.marker not in suffixes or len(scales) < len(
+            [s for s in fmt.suffixes if "scale" in s and s != "input_scale"]
+        )
+        if kind == "scale-renamed":
+            assert {"weight_scale", "weight_scale_inv"} & set(suffixes) - set(fmt.suffixes), suffixes
+    elif kind == "index-omits-tensor":
+        (omitted,) = stored - set(checkpoint.names())
+        assert omitted.startswith(f"{target}.")
+    elif kind == "status-not-compressed":
+        assert quantization["quantization_status"] == "frozen"
+    elif kind == "orphan-scale":
+        assert set(manifest["unused_tensors"]) <= stored and all(
+            ".unused_proj." in n for n in manifest["unused_tensors"]
+        )
+
+
 def assert_same_files(first: Path, second: Path) -> None:
     """Two generations of one recipe are byte-identical, file by file."""
     __tracebackhide__ = True
@@ -103,7 +142,10 @@ def test_reference_matches_truth_or_refuses(recipe):
         directory = Path(tmp) / "checkpoint"
         manifest = generate(recipe, directory)
         assert json.loads((directory / MANIFEST_FILE).read_text()) == manifest
-        assert_layout(directory, manifest)
+        if manifest["resolved"]["perturb"].get("disagreement", "none") == "none":
+            assert_layout(directory, manifest)
+        else:
+            assert_disagreement(directory, manifest)
         expectation = manifest["expectation"]
         if expectation == "refuse":
             with pytest.raises(CheckpointError) as refused:

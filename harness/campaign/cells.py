@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.checkpoints.architectures import ARCHITECTURES
+from harness.checkpoints.fusion import shares_scales
 from harness.checkpoints.recipe import LAYOUT_CHOICES, LAYOUT_DEFAULTS, PERTURB_DEFAULTS
 from harness.core.errors import HarnessError
 from harness.core.paths import CASES_DIR
@@ -22,7 +23,7 @@ from harness.formats import FORMAT_NAMES, get_format
 DEFAULT_FILE = CASES_DIR / "coverage.toml"
 SECTIONS = ("knobs", "layout", "perturb", "sizes")
 #: layout fields a cell holds at their default unless its family forces them
-HELD_LAYOUT = ("split_scale", "key_prefix")
+HELD_LAYOUT = ("split_scale", "key_prefix", "fused_scales", "quantize_lm_head", "quantize_embeddings")
 ATTENTION_CHOICES = ("any", "untied")
 
 
@@ -109,6 +110,10 @@ class Coverage:
                     return None
                 knob = fmt.knobs[name]
                 values = tuple(v for v in values if v in knob.choices and v != knob.default)
+                if not values:
+                    return None
+            if key == "layout.fused_scales" and not shares_scales(fmt, {}):
+                values = tuple(v for v in values if v != "shared")  # its scales span rows of two parts
                 if not values:
                     return None
             force[key] = values

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from harness.checkpoints import disagreements
 from harness.checkpoints.architectures import ARCHITECTURES
+from harness.checkpoints.fusion import shares_scales
 from harness.checkpoints.recipe import LAYOUT_CHOICES, LAYOUT_DEFAULTS, PERTURB_CHOICES, PERTURB_DEFAULTS, Recipe
 from harness.core.numerics import ceil_div
 from harness.formats import FORMAT_NAMES, get_format
@@ -251,6 +252,14 @@ def layouts(draw, force: Force = ()) -> dict[str, Any]:
         "key_prefix": draw(st.sampled_from(forced.get("layout.key_prefix", LAYOUT_CHOICES["key_prefix"]))),
         "dtype": draw(st.sampled_from(forced.get("layout.dtype", LAYOUT_CHOICES["dtype"]))),
     }
+    for key in ("fused_scales", "quantize_lm_head", "quantize_embeddings"):
+        layout[key] = draw(
+            st.sampled_from(forced[f"layout.{key}"])
+            if f"layout.{key}" in forced
+            else _mostly(LAYOUT_DEFAULTS[key], LAYOUT_CHOICES[key])
+        )
+        if layout[key] != LAYOUT_DEFAULTS[key]:
+            event(f"{key}: {layout[key]}")
     assert set(layout) <= set(LAYOUT_DEFAULTS)
     event(f"shards: {shards}{' split_scale' if layout['split_scale'] else ''}")
     event(f"key_prefix: {layout['key_prefix']}")
@@ -297,13 +306,16 @@ def scale_grids(recipe: Recipe) -> dict[str, tuple[int, int]]:
     return grids
 
 
-def fit_disagreement(recipe: Recipe) -> None:
-    """Give a drawn disagreement what it needs: an index (two shards) to disagree with; one the
-    format cannot carry (a quantization_status outside compressed-tensors) is dropped."""
+def fit_recipe(recipe: Recipe) -> None:
+    """Give what was drawn what it needs: a disagreement with the index gets two shards; one the
+    format cannot carry (a quantization_status outside compressed-tensors) is dropped, as are
+    shared fused-part scales where the format's scale blocks span rows of two parts."""
+    fmt = get_format(recipe.format)
+    if recipe.layout.get("fused_scales") == "shared" and not shares_scales(fmt, recipe.knobs):
+        recipe.layout["fused_scales"] = "per-part"
     kind = recipe.perturb.get("disagreement", "none")
     if kind == "none":
         return
-    fmt = get_format(recipe.format)
     config = fmt.quantization_config(fmt.resolve_knobs(recipe.knobs), [])
     if disagreements.DISAGREEMENTS[kind].needs_index and recipe.layout["shards"] < 2:
         recipe.layout["shards"] = 2
@@ -337,7 +349,7 @@ def _recipes(draw, formats: tuple[str, ...], archs: tuple[str, ...], force: Forc
         layout=draw(layouts(force)),
         perturb=draw(perturbations(force)),
     )
-    fit_disagreement(recipe)
+    fit_recipe(recipe)
     if knobs.get("scale_layout") == "transposed":
         grids = scale_grids(recipe).values()
         event(

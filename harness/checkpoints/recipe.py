@@ -11,6 +11,8 @@ from typing import Any
 
 from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.disagreements import CHOICES as DISAGREEMENT_CHOICES
+from harness.checkpoints.fusion import CHOICES as FUSED_SCALES
+from harness.checkpoints.fusion import shares_scales
 from harness.core.errors import HarnessError
 from harness.core.naming import VLM_PREFIX
 from harness.formats import FORMAT_NAMES, get_format, require_formats
@@ -21,10 +23,16 @@ LAYOUT_DEFAULTS: dict[str, Any] = {
     "key_prefix": "model.",  # or VLM_PREFIX: keys as a vision-language checkpoint stores them
     "dtype": "bfloat16",
     "activation_amax": 4.0,  # the calibration amax behind static activation scales
+    "fused_scales": "per-part",  # or shared / distinct-inputs: scales of fused parts (checkpoints.fusion)
+    "quantize_lm_head": False,  # lm_head quantized (absent from the ignore list); tied: the list only
+    "quantize_embeddings": False,  # embed_tokens stored quantized too
 }
 LAYOUT_CHOICES: dict[str, tuple] = {
     "key_prefix": ("model.", VLM_PREFIX),
     "dtype": ("bfloat16", "float16", "float32"),
+    "fused_scales": FUSED_SCALES,
+    "quantize_lm_head": (False, True),
+    "quantize_embeddings": (False, True),
 }
 
 PERTURB_DEFAULTS: dict[str, Any] = {
@@ -80,6 +88,11 @@ class Recipe:
             raise HarnessError(f"shards must be a positive integer, got {layout['shards']!r}")
         if layout["split_scale"] and layout["shards"] < 2:
             raise HarnessError("split_scale needs shards >= 2")
+        if layout["fused_scales"] == "shared" and not shares_scales(fmt, knobs):
+            raise HarnessError(
+                f"fused_scales=shared needs scales that never span two parts' rows (per tensor, per channel, "
+                f"NVFP4); {self.format} scales blocks of rows"
+            )
         return ResolvedRecipe(self, settings, knobs, layout, perturb)
 
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from harness import __version__
-from harness.checkpoints import disagreements
+from harness.checkpoints import disagreements, fusion
 from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.disagreements import DISAGREEMENTS
 from harness.checkpoints.reader import INDEX_FILE, SINGLE_FILE
@@ -123,24 +123,53 @@ def combined_expectation(expectations) -> str:
     return max(expectations, key=EXPECTATIONS.index, default="exact")
 
 
-def quantize_module(name: str, weight: torch.Tensor, resolved: ResolvedRecipe, fmt, first: bool) -> QuantizedWeight:
+def quantize_module(
+    name: str, weight: torch.Tensor, resolved: ResolvedRecipe, fmt, first: bool, activation_amax: float | None = None
+) -> QuantizedWeight:
     """Quantize one Linear after its weight-level perturbations; NaN/inf into the first one's scale."""
     block = fmt.scale_block(resolved.knobs, tuple(weight.shape))
     weight, notes = perturb_weight(weight, block, resolved.perturb, fmt, resolved.knobs)
+    quantized = quantize_weight(name, weight, resolved, fmt, activation_amax)
+    quantized.notes[:0] = notes
+    if first and resolved.perturb["nonfinite_scale"] != "none":
+        inject_nonfinite(quantized, resolved.perturb["nonfinite_scale"])
+    return quantized
+
+
+def quantize_weight(
+    name: str, weight: torch.Tensor, resolved: ResolvedRecipe, fmt, activation_amax: float | None = None
+) -> QuantizedWeight:
     try:
         quantized = fmt.quantize(
             weight,
             resolved.knobs,
             model_dtype=DTYPES[resolved.layout["dtype"]],
-            activation_amax=resolved.layout["activation_amax"],
+            activation_amax=activation_amax or resolved.layout["activation_amax"],
         )
     except FormatError as error:
         raise HarnessError(f"{fmt.name} cannot quantize {name} {list(weight.shape)}: {error}") from None
-    quantized.notes[:0] = notes
     quantized.source = weight
-    if first and resolved.perturb["nonfinite_scale"] != "none":
-        inject_nonfinite(quantized, resolved.perturb["nonfinite_scale"])
     return quantized
+
+
+def shared_groups(resolved: ResolvedRecipe, fmt, originals: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
+    """`fused_scales = shared`: every fused group's parts quantized with one shared scale."""
+    arch = ARCHITECTURES[resolved.recipe.arch]
+    result = {}
+    for group in fusion.fusion_groups(arch, resolved.settings):
+        parts, notes = {}, {}
+        for module in group:
+            weight = originals[f"{module}.weight"]
+            block = fmt.scale_block(resolved.knobs, tuple(weight.shape))
+            parts[module], notes[module] = perturb_weight(weight, block, resolved.perturb, fmt, resolved.knobs)
+        try:
+            quantized = fusion.quantize_shared(parts, lambda w, g=group: quantize_weight(g[0], w, resolved, fmt))
+        except ValueError as error:
+            raise HarnessError(f"fused_scales=shared: {error}") from None
+        for module in group:
+            quantized[module].notes[:0] = notes[module]
+        result |= quantized
+    return result
 
 
 def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
@@ -158,17 +187,29 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
     if kind != "none":
         target = disagreements.target_module([n.removesuffix(".weight") for n, s in layout.items() if s[1] == "linear"])
     originals = float_weights(resolved)
+    quantized_roles = {"linear"} | {
+        role
+        for role, key in (("lm_head", "quantize_lm_head"), ("embedding", "quantize_embeddings"))
+        if resolved.layout[key]
+    }
+    fused = resolved.layout["fused_scales"]
+    shared = shared_groups(resolved, fmt, originals) if fused == "shared" else {}
+    groups = fusion.fusion_groups(arch, resolved.settings) if fused == "distinct-inputs" else []
     tensors: dict[str, torch.Tensor] = {}
     truth: dict[str, torch.Tensor] = {}
     modules: dict[str, dict] = {}
     split_pairs: dict[str, str] = {}
     for name, weight in originals.items():
         module = name.removesuffix(".weight")
-        if layout[name][1] != "linear" or (module == target and kind == "plain-not-ignored"):
+        if layout[name][1] not in quantized_roles or (module == target and kind == "plain-not-ignored"):
             tensors[name] = weight
             truth[name] = weight.to(torch.float64)
             continue
-        quantized = quantize_module(name, weight, resolved, fmt, first=not modules)
+        if module in shared:
+            quantized = shared[module]
+        else:
+            amax = fusion.input_amax(module, groups, resolved.layout["activation_amax"])
+            quantized = quantize_module(name, weight, resolved, fmt, not modules, amax)
         originals[name] = quantized.source
         for suffix, tensor in quantized.tensors.items():
             tensors[f"{module}.{suffix}"] = tensor
@@ -177,6 +218,11 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
             scale = next(s for s in quantized.tensors if s != weight_name)
             split_pairs[f"{module}.{scale}"] = f"{module}.{weight_name}"
         truth[name] = quantized.truth
+        if layout[name][1] == "embedding":  # no format's config can say it (their targets are Linears)
+            quantized.expectation = combined_expectation([quantized.expectation, "exact-or-refuse"])
+            quantized.notes.append(
+                "embeddings stored quantized while the config targets Linear layers: dequantize by the tensors or refuse"
+            )
         modules[module] = {"shape": list(weight.shape), "expectation": quantized.expectation, "notes": quantized.notes}
     unused: list[str] = []
     if target is not None:
@@ -188,6 +234,11 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
         entry["notes"].append(DISAGREEMENTS[kind].note)
         split_pairs = {s: w for s, w in split_pairs.items() if s in tensors and w in tensors}
     checkpoint_notes = []
+    if resolved.layout["quantize_lm_head"] and resolved.settings["tie_word_embeddings"]:
+        checkpoint_notes.append(
+            "the config quantizes lm_head but it is tied to the embeddings, stored unquantized: "
+            "tie it to them exactly or refuse, never run a head without its scales"
+        )
     prefix = resolved.layout["key_prefix"]
     if prefix == VLM_PREFIX:
         checkpoint_notes.append(
@@ -209,6 +260,8 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
 
     config = arch.config_json(resolved.settings, resolved.layout["dtype"])
     ignored = arch.ignored_modules(resolved.settings) + ([target] if kind == "ignored-but-quantized" else [])
+    if resolved.layout["quantize_lm_head"]:  # tied: no lm_head tensor, and the list no longer excludes it
+        ignored.remove("lm_head")
     config["quantization_config"] = fmt.quantization_config(resolved.knobs, [rename_key(m, prefix) for m in ignored])
     if kind == "status-not-compressed":
         config["quantization_config"]["quantization_status"] = "frozen"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from harness.engines.base import LoadReport
+from harness.engines.base import EngineUnsupported, LoadReport
 from harness.engines.hf_common import HFModelEngine, captured_warnings
 
 
@@ -19,22 +19,21 @@ def explain(error: Exception, logged: list[str]) -> str:
     return message + (f" [logged: {'; '.join(dict.fromkeys(causes))[:600]}]" if causes else "")
 
 
+def has_quantizer(method: str) -> bool:
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+
+    return method in AUTO_QUANTIZER_MAPPING
+
+
 class TransformersEngine(HFModelEngine):
     name = "transformers"
     package = "transformers"
     #: extra from_pretrained arguments (the CUDA variant places the model on the GPU)
     load_options: dict = {}
 
-    def unsupported_reason(self, format_name):
-        from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
-
-        from harness.formats import get_format
-
-        fmt = get_format(format_name)
-        method = fmt.quantization_config(fmt.resolve_knobs({}), [])["quant_method"]
-        if method not in AUTO_QUANTIZER_MAPPING:
-            return f"transformers {self.version()} has no quantizer for quant_method '{method}'"
-        return None
+    # No unsupported_reason: a checkpoint whose quant_method transformers has no quantizer for
+    # still loads (a warning, "Unknown quantization type"): the stored values become the weights.
+    # That is what its users get, so it is judged like any other load (cases/known_issues.toml).
 
     def load(self, directory: str) -> LoadReport:
         from transformers import AutoModelForCausalLM
@@ -51,6 +50,12 @@ class TransformersEngine(HFModelEngine):
                     directory, output_loading_info=True, local_files_only=True, **self.load_options
                 )
             except Exception as error:
+                method = config.get("quantization_config", {}).get("quant_method")
+                if method is not None and not has_quantizer(method):
+                    raise EngineUnsupported(
+                        f"transformers {self.version()} has no quantizer for quant_method '{method}' "
+                        f"and refuses the checkpoint: {explain(error, logged)}"
+                    ) from error
                 raise RuntimeError(explain(error, logged)) from error
         self.model.eval()
         report.missing = sorted(info.get("missing_keys", []))
