@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from harness.campaign.strategies import recipes
 from harness.checkpoints.disagreements import DISAGREEMENTS
+from harness.checkpoints.kv_scales import is_kv_scale
 from harness.checkpoints.reader import INDEX_FILE, SINGLE_FILE, Checkpoint
 from harness.checkpoints.writer import MANIFEST_FILE, TRUTH_FILE, generate
 from harness.core.dtypes import MODEL_DTYPES as DTYPES
@@ -23,8 +24,10 @@ from harness.oracle.reference import dequantize_checkpoint, group_modules
 
 
 def assert_tensors_equal(got: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> None:
-    """Same names; each tensor float64 and bit-for-bit the truth."""
+    """Same names; each tensor float64 and bit-for-bit the truth. KV-cache scales pass through
+    the reference but are no weight: the truth does not hold them."""
     __tracebackhide__ = True
+    got = {name: tensor for name, tensor in got.items() if not is_kv_scale(name)}
     assert sorted(got) == sorted(truth), (
         f"reference yields {sorted(set(got) - set(truth))} beyond the truth and misses {sorted(set(truth) - set(got))}"
     )
@@ -72,6 +75,7 @@ def assert_layout(directory: Path, manifest: dict) -> None:
             assert split, f"split_scale, yet every tensor of {module} shares the weight's shard"
     truth_names = set(load_file(str(directory / TRUTH_FILE)))
     expected_plain = truth_names - {f"{m}.weight" for m in modules}
+    plain = [name for name in plain if not is_kv_scale(name)]
     assert set(plain) == expected_plain, (
         f"plain tensors: extra {sorted(set(plain) - expected_plain)}, missing {sorted(expected_plain - set(plain))}"
     )

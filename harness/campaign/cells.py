@@ -13,6 +13,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.checkpoints import kv_scales
 from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.fusion import shares_scales
 from harness.checkpoints.recipe import LAYOUT_CHOICES, LAYOUT_DEFAULTS, PERTURB_DEFAULTS
@@ -23,7 +24,7 @@ from harness.formats import FORMAT_NAMES, get_format
 DEFAULT_FILE = CASES_DIR / "coverage.toml"
 SECTIONS = ("knobs", "layout", "perturb", "sizes")
 #: layout fields a cell holds at their default unless its family forces them
-HELD_LAYOUT = ("split_scale", "key_prefix", "fused_scales", "quantize_lm_head", "quantize_embeddings")
+HELD_LAYOUT = ("split_scale", "key_prefix", "fused_scales", "quantize_lm_head", "quantize_embeddings", "kv_scales")
 ATTENTION_CHOICES = ("any", "untied")
 
 
@@ -114,8 +115,10 @@ class Coverage:
                     return None
             if key == "layout.fused_scales" and not shares_scales(fmt, {}):
                 values = tuple(v for v in values if v != "shared")  # its scales span rows of two parts
-                if not values:
-                    return None
+            if key == "layout.kv_scales":  # namings the format's producers write, on k/v projections
+                values = tuple(v for v in values if kv_scales.carries(v, ARCHITECTURES[cell.arch], fmt))
+            if not values:
+                return None
             force[key] = values
         return force
 

@@ -17,7 +17,7 @@ import torch
 from hypothesis import event
 from hypothesis import strategies as st
 
-from harness.checkpoints import disagreements
+from harness.checkpoints import disagreements, kv_scales
 from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.fusion import shares_scales
 from harness.checkpoints.recipe import LAYOUT_CHOICES, LAYOUT_DEFAULTS, PERTURB_CHOICES, PERTURB_DEFAULTS, Recipe
@@ -252,7 +252,7 @@ def layouts(draw, force: Force = ()) -> dict[str, Any]:
         "key_prefix": draw(st.sampled_from(forced.get("layout.key_prefix", LAYOUT_CHOICES["key_prefix"]))),
         "dtype": draw(st.sampled_from(forced.get("layout.dtype", LAYOUT_CHOICES["dtype"]))),
     }
-    for key in ("fused_scales", "quantize_lm_head", "quantize_embeddings"):
+    for key in ("fused_scales", "quantize_lm_head", "quantize_embeddings", "kv_scales"):
         layout[key] = draw(
             st.sampled_from(forced[f"layout.{key}"])
             if f"layout.{key}" in forced
@@ -309,10 +309,13 @@ def scale_grids(recipe: Recipe) -> dict[str, tuple[int, int]]:
 def fit_recipe(recipe: Recipe) -> None:
     """Give what was drawn what it needs: a disagreement with the index gets two shards; one the
     format cannot carry (a quantization_status outside compressed-tensors) is dropped, as are
-    shared fused-part scales where the format's scale blocks span rows of two parts."""
+    shared fused-part scales where the format's scale blocks span rows of two parts and KV-scale
+    namings the format's producers do not write."""
     fmt = get_format(recipe.format)
     if recipe.layout.get("fused_scales") == "shared" and not shares_scales(fmt, recipe.knobs):
         recipe.layout["fused_scales"] = "per-part"
+    if not kv_scales.carries(recipe.layout.get("kv_scales", "none"), ARCHITECTURES[recipe.arch], fmt):
+        recipe.layout["kv_scales"] = "none"
     kind = recipe.perturb.get("disagreement", "none")
     if kind == "none":
         return

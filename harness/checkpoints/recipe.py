@@ -13,6 +13,7 @@ from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.disagreements import CHOICES as DISAGREEMENT_CHOICES
 from harness.checkpoints.fusion import CHOICES as FUSED_SCALES
 from harness.checkpoints.fusion import shares_scales
+from harness.checkpoints.kv_scales import CHOICES as KV_SCALES
 from harness.core.errors import HarnessError
 from harness.core.naming import VLM_PREFIX
 from harness.formats import FORMAT_NAMES, get_format, require_formats
@@ -26,6 +27,7 @@ LAYOUT_DEFAULTS: dict[str, Any] = {
     "fused_scales": "per-part",  # or shared / distinct-inputs: scales of fused parts (checkpoints.fusion)
     "quantize_lm_head": False,  # lm_head quantized (absent from the ignore list); tied: the list only
     "quantize_embeddings": False,  # embed_tokens stored quantized too
+    "kv_scales": "none",  # FP8 KV-cache scales and their naming (harness.checkpoints.kv_scales)
 }
 LAYOUT_CHOICES: dict[str, tuple] = {
     "key_prefix": ("model.", VLM_PREFIX),
@@ -33,6 +35,7 @@ LAYOUT_CHOICES: dict[str, tuple] = {
     "fused_scales": FUSED_SCALES,
     "quantize_lm_head": (False, True),
     "quantize_embeddings": (False, True),
+    "kv_scales": KV_SCALES,
 }
 
 PERTURB_DEFAULTS: dict[str, Any] = {

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from harness import __version__
-from harness.checkpoints import disagreements, fusion
+from harness.checkpoints import disagreements, fusion, kv_scales
 from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.disagreements import DISAGREEMENTS
 from harness.checkpoints.reader import INDEX_FILE, SINGLE_FILE
@@ -182,6 +182,7 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
     arch = ARCHITECTURES[recipe.arch]
     kind = resolved.perturb["disagreement"]
     disagreements.check(kind, resolved.layout["shards"], fmt.quantization_config(resolved.knobs, []))
+    kv_scales.check(resolved.layout["kv_scales"], arch, fmt.quantization_config(resolved.knobs, []))
     layout = arch.tensor_layout(resolved.settings)
     target = None
     if kind != "none":
@@ -224,16 +225,21 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
                 "embeddings stored quantized while the config targets Linear layers: dequantize by the tensors or refuse"
             )
         modules[module] = {"shape": list(weight.shape), "expectation": quantized.expectation, "notes": quantized.notes}
+    tensors |= kv_scales.tensors(resolved.layout["kv_scales"], resolved.settings, resolved.layout["activation_amax"])
     unused: list[str] = []
     if target is not None:
         unused = disagreements.edit_tensors(kind, target, tensors, fmt.marker)
-        entry = modules.setdefault(target, {"shape": list(layout[f"{target}.weight"][0]), "notes": []})
+        if unused:  # the orphan's own (weightless) module carries the disagreement
+            target = unused[0].rpartition(".")[0]
+        entry = modules.setdefault(target, {"shape": list(layout.get(f"{target}.weight", ((),))[0]), "notes": []})
         entry["expectation"] = combined_expectation(
             [entry.get("expectation", "exact"), DISAGREEMENTS[kind].expectation]
         )
         entry["notes"].append(DISAGREEMENTS[kind].note)
         split_pairs = {s: w for s, w in split_pairs.items() if s in tensors and w in tensors}
     checkpoint_notes = []
+    if resolved.layout["kv_scales"] in kv_scales.NOTES:
+        checkpoint_notes.append(kv_scales.NOTES[resolved.layout["kv_scales"]][1])
     if resolved.layout["quantize_lm_head"] and resolved.settings["tie_word_embeddings"]:
         checkpoint_notes.append(
             "the config quantizes lm_head but it is tied to the embeddings, stored unquantized: "
@@ -265,6 +271,7 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
     config["quantization_config"] = fmt.quantization_config(resolved.knobs, [rename_key(m, prefix) for m in ignored])
     if kind == "status-not-compressed":
         config["quantization_config"]["quantization_status"] = "frozen"
+    kv_scales.declare(resolved.layout["kv_scales"], config["quantization_config"])
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}, indent=2) + "\n"

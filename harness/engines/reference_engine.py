@@ -17,6 +17,7 @@ class ReferenceEngine(HFModelEngine):
     package = "quant-load-harness"
 
     def load(self, directory: str) -> LoadReport:
+        from harness.checkpoints.kv_scales import is_kv_scale
         from harness.checkpoints.model_layout import to_model_state
         from harness.checkpoints.reader import Checkpoint
         from harness.oracle.reference import dequantize_checkpoint
@@ -27,7 +28,10 @@ class ReferenceEngine(HFModelEngine):
             tensors = dequantize_checkpoint(directory)
         else:  # an unquantized model (e.g. the tiny models' bf16 originals): its tensors as stored
             tensors = ((name, checkpoint.tensor(name)) for name in checkpoint.names())
-        state = {canonical_name(n): t.to(dtype) if t.is_floating_point() else t for n, t in tensors}
+        # KV-cache scales are consumed: this engine runs its KV cache unquantized (docs/findings.md)
+        state = {
+            canonical_name(n): t.to(dtype) if t.is_floating_point() else t for n, t in tensors if not is_kv_scale(n)
+        }
         state = to_model_state(checkpoint.config, state)
         self.model, tied = unquantized_model(directory)
         result = self.model.load_state_dict(state, strict=False)

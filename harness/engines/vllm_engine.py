@@ -129,17 +129,21 @@ class VllmEngine(Engine):
         from vllm import LLM
 
         dtype = config.get("dtype") or config.get("torch_dtype") or "auto"
-        return LLM(
-            model=directory,
-            tokenizer=directory,
-            dtype=dtype,
-            enforce_eager=True,
-            max_model_len=min(MAX_MODEL_LEN, config.get("max_position_embeddings", MAX_MODEL_LEN)),
-            kv_cache_memory_bytes=KV_CACHE_BYTES,
-            max_logprobs=config["vocab_size"],
-            seed=0,
-            trust_remote_code=False,
-        )
+        try:
+            return LLM(
+                model=directory,
+                tokenizer=directory,
+                dtype=dtype,
+                enforce_eager=True,
+                max_model_len=min(MAX_MODEL_LEN, config.get("max_position_embeddings", MAX_MODEL_LEN)),
+                kv_cache_memory_bytes=KV_CACHE_BYTES,
+                max_logprobs=config["vocab_size"],
+                seed=0,
+                trust_remote_code=False,
+            )
+        except BaseException:
+            release_parallel_state()
+            raise
 
     def load(self, directory: str) -> LoadReport:
         from harness.checkpoints.reader import declared_format
@@ -236,6 +240,8 @@ class VllmEngine(Engine):
             leaf = name.rpartition(".")[2]
             if sizes and len(sizes) > 1 and len(packed.get(leaf, ())) == len(sizes):
                 info["parts"] = list(zip(packed[leaf], map(int, sizes), strict=True))
+            elif sizes and len(sizes) > 1:  # fused on disk too (Phi-3): vLLM still keeps a scale per part
+                info["partitions"] = [int(size) for size in sizes]
             if getattr(module, "weight_block_size", None) is not None:
                 info["block"] = [int(b) for b in module.weight_block_size]
             if hasattr(module, "org_vocab_size"):
@@ -286,13 +292,14 @@ class VllmEngine(Engine):
         result, stored = {}, checkpoint_layout(self.config)
         for module, tensors in by_module.items():
             info = dict(self.modules.get(module, {}))
-            if canonical_name(f"{module}.weight") in stored:
-                info.pop("parts", None)  # stored fused on disk (Phi-3's qkv_proj, gate_up_proj)
+            if canonical_name(f"{module}.weight") in stored and "parts" in info:
+                # stored fused on disk (Phi-3's qkv_proj, gate_up_proj): compared fused
+                info["partitions"] = [rows for _, rows in info.pop("parts")]
             if any(suffix.partition("_")[0] in EXPERT_GROUPS for suffix in tensors):
                 result |= {name: t.to(torch.float32) for name, t in self.expert_weights(module, tensors).items()}
                 continue
             if "weight" in tensors and tensors["weight"].dtype in PACKED_DTYPES:
-                weights = self.dequantized_parts(module, tensors, info)
+                weights = self.dequantized_fused(module, tensors, info)
             else:
                 weights = {
                     suffix: tensor
@@ -327,6 +334,17 @@ class VllmEngine(Engine):
                     if "bias" in part and part["bias"].is_floating_point():
                         result[part_names[expert].removesuffix(".weight") + ".bias"] = part["bias"]
         return result
+
+    def dequantized_fused(self, module: str, tensors: dict, info: dict) -> dict[str, torch.Tensor]:
+        """`dequantized_parts`, except that a Linear vLLM fuses but the checkpoint stores fused comes
+        back fused: its parts (each with the scale vLLM gave it) dequantized, then joined."""
+        if "partitions" not in info:
+            return self.dequantized_parts(module, tensors, info)
+        leaf = module.rpartition(".")[2]
+        parts = [(f"{leaf}.part{index}", rows) for index, rows in enumerate(info["partitions"])]
+        pieces = self.dequantized_parts(module, tensors, {**info, "parts": parts})
+        parent = module.rpartition(".")[0]
+        return {"weight": torch.cat([pieces[f"{parent}.{part}.weight"] for part, _ in parts])}
 
     def dequantized_expert(self, name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         weight = tensors.get("weight", tensors.get("weight_packed"))
@@ -426,6 +444,19 @@ def kernel_limits():
         if missing_kernel(error):
             raise EngineUnsupported(f"vLLM has no kernel for this forward here: {missing_kernel(error)}") from error
         raise
+
+
+def release_parallel_state() -> None:
+    """An `LLM` that failed part-way (after its model was built) never shuts down, and leaves vLLM's
+    process-wide parallel groups initialized for that model: without an expert-parallel group for
+    a dense one, so the next MoE model in this process fails ("expert parallel group is not
+    initialized"). Tear them down as vLLM's own shutdown does; the next `LLM` builds them again."""
+    try:
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+    except ImportError:
+        return
+    destroy_model_parallel()
+    destroy_distributed_environment()
 
 
 @contextmanager

@@ -178,3 +178,25 @@ class ConfigTrustingEngine(ReferenceEngine):
         result = self.model.load_state_dict({canonical_name(n): t.to(dtype) for n, t in state.items()}, strict=False)
         report.unexpected = sorted(result.unexpected_keys)
         return report
+
+
+class KVScaleNamingEngine(ReferenceEngine):
+    """Knows one KV-scale naming only (`self_attn.k_scale` / `v_scale`): the others are dropped as
+    unexpected keys and a missing half of the pair is reported missing, then run with its initial
+    value, as the engines that register those parameters do (cases/known_issues.toml)."""
+
+    name = "double-kv-scale-naming"
+
+    def load(self, directory):
+        from harness.checkpoints.kv_scales import is_kv_scale
+        from harness.checkpoints.reader import Checkpoint
+
+        report = super().load(directory)
+        names = [n for n in Checkpoint(directory).names() if is_kv_scale(n)]
+        report.unexpected += [n for n in names if not n.endswith(("self_attn.k_scale", "self_attn.v_scale"))]
+        layers = {n.split(".self_attn.")[0] for n in names}
+        for layer in sorted(layers):
+            for half in ("k_scale", "v_scale"):
+                if f"{layer}.self_attn.{half}" not in names:
+                    report.missing.append(f"{layer}.self_attn.{half}")
+        return report

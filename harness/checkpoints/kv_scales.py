@@ -1,0 +1,98 @@
+"""KV-cache scales (the recipe's `layout.kv_scales`): FP8 per-tensor k/v scales under the names
+real checkpoints use, and the config fragment that declares them.
+
+- `self_attn`: `self_attn.k_scale` / `self_attn.v_scale` (compressed-tensors' kv_cache_scheme today);
+- `output_scale`: `self_attn.k_proj.output_scale` / `v_proj.output_scale` (older compressed-tensors);
+- `proj`: `self_attn.k_proj.k_scale` / `v_proj.v_scale` (ModelOpt);
+- `k-only`: `self_attn.k_scale` without its `v_scale`: half of the pair (exact-or-refuse).
+
+A scale is kv_amax / 448 (the FP8 e4m3 maximum), float32, shaped as its producer writes it:
+[1] (a compressed-tensors parameter), [] (ModelOpt's export). `proj` goes with ModelOpt formats,
+`output_scale` with compressed-tensors ones. The
+reference engine consumes them and runs its KV cache unquantized: modelling the KV quantization
+is the oracle's job (a separate issue); weights are judged exactly either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from harness.core.errors import HarnessError
+
+CHOICES = ("none", "self_attn", "output_scale", "proj", "k-only")
+FP8_MAX = 448.0
+#: tensor-name endings that are KV-cache scales, under every naming above
+SUFFIXES = (
+    "self_attn.k_scale",
+    "self_attn.v_scale",
+    "k_proj.output_scale",
+    "v_proj.output_scale",
+    "k_proj.k_scale",
+    "v_proj.v_scale",
+)
+#: the compressed-tensors kv_cache_scheme producers write for a static FP8 per-tensor KV cache
+CT_KV_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
+
+
+def is_kv_scale(name: str) -> bool:
+    return name.endswith(SUFFIXES)
+
+
+def check(kind: str, arch, quantization_config: Mapping) -> None:
+    """Refuse (one line) a KV naming the checkpoint cannot carry."""
+    if kind == "none":
+        return
+    if quantization_config.get("quant_method") not in ("compressed-tensors", "modelopt"):
+        raise HarnessError(
+            f"kv_scales={kind} needs a compressed-tensors or ModelOpt format (a config that declares them)"
+        )
+    method = quantization_config.get("quant_method")
+    if (kind, method) in (("proj", "compressed-tensors"), ("output_scale", "modelopt")):
+        raise HarnessError(f"kv_scales={kind} is not a naming {method} producers write")
+    if arch.attention == "mla":
+        raise HarnessError(f"kv_scales={kind}: {arch.name}'s latent attention has no k/v projections")
+    if arch.attention == "fused" and kind in ("output_scale", "proj"):
+        raise HarnessError(f"kv_scales={kind} names k_proj/v_proj, which {arch.name} fuses into qkv_proj")
+
+
+def carries(kind: str, arch, fmt) -> bool:
+    """True when a checkpoint of `fmt` and `arch` can carry KV scales named `kind`."""
+    try:
+        check(kind, arch, fmt.quantization_config(fmt.resolve_knobs({}), []))
+    except HarnessError:
+        return False
+    return True
+
+
+def tensors(kind: str, settings: Mapping, amax: float) -> dict[str, torch.Tensor]:
+    """The KV scales of every layer, distinct per layer and between k and v."""
+    shape = () if kind == "proj" else (1,)
+    names = {
+        "self_attn": ("self_attn.k_scale", "self_attn.v_scale"),
+        "output_scale": ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
+        "proj": ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"),
+        "k-only": ("self_attn.k_scale",),
+    }.get(kind, ())
+    result = {}
+    for layer in range(settings["num_hidden_layers"]):
+        for index, name in enumerate(names):
+            value = amax * (1 + 0.25 * layer + 0.5 * index) / FP8_MAX
+            result[f"model.layers.{layer}.{name}"] = torch.full(shape, value, dtype=torch.float32)
+    return result
+
+
+def declare(kind: str, quantization_config: dict) -> None:
+    """Add the KV-cache declaration to a format's quantization_config, as its producer writes it."""
+    if kind == "none":
+        return
+    if quantization_config["quant_method"] == "compressed-tensors":
+        quantization_config["kv_cache_scheme"] = dict(CT_KV_SCHEME)
+    else:
+        quantization_config["kv_cache_quant_algo"] = "FP8"
+
+
+NOTES = {
+    "k-only": ("exact-or-refuse", "only k_scale of the KV pair is present: refuse, never run v with a default scale"),
+}
