@@ -172,6 +172,24 @@ def shared_groups(resolved: ResolvedRecipe, fmt, originals: dict[str, torch.Tens
     return result
 
 
+def whole_checkpoint_notes(resolved: ResolvedRecipe) -> list[str]:
+    """What a correct loader must do about the checkpoint as a whole (each makes it exact-or-refuse)."""
+    notes = []
+    if resolved.layout["kv_scales"] in kv_scales.NOTES:
+        notes.append(kv_scales.NOTES[resolved.layout["kv_scales"]][1])
+    if resolved.layout["quantize_lm_head"] and resolved.settings["tie_word_embeddings"]:
+        notes.append(
+            "the config quantizes lm_head but it is tied to the embeddings, stored unquantized: "
+            "tie it to them exactly or refuse, never run a head without its scales"
+        )
+    if resolved.layout["key_prefix"] == VLM_PREFIX:
+        notes.append(
+            "keys stored under 'model.language_model.': a text-model loader must map "
+            "them onto 'model.' or refuse the checkpoint, never load random weights"
+        )
+    return notes
+
+
 def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
     """Write the checkpoint for `recipe` into `out` (created; must be empty) and return its manifest."""
     resolved = recipe.resolved()
@@ -237,20 +255,8 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
         )
         entry["notes"].append(DISAGREEMENTS[kind].note)
         split_pairs = {s: w for s, w in split_pairs.items() if s in tensors and w in tensors}
-    checkpoint_notes = []
-    if resolved.layout["kv_scales"] in kv_scales.NOTES:
-        checkpoint_notes.append(kv_scales.NOTES[resolved.layout["kv_scales"]][1])
-    if resolved.layout["quantize_lm_head"] and resolved.settings["tie_word_embeddings"]:
-        checkpoint_notes.append(
-            "the config quantizes lm_head but it is tied to the embeddings, stored unquantized: "
-            "tie it to them exactly or refuse, never run a head without its scales"
-        )
+    checkpoint_notes = whole_checkpoint_notes(resolved)
     prefix = resolved.layout["key_prefix"]
-    if prefix == VLM_PREFIX:
-        checkpoint_notes.append(
-            "keys stored under 'model.language_model.': a text-model loader must map "
-            "them onto 'model.' or refuse the checkpoint, never load random weights"
-        )
     expectation = combined_expectation(
         [m["expectation"] for m in modules.values()] + (["exact-or-refuse"] if checkpoint_notes else [])
     )

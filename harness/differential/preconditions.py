@@ -32,7 +32,7 @@ CONFIG_NAMES = (
     "dtype",
 )
 #: names of a finding about one module (weight-mismatch etc.)
-MODULE_NAMES = ("rows", "cols", "block_rows", "block_cols", "partial")
+MODULE_NAMES = ("rows", "cols", "block_rows", "block_cols", "partial", "expert")
 
 BINARY: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
@@ -251,9 +251,10 @@ def observed_facts(directory: Path) -> dict[str, Any]:
 
 def module_context(finding: Finding) -> dict[str, Any]:
     """A finding about one weight: its shape (rows, cols) and scale block (block_rows,
-    block_cols), and `partial`: a dimension is not a multiple of the block."""
+    block_cols), `partial`: a dimension is not a multiple of the block, and `expert`: the module
+    is one of a mixture's experts."""
     shape, block = finding.metrics.get("shape"), finding.metrics.get("block")
-    context: dict[str, Any] = {}
+    context: dict[str, Any] = {"expert": ".experts." in (finding.module or "")} if finding.module else {}
     if not (isinstance(shape, (list, tuple)) and len(shape) == 2):
         return context
     context |= {"rows": shape[0], "cols": shape[1]}

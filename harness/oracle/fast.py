@@ -11,9 +11,11 @@ arithmetic does (the reference checks before it computes; tests/oracle/test_fast
 fast path to its refusals word for word).
 
 Exactness (asserted bit for bit, NaN where the reference has NaN):
-- FP8 (`fp8-block`, `ct-fp8-*`): code (4 significant bits) x scale (float32, bfloat16 or float16,
-  all exact in float32) is exact in float64, so the reference holds the exact product; one float32
-  multiply rounds it once to nearest-even: float32 output == `reference.to(float32)`.
+- FP8 (`fp8-block`, `ct-fp8-*`, `modelopt-fp8`): code (4 significant bits) x scale (float32,
+  bfloat16 or float16, all exact in float32) is exact in float64, so the reference holds the exact
+  product; one float32 multiply rounds it once to nearest-even: float32 output == `reference.to(float32)`.
+- int4 (`ct-int4`): code (an integer in [-8, 7], at most 3 significant bits) x group scale (float32,
+  bfloat16 or float16) is exact in float64 as well; the same single float32 multiply, the same equality.
 - NVFP4: e2m1 x e4m3 scale (at most 6 significant bits) is exact in float32; the per-tensor scale
   is then applied by one float32 division (compressed-tensors) or multiplication (ModelOpt). The
   reference rounds the quotient to float64 first, but rounding to 53 bits and then to 24 equals
@@ -30,6 +32,8 @@ Exactness (asserted bit for bit, NaN where the reference has NaN):
 
 from __future__ import annotations
 
+import math
+import sys
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -45,8 +49,10 @@ from harness.core.numerics import E2M1_TABLE, E4M3_TABLE, NVFP4_GROUP, ceil_div
 from harness.formats import nvfp4_common as nv
 from harness.formats.base import FormatError, QuantFormat
 from harness.formats.ct_fp8 import CtFp8
+from harness.formats.ct_int4 import CODE_OFFSET, NIBBLES_PER_WORD, CtInt4, read_weight_shape
 from harness.formats.ct_nvfp4 import CtNvfp4
 from harness.formats.fp8_block import Fp8Block
+from harness.formats.modelopt_fp8 import ModeloptFp8
 from harness.formats.modelopt_nvfp4 import ModeloptNvfp4
 from harness.oracle.reference import format_and_knobs, group_modules
 
@@ -204,7 +210,8 @@ def fp8_row_tiles(rows: int, block_rows: int, tile_rows: int) -> Iterator[tuple[
 
 
 class Fp8Kernel:
-    """`fp8-block` and `ct-fp8-*`: e4m3 code x its block's scale, one float32 multiply per element."""
+    """`fp8-block`, `ct-fp8-*` and `modelopt-fp8`: e4m3 code x its block's scale, one float32
+    multiply per element (a per-tensor scale is one block the size of the weight)."""
 
     packed = "weight"
     #: the 256 e4m3 codes, decoded from their bits (float32 holds every one exactly)
@@ -259,7 +266,73 @@ class Fp8Kernel:
         ]
         return dict(tensors) | {
             self.packed: tensors[self.packed][tile.rows, tile.cols],
-            self.scale: scales.reshape(stored.shape) if stored.dim() == 1 else scales,
+            self.scale: scales.reshape(stored.shape) if stored.dim() < 2 else scales,
+        }
+
+
+class Int4Kernel:
+    """`ct-int4`: each byte of the int32 words holds two columns (low nibble first, the words read
+    least significant byte first on a little-endian machine); one lookup per byte in a table of
+    its two codes, then one float32 multiply by the group's scale per element."""
+
+    packed, scale, shape_name = "weight_packed", "weight_scale", "weight_shape"
+
+    def __init__(self):
+        codes = torch.arange(16, dtype=torch.float32) - CODE_OFFSET
+        byte = torch.arange(256)
+        #: [packed byte] -> (low-nibble code, high-nibble code) as one int64 (exact in float32)
+        pairs = torch.stack([codes[byte & 0xF], codes[byte >> 4]], dim=-1).contiguous()
+        self.pair_table = pairs.view(torch.int64).reshape(-1)
+
+    def shape(self, tensors):
+        return read_weight_shape(tensors[self.shape_name])
+
+    def scale_block(self, fmt, knobs, shape):
+        return fmt.scale_block(knobs, shape)
+
+    def fill(self, out, fmt, knobs, tensors, runner: TileRunner) -> None:
+        if sys.byteorder != "little":
+            raise HarnessError("the fast ct-int4 dequantizer reads int32 words byte by byte (little-endian only)")
+        rows, cols = out.shape
+        group = fmt.scale_block(knobs, (rows, cols))[1]
+        words = ceil_div(cols, NIBBLES_PER_WORD)
+        width = words * NIBBLES_PER_WORD  # columns the words hold, the last word's padding included
+        whole, full = cols // group, cols // group * group
+        packed = tensors[self.packed].contiguous().view(torch.uint8)  # [rows, 4 * words]
+        scales = tensors[self.scale].to(torch.float32)
+        table = self.pair_table.to(out.device)
+        tile_rows = max(1, runner.tile_elements // width)
+
+        def work(first: int, scratch: _Scratch) -> None:
+            last = min(first + tile_rows, rows)
+            indices = scratch.get("indices", torch.int32, (last - first) * width // 2, out.device)
+            decoded = scratch.get("decoded", torch.float32, (last - first) * width, out.device)
+            indices.copy_(packed[first:last].reshape(-1))
+            torch.index_select(table, 0, indices, out=decoded.view(torch.int64))
+            decoded, target = decoded.view(last - first, width), out[first:last]
+            torch.mul(
+                decoded[:, :full].unflatten(-1, (whole, group)),
+                scales[first:last, :whole, None],
+                out=target[:, :full].unflatten(-1, (whole, group)),
+            )
+            if full < cols:
+                torch.mul(decoded[:, full:cols], scales[first:last, whole:], out=target[:, full:])
+
+        runner.run(list(range(0, rows, tile_rows)), work)
+
+    def sub_problem(self, fmt, knobs, tensors, tile: Tile) -> dict[str, torch.Tensor]:
+        """The words, scales and shape of the columns from the last boundary at or before the tile
+        that is both a word's and a group's, to the tile's end (the tile is its last columns)."""
+        rows, cols = self.shape(tensors)
+        group = fmt.scale_block(knobs, (rows, cols))[1]
+        start, stop = tile.cols.start, tile.cols.stop
+        start -= start % math.lcm(group, NIBBLES_PER_WORD)
+        return dict(tensors) | {
+            self.packed: tensors[self.packed][tile.rows, start // NIBBLES_PER_WORD : ceil_div(stop, NIBBLES_PER_WORD)],
+            self.scale: tensors[self.scale][tile.rows, start // group : ceil_div(stop, group)],
+            self.shape_name: torch.tensor(
+                [tile.rows.stop - tile.rows.start, stop - start], dtype=tensors[self.shape_name].dtype
+            ),
         }
 
 
@@ -319,12 +392,14 @@ class Nvfp4Kernel:
         }
 
 
-def kernel_for(fmt: QuantFormat) -> Fp8Kernel | Nvfp4Kernel:
+def kernel_for(fmt: QuantFormat) -> Fp8Kernel | Nvfp4Kernel | Int4Kernel:
     """The fast kernel of a built-in format; a plugin's format has none."""
     if isinstance(fmt, Fp8Block):
         return Fp8Kernel("weight_scale_inv")
-    if isinstance(fmt, CtFp8):
+    if isinstance(fmt, CtFp8 | ModeloptFp8):
         return Fp8Kernel("weight_scale")
+    if isinstance(fmt, CtInt4):
+        return Int4Kernel()
     if isinstance(fmt, CtNvfp4):
         return Nvfp4Kernel("weight_packed", "weight_global_scale", nv.DIVIDE)
     if isinstance(fmt, ModeloptNvfp4):
@@ -377,6 +452,8 @@ def verify_tiles(fmt, knobs, tensors, out: torch.Tensor, name: str, everything: 
         tuple(out.shape), kernel.scale_block(fmt, knobs, tuple(out.shape)), name, everything
     ):
         reference = fmt.dequantize(kernel.sub_problem(fmt, knobs, tensors, tile), knobs)
+        # a sub-problem ends where the tile ends and may start before it (int4 words and groups)
+        reference = reference[:, reference.shape[1] - (tile.cols.stop - tile.cols.start) :]
         got = out[tile.rows, tile.cols]
         where = first_difference(got, reference)
         if where is not None:
