@@ -89,10 +89,10 @@ def command_sweep(args) -> int:
         raise HarnessError(f"{out}: output directory exists and is not empty")
     sizes = ", ".join(f"{k}={v}" for k, v in ODD_SIZES.items())
     print(f"every format x architecture at {sizes}: gen -> dequant from disk -> compare with the truth")
-    print(f"{'format':<16} {'arch':<6} {'expectation':<16} {'outcome':<10} max|error|")
+    print(f"{'format':<16} {'arch':<12} {'expectation':<16} {'outcome':<10} max|error|")
     results = sweep(out, args.seed)
     for fmt, arch, verdict in results:
-        print(f"{fmt:<16} {arch:<6} {verdict.expectation:<16} {verdict.outcome:<10} {verdict.max_error:.3g}")
+        print(f"{fmt:<16} {arch:<12} {verdict.expectation:<16} {verdict.outcome:<10} {verdict.max_error:.3g}")
     failed = [r for r in results if not r[2].ok]
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
     return EXIT_FINDING if failed else EXIT_OK
