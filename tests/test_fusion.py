@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.fusion import fusion_groups, shares_scales
@@ -47,26 +48,24 @@ def test_only_formats_whose_scales_stay_within_rows_can_share(name):
     assert shares_scales(get_format(name), {}) == (name not in ("fp8-block", "ct-fp8-block"))
 
 
-@pytest.mark.parametrize("name", ["ct-fp8-tensor", "ct-nvfp4", "modelopt-nvfp4"])
+@pytest.mark.parametrize("name", ["ct-fp8-tensor", "ct-nvfp4", "modelopt-nvfp4", "modelopt-fp8", "ct-int4"])
 def test_shared_scales_are_one_per_group_and_the_reference_reads_them_exactly(name, tmp_path):
     manifest = generate(
         Recipe(format=name, arch="mixtral", config=SMALL, layout={"fused_scales": "shared"}), tmp_path / "c"
     )
     checkpoint = Checkpoint(tmp_path / "c")
-    per_tensor = {
+    per_tensor = {  # ct-int4's scales are per row group: sharing leaves nothing per tensor to compare
         "ct-fp8-tensor": "weight_scale",
         "ct-nvfp4": "weight_global_scale",
         "modelopt-nvfp4": "weight_scale_2",
-    }[name]
+        "modelopt-fp8": "weight_scale",
+    }.get(name)
     for group in fusion_groups(ARCHITECTURES["mixtral"], ARCHITECTURES["mixtral"].settings(SMALL)):
-        values = [checkpoint.tensor(f"{m}.{per_tensor}") for m in group]
+        values = [checkpoint.tensor(f"{m}.{per_tensor}") for m in group] if per_tensor else []
         assert all(torch.equal(values[0], v) for v in values[1:]), group
         assert any("shared by the fused group" in n for n in manifest["modules"][group[0]]["notes"])
-    truth = Checkpoint(tmp_path / "c")  # the reference reproduces the quantizer's own truth
-    from safetensors.torch import load_file
-
-    expected = load_file(str(tmp_path / "c" / "harness_truth" / "truth.safetensors"))
-    for name_, tensor in dequantize_checkpoint(truth.directory):
+    expected = load_file(str(tmp_path / "c" / "harness_truth" / "truth.safetensors"))  # the quantizer's own truth
+    for name_, tensor in dequantize_checkpoint(tmp_path / "c"):
         assert torch.equal(tensor, expected[name_]), name_
 
 

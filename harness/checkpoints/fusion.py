@@ -56,7 +56,9 @@ def quantize_shared(
     whole = quantize(torch.cat([parts[n] for n in names]))
     split = {n: {} for n in names}
     for suffix, tensor in whole.tensors.items():
-        if tensor.numel() == 1:
+        if suffix == "weight_shape":  # compressed-tensors' [rows, cols] of the unpacked weight
+            pieces = [torch.tensor([r, int(tensor[1])], dtype=tensor.dtype) for r in rows]
+        elif tensor.numel() == 1:
             pieces = [tensor.clone() for _ in names]
         else:
             if tensor.shape[0] != sum(rows):

@@ -51,6 +51,15 @@ EXACT = {
     "modelopt-nvfp4": ("modelopt-nvfp4", ODD),
     "modelopt-nvfp4-tiny": ("modelopt-nvfp4", [*ODD, "extreme_amax=tiny", "subnormal_block=true"]),
     "modelopt-nvfp4-huge": ("modelopt-nvfp4", [*ODD, "extreme_amax=huge", "zero_block=true"]),
+    "modelopt-fp8": ("modelopt-fp8", ODD),
+    "modelopt-fp8-fp16-subnormal": ("modelopt-fp8", [*ODD, "dtype=float16", "subnormal_block=true"]),
+    "modelopt-fp8-f32-zero": ("modelopt-fp8", [*ODD, "dtype=float32", "zero_block=true"]),
+    "ct-int4": ("ct-int4", ODD),  # K=144 and 272: a partial last group of 128
+    "ct-int4-g32-fp16": ("ct-int4", [*ODD, "group_size=32", "dtype=float16", "zero_block=true"]),
+    "ct-int4-g64-subnormal": (
+        "ct-int4",
+        ["hidden_size=200", "intermediate_size=160", "group_size=64", "subnormal_block=true", "dtype=float32"],
+    ),
 }
 #: checkpoints the reference refuses (a module it cannot read): the fast path must say the same
 REFUSED = {
@@ -60,6 +69,8 @@ REFUSED = {
     "transposed-ct-grid": ("ct-fp8-block", [*ODD, "block_size=64", "scale_layout=transposed"]),
     "ct-swapped-convention": ("ct-nvfp4", [*ODD, "global_scale_convention=swapped"]),
     "modelopt-swapped-convention": ("modelopt-nvfp4", [*ODD, "global_scale_convention=swapped"]),
+    "modelopt-fp8-inf-scale": ("modelopt-fp8", [*ODD, "nonfinite_scale=inf"]),
+    "ct-int4-nan-scale": ("ct-int4", [*ODD, "nonfinite_scale=nan"]),
 }
 OUTPUTS = (torch.float32, torch.bfloat16)
 
@@ -136,8 +147,28 @@ def damaged(tensors, packed, scale):
     yield "NaN scale", tensors | {scale: nan}
 
 
+def damaged_int4(tensors):
+    """ct-int4's own malformed variants: its shape tensor, and an asymmetric zero point."""
+    rows, cols = tensors["weight_shape"].tolist()
+    yield "no weight_shape", {k: v for k, v in tensors.items() if k != "weight_shape"}
+    yield "weight_shape as float", tensors | {"weight_shape": tensors["weight_shape"].float()}
+    yield "weight_shape one word wider", tensors | {"weight_shape": torch.tensor([rows, cols + 8])}
+    yield "weight_shape of a zero-column weight", tensors | {"weight_shape": torch.tensor([rows, 0])}
+    yield "a weight_zero_point", tensors | {"weight_zero_point": torch.zeros_like(tensors["weight_scale"])}
+
+
 @pytest.mark.parametrize(
-    "case", ["fp8-block", "ct-fp8-tensor", "ct-fp8-channel", "ct-fp8-block", "ct-nvfp4", "modelopt-nvfp4"]
+    "case",
+    [
+        "fp8-block",
+        "ct-fp8-tensor",
+        "ct-fp8-channel",
+        "ct-fp8-block",
+        "ct-nvfp4",
+        "modelopt-nvfp4",
+        "modelopt-fp8",
+        "ct-int4",
+    ],
 )
 def test_malformed_modules_are_refused_in_the_references_words(checkpoints, case):
     module, fmt, knobs, tensors = next(iter(quantized_modules(checkpoints[case])))
@@ -149,6 +180,13 @@ def test_malformed_modules_are_refused_in_the_references_words(checkpoints, case
             ("per-tensor scale reciprocal", tensors | {kernel.global_scale: 1 / per_tensor}),
             ("per-tensor scale zero", tensors | {kernel.global_scale: per_tensor * 0}),
             ("K not a multiple of 16", tensors | {kernel.packed: tensors[kernel.packed][:, :-1]}),
+        ]
+    if fmt.name == "ct-int4":
+        variants += list(damaged_int4(tensors))
+    if fmt.name == "modelopt-fp8":
+        variants += [
+            ("no input_scale", {k: v for k, v in tensors.items() if k != "input_scale"}),
+            ("input_scale zero", tensors | {"input_scale": tensors["input_scale"] * 0}),
         ]
     assert len(variants) >= 6
     for what, variant in variants:
@@ -171,7 +209,9 @@ def test_tiles_cover_the_weight_once_and_the_sample_includes_the_last_partial_bl
         assert len(sample) <= 4 + fast.VERIFY_SEEDED
 
 
-@pytest.mark.parametrize("case", ["fp8-block-64-odd", "ct-fp8-channel", "ct-nvfp4", "modelopt-nvfp4"])
+@pytest.mark.parametrize(
+    "case", ["fp8-block-64-odd", "ct-fp8-channel", "ct-nvfp4", "modelopt-nvfp4", "modelopt-fp8", "ct-int4"]
+)
 def test_a_wrong_last_element_is_caught_and_named(checkpoints, case, monkeypatch):
     module, fmt, knobs, tensors = next(iter(quantized_modules(checkpoints[case])))
     kernel_class = type(kernel_for(fmt))
@@ -230,3 +270,29 @@ def test_bfloat16_is_the_float32_value_rounded_again():
     out = FastDequantizer(torch.bfloat16).dequantize(fmt, knobs, tensors)
     exact = float(fmt.dequantize(tensors, knobs))
     assert exact > midpoint and float(out) == 1.0 == float(torch.tensor(exact, dtype=torch.float64).to(torch.bfloat16))
+
+
+#: int4 shapes the generators do not write: K not a multiple of 8 (a padded last word), K smaller
+#: than one group, one row; group sizes a config may hold beyond the knob's 32/64/128, some not a
+#: multiple of 8 (a group boundary inside a word) or larger than a verification tile
+INT4_SHAPES = [(37, 100), (5, 20), (1, 7), (130, 300), (3, 520)]
+INT4_GROUPS = [32, 64, 128, 12, 100, 136, 256]
+
+
+@pytest.mark.parametrize("group", INT4_GROUPS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_int4_any_group_and_padded_word_equals_the_reference(group, dtype):
+    """Every element and every verification tile's sub-problem, bit for bit, with the last word
+    padded and groups that straddle words and tiles."""
+    fmt = get_format("ct-int4")
+    knobs = {"group_size": group}
+    generator = torch.Generator().manual_seed(group)
+    for shape in INT4_SHAPES:
+        weight = torch.randn(shape, generator=generator) * torch.exp(torch.randn(shape, generator=generator) * 2)
+        weight = weight.clamp(-1e4, 1e4)  # finite scales in float16
+        tensors = fmt.quantize(weight, knobs, model_dtype=dtype, activation_amax=1.0).tensors
+        reference = fmt.dequantize(tensors, knobs)
+        for out_dtype in OUTPUTS:
+            out = FastDequantizer(out_dtype, verify=False, tile_elements=64).dequantize(fmt, knobs, tensors)
+            assert first_difference(out, reference) is None, (shape, out_dtype, first_difference(out, reference))
+            verify_tiles(fmt, knobs, tensors, out, f"{shape}", everything=True)
