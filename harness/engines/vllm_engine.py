@@ -298,7 +298,7 @@ class VllmEngine(Engine):
             if any(suffix.partition("_")[0] in EXPERT_GROUPS for suffix in tensors):
                 result |= {name: t.to(torch.float32) for name, t in self.expert_weights(module, tensors).items()}
                 continue
-            if "weight" in tensors and tensors["weight"].dtype in PACKED_DTYPES:
+            if ("weight" in tensors and tensors["weight"].dtype in PACKED_DTYPES) or "weight_packed" in tensors:
                 weights = self.dequantized_fused(module, tensors, info)
             else:
                 weights = {
@@ -363,6 +363,10 @@ class VllmEngine(Engine):
                 f"{module} holds {tensors['weight'].dtype} weights but config.json declares no quantization format"
             )
         held = {suffix: tensors[suffix] for suffix in self.fmt.suffixes if suffix in tensors}
+        if "weight_shape" in held and "weight_packed" in held:
+            # a fused layer keeps one weight_shape, written by each part in turn: the whole is its rows
+            shape = held["weight_shape"].flatten()
+            held["weight_shape"] = torch.tensor([held["weight_packed"].shape[0], int(shape[-1])], dtype=shape.dtype)
         parts = info.get("parts", [])
         scale_name = next((s for s in SCALE_SUFFIXES if s in held), None)
         per_part_scale = (
