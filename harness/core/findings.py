@@ -75,10 +75,13 @@ CONSEQUENCE_KINDS = ("logprobs", "topk", "perplexity", "nonfinite-logits")
 WEIGHT_KINDS = ("weight-mismatch", "weight-nonfinite", "weight-missing")
 _NUMBER = re.compile(r"(?<![A-Za-z_0-9.])[-+]?\d+(\.\d+)?(e[-+]?\d+)?")
 _PATH = re.compile(r"(/[^\s'\":,()]+)+")
+#: a layer's or an expert's index inside a module name (model.layers.3.mlp.experts.12.w1)
+_INDEX = re.compile(r"(?<=[A-Za-z_]\.)\d+(?=\.)")
 
 
 def normalise(message: str, limit: int = 120) -> str:
     """A message without the numbers and paths that differ between two examples of one bug."""
     text = _PATH.sub("PATH", message)
+    text = _INDEX.sub("N", text)
     text = _NUMBER.sub("N", text)
     return " ".join(text.split())[:limit]

@@ -22,6 +22,10 @@ Exactness (asserted bit for bit, NaN where the reference has NaN):
   rounding to 24 once for a quotient of two floats (53 >= 2 * 24 + 2), and the product is exact in
   float64: float32 output == `reference.to(float32)` again. These values come from a per-tensor
   table of all 256 x 16 (scale code, e2m1 code) results, computed with those same float32 ops.
+- MXFP4 (`ct-mxfp4`): e2m1 x 2**(e8m0 - 127) is a power-of-two multiple of a value with at most 2
+  significant bits, exact in float32 from 2**-128 up (the smallest, 0.5 x 2**-127) and infinite in
+  float32 exactly where the float64 product exceeds float32's range: a table of all 256 x 16
+  (scale code, e2m1 code) products, looked up per packed byte, == `reference.to(float32)`.
 - bfloat16 output is that float32 result rounded to nearest-even bfloat16:
   == `reference.to(float32).to(bfloat16)`, which is also what torch's `reference.to(bfloat16)`
   gives (torch converts float64 to bfloat16 through float32). That is a double rounding: where the
@@ -50,6 +54,8 @@ from harness.formats import nvfp4_common as nv
 from harness.formats.base import FormatError, QuantFormat
 from harness.formats.ct_fp8 import CtFp8
 from harness.formats.ct_int4 import CODE_OFFSET, NIBBLES_PER_WORD, CtInt4, read_weight_shape
+from harness.formats.ct_mxfp4 import E8M0_BIAS, CtMxfp4
+from harness.formats.ct_mxfp4 import GROUP as MXFP4_GROUP
 from harness.formats.ct_nvfp4 import CtNvfp4
 from harness.formats.fp8_block import Fp8Block
 from harness.formats.modelopt_fp8 import ModeloptFp8
@@ -392,7 +398,64 @@ class Nvfp4Kernel:
         }
 
 
-def kernel_for(fmt: QuantFormat) -> Fp8Kernel | Nvfp4Kernel | Int4Kernel:
+class Mxfp4Kernel:
+    """`ct-mxfp4`: one lookup per packed byte in a table of both its values for each E8M0 scale
+    code (a byte's scale is that of its 32-column group: 16 bytes per group, the last partial)."""
+
+    packed, scale = "weight_packed", "weight_scale"
+    #: bytes of weight_packed per scale group
+    group_bytes = MXFP4_GROUP // 2
+
+    def shape(self, tensors):
+        packed = tensors[self.packed]
+        return packed.shape[0], 2 * packed.shape[1]
+
+    def scale_block(self, fmt, knobs, shape):
+        return 1, MXFP4_GROUP
+
+    def pair_table(self, dtype: torch.dtype, device) -> torch.Tensor:
+        """[scale code * 256 + packed byte] -> (low-nibble value, high-nibble value) as one integer,
+        each e2m1 x 2**(code - 127) in float32 (exact, or inf past its range), then `dtype`."""
+        powers = torch.ldexp(torch.ones(256, dtype=torch.float64), torch.arange(256) - E8M0_BIAS)
+        values = (powers[:, None] * E2M1_TABLE[None, :]).to(torch.float32).to(dtype)
+        byte = torch.arange(256)
+        pairs = torch.stack([values[:, byte & 0xF], values[:, byte >> 4]], dim=-1).contiguous()
+        return pairs.view({torch.float32: torch.int64, torch.bfloat16: torch.int32}[dtype]).reshape(-1).to(device)
+
+    def fill(self, out, fmt, knobs, tensors, runner: TileRunner) -> None:
+        rows, cols = out.shape
+        width, groups = cols // 2, ceil_div(cols, MXFP4_GROUP)
+        whole = width // self.group_bytes
+        table = self.pair_table(out.dtype, out.device)
+        packed = tensors[self.packed].contiguous()
+        scale_codes = tensors[self.scale].contiguous()
+        pairs = out.view(table.dtype)
+        tile_rows = max(1, runner.tile_elements // cols)
+
+        def work(first: int, scratch: _Scratch) -> None:
+            last = min(first + tile_rows, rows)
+            indices = scratch.get("indices", torch.int32, (last - first) * width, out.device).view(-1, width)
+            codes = scratch.get("scale_codes", torch.int32, (last - first) * groups, out.device).view(-1, groups)
+            indices.copy_(packed[first:last])
+            codes.copy_(scale_codes[first:last])
+            codes.mul_(256)
+            full = whole * self.group_bytes
+            indices[:, :full].unflatten(-1, (whole, self.group_bytes)).add_(codes[:, :whole, None])
+            if full < width:
+                indices[:, full:].add_(codes[:, whole:])
+            torch.index_select(table, 0, indices.view(-1), out=pairs[first:last].view(-1))
+
+        runner.run(list(range(0, rows, tile_rows)), work)
+
+    def sub_problem(self, fmt, knobs, tensors, tile: Tile) -> dict[str, torch.Tensor]:
+        cols = tile.cols
+        return dict(tensors) | {
+            self.packed: tensors[self.packed][tile.rows, cols.start // 2 : cols.stop // 2],
+            self.scale: tensors[self.scale][tile.rows, cols.start // MXFP4_GROUP : ceil_div(cols.stop, MXFP4_GROUP)],
+        }
+
+
+def kernel_for(fmt: QuantFormat) -> Fp8Kernel | Nvfp4Kernel | Int4Kernel | Mxfp4Kernel:
     """The fast kernel of a built-in format; a plugin's format has none."""
     if isinstance(fmt, Fp8Block):
         return Fp8Kernel("weight_scale_inv")
@@ -400,6 +463,8 @@ def kernel_for(fmt: QuantFormat) -> Fp8Kernel | Nvfp4Kernel | Int4Kernel:
         return Fp8Kernel("weight_scale")
     if isinstance(fmt, CtInt4):
         return Int4Kernel()
+    if isinstance(fmt, CtMxfp4):
+        return Mxfp4Kernel()
     if isinstance(fmt, CtNvfp4):
         return Nvfp4Kernel("weight_packed", "weight_global_scale", nv.DIVIDE)
     if isinstance(fmt, ModeloptNvfp4):

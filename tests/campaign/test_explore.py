@@ -115,6 +115,9 @@ def test_a_signature_tells_causes_apart_and_ignores_numbers():
     known.known_issue = "some-issue"
     assert known.cause() == "known: some-issue"
     assert normalise("/tmp/a/b.safetensors: 1.5e-3 off") == "PATH: N off"
+    assert normalise("missing model.layers.1.mlp.experts.12.w1.weight_scale") == normalise(
+        "missing model.layers.0.mlp.experts.3.w1.weight_scale"
+    )
 
 
 def test_each_cell_keeps_its_own_examples_in_a_shared_database():

@@ -60,6 +60,9 @@ EXACT = {
         "ct-int4",
         ["hidden_size=200", "intermediate_size=160", "group_size=64", "subnormal_block=true", "dtype=float32"],
     ),
+    "ct-mxfp4": ("ct-mxfp4", ODD),  # K=144 and 272: a partial last group of 32
+    "ct-mxfp4-fp16-zero": ("ct-mxfp4", [*ODD, "dtype=float16", "zero_block=true"]),
+    "ct-mxfp4-subnormal-huge": ("ct-mxfp4", [*ODD, "subnormal_block=true", "extreme_amax=huge", "dtype=float32"]),
 }
 #: checkpoints the reference refuses (a module it cannot read): the fast path must say the same
 REFUSED = {
@@ -143,7 +146,7 @@ def damaged(tensors, packed, scale):
     if tensors[scale].dim() == 2 and tensors[scale].shape[1] > 1:
         yield "scale one column short", tensors | {scale: tensors[scale][:, 1:]}
     nan = tensors[scale].clone()
-    nan.view(-1)[-1] = float("nan")
+    nan.view(-1)[-1] = 0xFF if nan.dtype == torch.uint8 else float("nan")  # E8M0's NaN is code 0xFF
     yield "NaN scale", tensors | {scale: nan}
 
 
@@ -168,6 +171,7 @@ def damaged_int4(tensors):
         "modelopt-nvfp4",
         "modelopt-fp8",
         "ct-int4",
+        "ct-mxfp4",
     ],
 )
 def test_malformed_modules_are_refused_in_the_references_words(checkpoints, case):
@@ -210,7 +214,8 @@ def test_tiles_cover_the_weight_once_and_the_sample_includes_the_last_partial_bl
 
 
 @pytest.mark.parametrize(
-    "case", ["fp8-block-64-odd", "ct-fp8-channel", "ct-nvfp4", "modelopt-nvfp4", "modelopt-fp8", "ct-int4"]
+    "case",
+    ["fp8-block-64-odd", "ct-fp8-channel", "ct-nvfp4", "modelopt-nvfp4", "modelopt-fp8", "ct-int4", "ct-mxfp4"],
 )
 def test_a_wrong_last_element_is_caught_and_named(checkpoints, case, monkeypatch):
     module, fmt, knobs, tensors = next(iter(quantized_modules(checkpoints[case])))
@@ -296,3 +301,21 @@ def test_int4_any_group_and_padded_word_equals_the_reference(group, dtype):
             out = FastDequantizer(out_dtype, verify=False, tile_elements=64).dequantize(fmt, knobs, tensors)
             assert first_difference(out, reference) is None, (shape, out_dtype, first_difference(out, reference))
             verify_tiles(fmt, knobs, tensors, out, f"{shape}", everything=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_mxfp4_any_even_k_equals_the_reference(dtype):
+    """Every element and every verification tile's sub-problem, bit for bit: K below one group, a
+    partial last group, whole groups; the extreme E8M0 codes (2**-127, and float32 overflow at 254)."""
+    fmt = get_format("ct-mxfp4")
+    generator = torch.Generator().manual_seed(3)
+    for shape in [(3, 2), (5, 16), (7, 50), (33, 96), (2, 330)]:
+        weight = torch.randn(shape, generator=generator) * torch.exp(torch.randn(shape, generator=generator) * 2)
+        tensors = fmt.quantize(weight, {}, model_dtype=dtype, activation_amax=1.0).tensors
+        tensors["weight_scale"].view(-1)[0] = 0
+        tensors["weight_scale"].view(-1)[-1] = 254
+        reference = fmt.dequantize(tensors, {})
+        for out_dtype in OUTPUTS:
+            out = FastDequantizer(out_dtype, verify=False, tile_elements=64).dequantize(fmt, {}, tensors)
+            assert first_difference(out, reference) is None, (shape, out_dtype, first_difference(out, reference))
+            verify_tiles(fmt, {}, tensors, out, f"{shape}", everything=True)
