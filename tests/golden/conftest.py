@@ -27,9 +27,12 @@ def variant(tmp_path_factory):
     return get
 
 
-def _run_gate(engine_session, engine, directory, model, fmt, update, producer="harness", checkpoint=None):
+def _run_gate(
+    engine_session, engine, directory, model, fmt, update, producer="harness", checkpoint=None, golden_engine=None
+):
     """`checkpoint`: the one whose reference dequantization the engine's weights are judged against
-    (default: `directory`, the one it loaded)."""
+    (default: `directory`, the one it loaded); `golden_engine`: whose golden it is gated against
+    (default: its own)."""
     require_engine(engine_session, engine)
     scorer, why = loaded_scorer(engine_session, engine, directory, fmt)
     if scorer is None:
@@ -38,7 +41,7 @@ def _run_gate(engine_session, engine, directory, model, fmt, update, producer="h
         scorer,
         model,
         fmt,
-        engine,
+        golden_engine or engine,
         update=update,
         provenance=provenance(
             engine_session, engine, producer, f"pytest tests/golden --update-golden -k '{model} and {fmt} and {engine}'"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness.differential.known_issues import KnownIssues
 from harness.engines import ENGINE_NAMES
 from harness.gates.golden import GOLDEN_FORMATS, OTHER_READERS, existing_goldens
 from harness.lm import MODEL_NAMES
@@ -19,9 +20,25 @@ CT_PRODUCED = ("ct-fp8-tensor", "ct-fp8-channel", "ct-fp8-block", "ct-nvfp4", "c
 @pytest.mark.parametrize("fmt", GOLDEN_FORMATS)
 @pytest.mark.parametrize("model", MODEL_NAMES)
 def test_clean_variant_passes_its_gate(model, fmt, engine, engine_session, variant, run_gate, update_golden):
+    bug = unconditional_known_issue(engine, fmt)
+    if bug is not None:
+        # no golden is recorded from a load a known bug corrupts: the variant must fail the
+        # reference's golden, weights first, for as long as the bug is there
+        verdict = run_gate(engine_session, engine, variant(model, fmt), model, fmt, False, golden_engine="reference")
+        assert not verdict.ok and verdict.weights.status != "ok", f"{bug} no longer fails the gate: \n{verdict}"
+        return
     verdict = run_gate(engine_session, engine, variant(model, fmt), model, fmt, update_golden)
     assert verdict.ok, f"\n{verdict}"
     assert verdict.weights.status == "ok", f"\n{verdict}"
+
+
+def unconditional_known_issue(engine: str, fmt: str) -> str | None:
+    """A known issue of `engine` that corrupts every load of `fmt` (no precondition, no arch scope)."""
+    for issue in KnownIssues.load().issues:
+        if issue.engine == engine and fmt in issue.formats and not issue.when and not issue.archs:
+            if "weight-mismatch" in issue.kinds:
+                return issue.id
+    return None
 
 
 @pytest.mark.parametrize("engine", ("transformers", "compressed-tensors"))
