@@ -214,12 +214,14 @@ def format_knobs(draw, name: str, force: Force = ()) -> dict[str, Any]:
 
 def size_edges(name: str, knobs: Mapping[str, Any]) -> tuple[int, int]:
     """The (rows, cols) edges sizes are measured against: the format's scale block, or the
-    nominal edge along an axis that has no grid (one scale per tensor or per row)."""
+    nominal edge along an axis that has no grid (one scale per tensor or per row), never less
+    than the format's column multiple (a size drawn against it may be some projection's K)."""
     fmt = get_format(name)
     probe = (2**20, 2**20)
     resolved = fmt.resolve_knobs(knobs)
     rows, cols = fmt.scale_block(resolved, probe)
-    return (rows if 1 < rows < probe[0] else NOMINAL_EDGE, cols if 1 < cols < probe[1] else NOMINAL_EDGE)
+    nominal = max(NOMINAL_EDGE, column_multiple(name))
+    return (rows if 1 < rows < probe[0] else nominal, cols if 1 < cols < probe[1] else nominal)
 
 
 @cache

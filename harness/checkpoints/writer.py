@@ -90,7 +90,17 @@ def perturb_weight(
 def inject_nonfinite(quantized: QuantizedWeight, kind: str) -> str:
     """Put NaN or inf into the first element of the module's first floating-point scale."""
     for suffix, tensor in quantized.tensors.items():
-        if suffix in ("weight", "weight_packed") or not tensor.is_floating_point():
+        if suffix in ("weight", "weight_packed"):
+            continue
+        if tensor.dtype == torch.uint8 and suffix == "weight_scale":  # an E8M0 exponent: 0xFF is its NaN
+            stored = tensor.clone()
+            stored.view(-1)[0] = 0xFF
+            quantized.tensors[suffix] = stored
+            quantized.expectation = "refuse"
+            note = f"{suffix}[0] set to 0xFF (E8M0's NaN; it has no infinity): a loader must refuse it"
+            quantized.notes.append(note)
+            return note
+        if not tensor.is_floating_point():
             continue
         flat = tensor.to(torch.float32).flatten()
         flat[0] = math.nan if kind == "nan" else math.inf

@@ -31,10 +31,9 @@ from harness.formats.base import (
     require_shape,
     require_tensor,
 )
+from harness.formats.ct_common import single_group, single_group_config
 from harness.formats.fp8_block import block_amax, expand_block_grid
 
-#: the compressed-tensors release whose `ModelCompressor.update_config` output we reproduce
-CT_VERSION = "0.20.0"
 FORMAT_NAME = "pack-quantized"
 GROUP_SIZES = (32, 64, 128)
 NIBBLES_PER_WORD = 8
@@ -46,15 +45,8 @@ SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def config_group(config) -> dict | None:
     """The single config group of a compressed-tensors pack-quantized int4 config, else None."""
-    if config.get("quant_method") != "compressed-tensors":
-        return None
-    groups = config.get("config_groups")
-    if not isinstance(groups, dict) or len(groups) != 1:
-        return None
-    group = next(iter(groups.values()))
-    if not isinstance(group, dict) or (group.get("format") or config.get("format")) != FORMAT_NAME:
-        return None
-    weights = group.get("weights")
+    group = single_group(config, FORMAT_NAME)
+    weights = (group or {}).get("weights")
     if not isinstance(weights, dict) or (weights.get("type"), weights.get("num_bits")) != ("int", 4):
         return None
     return group
@@ -117,26 +109,7 @@ class CtInt4(QuantFormat):
             "symmetric": True,
             "type": "int",
         }
-        group = {
-            "format": FORMAT_NAME,
-            "input_activations": None,
-            "output_activations": None,
-            "targets": ["Linear"],
-            "weights": weights,
-        }
-        return {
-            "config_groups": {"group_0": group},
-            "format": FORMAT_NAME,
-            "global_compression_ratio": None,
-            "ignore": list(ignore),
-            "kv_cache_scheme": None,
-            "moe_sparsity_config": None,
-            "quant_method": "compressed-tensors",
-            "quantization_status": "compressed",
-            "sparsity_config": {},
-            "transform_config": {},
-            "version": CT_VERSION,
-        }
+        return single_group_config(FORMAT_NAME, weights, ignore)
 
     def knobs_from_config(self, quantization_config):
         group = config_group(quantization_config)
