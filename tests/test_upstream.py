@@ -21,16 +21,21 @@ from packaging.version import Version
 from harness.checkpoints.reader import Checkpoint
 from harness.checkpoints.recipe import Recipe
 from harness.commands.cli import main
+from harness.core.errors import HarnessError
 from harness.core.naming import canonical_name
 from harness.differential.known_issues import KnownIssues
 from harness.engines import ENGINES
 from harness.engines.environments import engine_python
 from harness.formats.base import FormatError
 from harness.lanes.upstream import from_issue, render_script
+from harness.lanes.upstream.script import unexpressible
 from harness.oracle.reference import format_and_knobs, group_modules
 from tests.cli import run_cli
 
-ISSUES = KnownIssues.load().issues
+#: the known issues a standalone script can express (dense llama/qwen2, the script formats); the
+#: others' `upstream` is a one-line refusal (test_unexpressible_reproducers_are_refused_in_one_line)
+ISSUES = [issue for issue in KnownIssues.load().issues if unexpressible(from_issue(issue).recipe) is None]
+UNEXPRESSIBLE = [issue for issue in KnownIssues.load().issues if unexpressible(from_issue(issue).recipe)]
 IDS = [issue.id for issue in ISSUES]
 #: the scripts CI runs (one per engine and template family); all of them run in the nightly lane.
 #: Every issue's reproducer is also replayed through the harness in CI (tests/differential/test_known_issues.py).
@@ -302,3 +307,14 @@ def test_upstream_from_a_report_finding(tmp_path):
 def test_upstream_usage_errors_exit_2(argv, tmp_path, capsys):
     assert main(["upstream", *argv, "--out", str(tmp_path / "out")]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("issue", UNEXPRESSIBLE, ids=[issue.id for issue in UNEXPRESSIBLE])
+def test_unexpressible_reproducers_are_refused_in_one_line(issue):
+    with pytest.raises(HarnessError, match="no standalone reproducer for its") as refused:
+        render_script(from_issue(issue))
+    assert "\n" not in str(refused.value) and f"harness check {issue.id}" in str(refused.value)
+
+
+def test_the_scripts_express_most_known_issues():
+    assert len(ISSUES) >= 17 and {"transformers-ct-ignored-module-loads-stored-fp8"} <= {i.id for i in UNEXPRESSIBLE}

@@ -17,6 +17,19 @@ import torch
 from harness.checkpoints.architectures import Architecture, architecture_for
 
 
+def known_layout(config: Mapping) -> Architecture | None:
+    """The registered architecture of `config` when its layout can be computed from it (a foreign
+    config may lack fields the generator always writes: then names are left as they are)."""
+    arch = architecture_for(config.get("model_type", ""))
+    if arch is None:
+        return None
+    try:
+        arch.tensor_layout(config)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return arch
+
+
 def packed_experts(arch: Architecture, settings: Mapping) -> dict[str, tuple[list[str], list[str]]]:
     """model name of each packed expert tensor -> (checkpoint names concatenated along dim 1 per
     expert, one list per part)."""
@@ -49,7 +62,7 @@ def renamed(arch: Architecture, name: str) -> str:
 def to_model_state(config: Mapping, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Checkpoint-named tensors -> the model's state dict names (experts packed). Tensors of
     a packed group that are absent leave the group out (the model reports it missing)."""
-    arch = architecture_for(config.get("model_type", ""))
+    arch = known_layout(config)
     if arch is None:
         return state
     result = dict(state)
@@ -63,7 +76,7 @@ def to_model_state(config: Mapping, state: dict[str, torch.Tensor]) -> dict[str,
 
 def to_checkpoint_names(config: Mapping, held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model's tensors under the checkpoint's names: packed experts split per expert and part."""
-    arch = architecture_for(config.get("model_type", ""))
+    arch = known_layout(config)
     if arch is None:
         return held
     inverse = {renamed(arch, name): name for name in arch.tensor_layout(config)}
@@ -77,4 +90,19 @@ def to_checkpoint_names(config: Mapping, held: dict[str, torch.Tensor]) -> dict[
         for part, piece in zip(parts, torch.split(tensor, widths, dim=1), strict=True):
             for expert, checkpoint_name in enumerate(part):
                 result[checkpoint_name] = piece[expert]
+    return result
+
+
+def report_names(config: Mapping, names: list[str]) -> list[str]:
+    """A load report's key names (the model's) as the checkpoint names them: a packed experts
+    tensor stands for every expert's tensors of its parts, Mixtral's `mlp` is `block_sparse_moe`."""
+    arch = known_layout(config)
+    if arch is None:
+        return list(names)
+    packed = packed_experts(arch, config)
+    inverse = {renamed(arch, name): name for name in arch.tensor_layout(config)}
+    result = []
+    for name in names:
+        parts = packed.get(name.removesuffix(".weight"))
+        result += [n for part in parts for n in part] if parts else [inverse.get(name, name)]
     return result

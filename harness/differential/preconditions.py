@@ -30,6 +30,7 @@ CONFIG_NAMES = (
     "vocab_size",
     "model_type",
     "dtype",
+    "quant_method",  # quantization_config's, e.g. "modelopt", "compressed-tensors", "fp8"
 )
 #: names of a finding about one module (weight-mismatch etc.)
 MODULE_NAMES = ("rows", "cols", "block_rows", "block_cols", "partial", "expert")
@@ -187,7 +188,7 @@ def _scalars(values: Mapping[str, Any]) -> dict[str, Any]:
 def checkpoint_context(directory: str | Path) -> dict[str, Any]:
     """What is known about a checkpoint: its config.json's scalar fields (`dtype` from dtype or
     torch_dtype, default bfloat16 as the runner judges; `head_dim` defaulting to hidden_size //
-    num_attention_heads), the format knobs its quantization_config declares and, for a checkpoint
+    num_attention_heads), its quantization_config's quant_method and the format knobs it declares and, for a checkpoint
     the harness generated, its recipe's resolved knobs, layout and perturbations. What cannot be
     read is left out (the predicates naming it are then false)."""
     from harness.checkpoints.manifest import read_manifest
@@ -218,6 +219,9 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
     else:  # a checkpoint the harness did not write: the same facts, read from the checkpoint itself
         context |= observed_facts(directory)
     context |= _scalars(config)
+    quantization = config.get("quantization_config")
+    if isinstance(quantization, dict) and isinstance(quantization.get("quant_method"), str):
+        context["quant_method"] = quantization["quant_method"]
     context["dtype"] = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
     hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
     if config.get("head_dim") is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:

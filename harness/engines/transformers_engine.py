@@ -38,6 +38,7 @@ class TransformersEngine(HFModelEngine):
     def load(self, directory: str) -> LoadReport:
         from transformers import AutoModelForCausalLM
 
+        from harness.checkpoints.model_layout import report_names
         from harness.checkpoints.reader import declared_format
 
         config = json.loads((Path(directory) / "config.json").read_text())
@@ -58,8 +59,8 @@ class TransformersEngine(HFModelEngine):
                     ) from error
                 raise RuntimeError(explain(error, logged)) from error
         self.model.eval()
-        report.missing = sorted(info.get("missing_keys", []))
-        report.unexpected = sorted(info.get("unexpected_keys", []))
+        report.missing = sorted(report_names(config, info.get("missing_keys", [])))
+        report.unexpected = sorted(report_names(config, info.get("unexpected_keys", [])))
         report.mismatched = sorted(str(k) for k in info.get("mismatched_keys", []))
         # compressed-tensors decompresses on the first forward: run one so weights are what it computes
         with torch.no_grad():

@@ -224,7 +224,33 @@ def perturbation_notes(manifest: dict) -> list[str]:
     return notes
 
 
+#: what the standalone scripts' own writer (parts/checkpoint.py) can express
+SCRIPT_ARCHS = ("llama", "qwen2")
+SCRIPT_LAYOUT = ("dtype", "key_prefix", "shards", "split_scale", "activation_amax")
+
+
+def unexpressible(recipe) -> str | None:
+    """Why a standalone script cannot write this reproducer's checkpoint, or None when it can."""
+    from harness.checkpoints.recipe import LAYOUT_DEFAULTS, PERTURB_DEFAULTS
+
+    if recipe.format not in FORMAT_PIECES:
+        return f"format '{recipe.format}'"
+    if recipe.arch not in SCRIPT_ARCHS:
+        return f"architecture '{recipe.arch}' (the scripts write {' and '.join(SCRIPT_ARCHS)})"
+    layout = [k for k, v in recipe.layout.items() if k not in SCRIPT_LAYOUT and v != LAYOUT_DEFAULTS.get(k)]
+    perturb = [k for k in ("disagreement",) if recipe.perturb.get(k, PERTURB_DEFAULTS[k]) != PERTURB_DEFAULTS[k]]
+    if layout or perturb:
+        return f"layout setting(s) {', '.join(layout + perturb)}"
+    return None
+
+
 def render_script(reproducer: Reproducer) -> Script:
+    why = unexpressible(reproducer.recipe)
+    if why:
+        raise HarnessError(
+            f"{reproducer.id}: no standalone reproducer for its {why} yet; "
+            f"reproduce it with `python -m harness check {reproducer.id}`"
+        )
     resolved = reproducer.recipe.resolved()
     config, manifest = checkpoint_facts(reproducer)
     format_name, dtype = reproducer.recipe.format, resolved.layout["dtype"]
