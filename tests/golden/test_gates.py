@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from harness.differential.known_issues import KnownIssues
+from harness.differential.preconditions import checkpoint_context
 from harness.engines import ENGINE_NAMES
 from harness.gates.golden import GOLDEN_FORMATS, OTHER_READERS, existing_goldens
 from harness.lm import MODEL_NAMES
@@ -20,23 +21,27 @@ CT_PRODUCED = ("ct-fp8-tensor", "ct-fp8-channel", "ct-fp8-block", "ct-nvfp4", "c
 @pytest.mark.parametrize("fmt", GOLDEN_FORMATS)
 @pytest.mark.parametrize("model", MODEL_NAMES)
 def test_clean_variant_passes_its_gate(model, fmt, engine, engine_session, variant, run_gate, update_golden):
-    bug = unconditional_known_issue(engine, fmt)
+    directory = variant(model, fmt)
+    bug = known_corruption(engine, fmt, directory)
     if bug is not None:
         # no golden is recorded from a load a known bug corrupts: the variant must fail the
         # reference's golden, weights first, for as long as the bug is there
-        verdict = run_gate(engine_session, engine, variant(model, fmt), model, fmt, False, golden_engine="reference")
+        verdict = run_gate(engine_session, engine, directory, model, fmt, False, golden_engine="reference")
         assert not verdict.ok and verdict.weights.status != "ok", f"{bug} no longer fails the gate: \n{verdict}"
         return
-    verdict = run_gate(engine_session, engine, variant(model, fmt), model, fmt, update_golden)
+    verdict = run_gate(engine_session, engine, directory, model, fmt, update_golden)
     assert verdict.ok, f"\n{verdict}"
     assert verdict.weights.status == "ok", f"\n{verdict}"
 
 
-def unconditional_known_issue(engine: str, fmt: str) -> str | None:
-    """A known issue of `engine` that corrupts every load of `fmt` (no precondition, no arch scope)."""
+def known_corruption(engine: str, fmt: str, directory) -> str | None:
+    """A known issue of `engine` that corrupts the weights of this clean variant: in scope for
+    its format and architecture, every precondition holding on the checkpoint."""
+    context = checkpoint_context(directory)
     for issue in KnownIssues.load().issues:
-        if issue.engine == engine and fmt in issue.formats and not issue.when and not issue.archs:
-            if "weight-mismatch" in issue.kinds:
+        in_scope = issue.engine == engine and fmt in issue.formats and "weight-mismatch" in issue.kinds
+        if in_scope and (not issue.archs or context.get("model_type") in issue.archs):
+            if all(predicate.holds(context) for predicate in issue.when):
                 return issue.id
     return None
 
