@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.fusion import fusion_groups, shares_scales
-from harness.checkpoints.model_layout import to_checkpoint_names, to_model_state
+from harness.checkpoints.model_layout import report_names, to_checkpoint_names, to_model_state
 from harness.checkpoints.reader import Checkpoint
 from harness.checkpoints.recipe import Recipe
 from harness.checkpoints.writer import generate
@@ -114,3 +114,15 @@ def test_experts_pack_into_the_model_layout_and_split_back_exactly(arch):
     assert not any(".experts.0." in n for n in packed) and any(n.endswith("experts.gate_up_proj") for n in packed)
     back = to_checkpoint_names(config, packed)
     assert set(back) == set(state) and all(torch.equal(back[n], state[n]) for n in state)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_a_load_report_names_what_the_checkpoint_stores_even_outside_the_layout(arch):
+    """An orphan scale (no module of the layout) is reported under the name it has on disk, so the
+    runner can tell it from a key the loader dropped (Mixtral's block_sparse_moe is `mlp` in the model)."""
+    settings = ARCHITECTURES[arch].settings({"num_hidden_layers": 1})
+    config = {"model_type": ARCHITECTURES[arch].model_type, **settings}
+    block = ARCHITECTURES[arch].moe.block
+    orphan = f"model.layers.0.{block}.experts.1.unused_proj.weight_scale"
+    state = to_model_state(config, {orphan: torch.ones(1)})
+    assert report_names(config, list(state)) == [orphan]

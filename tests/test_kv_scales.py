@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from harness.checkpoints.architectures import ARCHITECTURES
-from harness.checkpoints.kv_scales import CHOICES, carries, is_kv_scale
+from harness.checkpoints.kv_scales import CHOICES, is_kv_scale
 from harness.checkpoints.reader import Checkpoint
-from harness.checkpoints.recipe import Recipe
+from harness.checkpoints.recipe import Recipe, layout_refusal
 from harness.checkpoints.writer import generate
 from harness.core.errors import HarnessError
 from harness.differential.runner import EngineSession, evaluate
@@ -35,17 +35,15 @@ def session(tmp_path_factory):
 
 def test_namings_go_with_the_producers_that_write_them():
     llama, phi3, deepseek = (ARCHITECTURES[a] for a in ("llama", "phi3", "deepseek_v3"))
-    assert carries("proj", llama, get_format("modelopt-nvfp4")) and not carries(
-        "proj", llama, get_format("ct-fp8-tensor")
-    )
-    assert carries("output_scale", llama, get_format("ct-int4")) and not carries(
-        "output_scale", llama, get_format("modelopt-fp8")
-    )
-    assert not carries("self_attn", llama, get_format("fp8-block"))  # nothing in its config declares a KV cache
-    assert carries("self_attn", phi3, get_format("ct-fp8-tensor")) and not carries(
-        "output_scale", phi3, get_format("ct-fp8-tensor")
-    )
-    assert not carries("self_attn", deepseek, get_format("ct-fp8-tensor"))  # latent attention
+
+    def carries(kind, arch, name):
+        return layout_refusal("kv_scales", kind, get_format(name), arch, {}) is None
+
+    assert carries("proj", llama, "modelopt-nvfp4") and not carries("proj", llama, "ct-fp8-tensor")
+    assert carries("output_scale", llama, "ct-int4") and not carries("output_scale", llama, "modelopt-fp8")
+    assert not carries("self_attn", llama, "fp8-block")  # nothing in its config declares a KV cache
+    assert carries("self_attn", phi3, "ct-fp8-tensor") and not carries("output_scale", phi3, "ct-fp8-tensor")
+    assert not carries("self_attn", deepseek, "ct-fp8-tensor")  # latent attention
     with pytest.raises(HarnessError, match="kv_scales=self_attn needs"):
         generate(
             Recipe(format="fp8-block", arch="llama", layout={"kv_scales": "self_attn"}), "/nonexistent/never-written"

@@ -13,10 +13,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.checkpoints import kv_scales
 from harness.checkpoints.architectures import ARCHITECTURES
-from harness.checkpoints.fusion import shares_scales
-from harness.checkpoints.recipe import LAYOUT_CHOICES, LAYOUT_DEFAULTS, PERTURB_DEFAULTS
+from harness.checkpoints.recipe import LAYOUT_CHOICES, LAYOUT_DEFAULTS, PERTURB_DEFAULTS, layout_refusal
 from harness.core.errors import HarnessError
 from harness.core.paths import CASES_DIR
 from harness.formats import FORMAT_NAMES, get_format
@@ -113,10 +111,8 @@ class Coverage:
                 values = tuple(v for v in values if v in knob.choices and v != knob.default)
                 if not values:
                     return None
-            if key == "layout.fused_scales" and not shares_scales(fmt, {}):
-                values = tuple(v for v in values if v != "shared")  # its scales span rows of two parts
-            if key == "layout.kv_scales":  # namings the format's producers write, on k/v projections
-                values = tuple(v for v in values if kv_scales.carries(v, ARCHITECTURES[cell.arch], fmt))
+            if section == "layout":  # values this format and architecture can carry
+                values = tuple(v for v in values if not layout_refusal(name, v, fmt, ARCHITECTURES[cell.arch], {}))
             if not values:
                 return None
             force[key] = values

@@ -17,10 +17,16 @@ import torch
 from hypothesis import event
 from hypothesis import strategies as st
 
-from harness.checkpoints import disagreements, kv_scales
+from harness.checkpoints import disagreements
 from harness.checkpoints.architectures import ARCHITECTURES
-from harness.checkpoints.fusion import shares_scales
-from harness.checkpoints.recipe import LAYOUT_CHOICES, LAYOUT_DEFAULTS, PERTURB_CHOICES, PERTURB_DEFAULTS, Recipe
+from harness.checkpoints.recipe import (
+    LAYOUT_CHOICES,
+    LAYOUT_DEFAULTS,
+    PERTURB_CHOICES,
+    PERTURB_DEFAULTS,
+    Recipe,
+    layout_refusal,
+)
 from harness.core.numerics import ceil_div
 from harness.formats import FORMAT_NAMES, get_format
 from harness.formats.base import FormatError
@@ -314,10 +320,10 @@ def fit_recipe(recipe: Recipe) -> None:
     shared fused-part scales where the format's scale blocks span rows of two parts and KV-scale
     namings the format's producers do not write."""
     fmt = get_format(recipe.format)
-    if recipe.layout.get("fused_scales") == "shared" and not shares_scales(fmt, recipe.knobs):
-        recipe.layout["fused_scales"] = "per-part"
-    if not kv_scales.carries(recipe.layout.get("kv_scales", "none"), ARCHITECTURES[recipe.arch], fmt):
-        recipe.layout["kv_scales"] = "none"
+    for key in ("fused_scales", "kv_scales"):
+        value = recipe.layout.get(key, LAYOUT_DEFAULTS[key])
+        if layout_refusal(key, value, fmt, ARCHITECTURES[recipe.arch], recipe.knobs):
+            recipe.layout[key] = LAYOUT_DEFAULTS[key]
     kind = recipe.perturb.get("disagreement", "none")
     if kind == "none":
         return

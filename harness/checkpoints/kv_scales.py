@@ -57,15 +57,6 @@ def check(kind: str, arch, quantization_config: Mapping) -> None:
         raise HarnessError(f"kv_scales={kind} names k_proj/v_proj, which {arch.name} fuses into qkv_proj")
 
 
-def carries(kind: str, arch, fmt) -> bool:
-    """True when a checkpoint of `fmt` and `arch` can carry KV scales named `kind`."""
-    try:
-        check(kind, arch, fmt.quantization_config(fmt.resolve_knobs({}), []))
-    except HarnessError:
-        return False
-    return True
-
-
 def tensors(kind: str, settings: Mapping, amax: float) -> dict[str, torch.Tensor]:
     """The KV scales of every layer, distinct per layer and between k and v."""
     shape = () if kind == "proj" else (1,)

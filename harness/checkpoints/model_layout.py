@@ -59,6 +59,13 @@ def renamed(arch: Architecture, name: str) -> str:
     return name
 
 
+def checkpoint_name(arch: Architecture, name: str) -> str:
+    """The inverse of `renamed`: a model name as the checkpoint stores it."""
+    if arch.moe and arch.moe.block != "mlp":
+        return name.replace(".mlp.", f".{arch.moe.block}.")
+    return name
+
+
 def to_model_state(config: Mapping, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Checkpoint-named tensors -> the model's state dict names (experts packed). Tensors of
     a packed group that are absent leave the group out (the model reports it missing)."""
@@ -79,17 +86,17 @@ def to_checkpoint_names(config: Mapping, held: dict[str, torch.Tensor]) -> dict[
     arch = known_layout(config)
     if arch is None:
         return held
-    inverse = {renamed(arch, name): name for name in arch.tensor_layout(config)}
+    packed = packed_experts(arch, config)
     result = {}
     for name, tensor in held.items():
-        parts = packed_experts(arch, config).get(name.removesuffix(".weight"))
+        parts = packed.get(name.removesuffix(".weight"))
         if parts is None:
-            result[inverse.get(name, name)] = tensor
+            result[checkpoint_name(arch, name)] = tensor
             continue
         widths = [tensor.shape[1] // len(parts)] * len(parts)
         for part, piece in zip(parts, torch.split(tensor, widths, dim=1), strict=True):
-            for expert, checkpoint_name in enumerate(part):
-                result[checkpoint_name] = piece[expert]
+            for expert, stored in enumerate(part):
+                result[stored] = piece[expert]
     return result
 
 
@@ -100,9 +107,8 @@ def report_names(config: Mapping, names: list[str]) -> list[str]:
     if arch is None:
         return list(names)
     packed = packed_experts(arch, config)
-    inverse = {renamed(arch, name): name for name in arch.tensor_layout(config)}
     result = []
     for name in names:
         parts = packed.get(name.removesuffix(".weight"))
-        result += [n for part in parts for n in part] if parts else [inverse.get(name, name)]
+        result += [n for part in parts for n in part] if parts else [checkpoint_name(arch, name)]
     return result

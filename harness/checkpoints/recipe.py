@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from harness.checkpoints import kv_scales
 from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.disagreements import CHOICES as DISAGREEMENT_CHOICES
 from harness.checkpoints.fusion import CHOICES as FUSED_SCALES
@@ -91,12 +92,27 @@ class Recipe:
             raise HarnessError(f"shards must be a positive integer, got {layout['shards']!r}")
         if layout["split_scale"] and layout["shards"] < 2:
             raise HarnessError("split_scale needs shards >= 2")
-        if layout["fused_scales"] == "shared" and not shares_scales(fmt, knobs):
-            raise HarnessError(
-                f"fused_scales=shared needs scales that never span two parts' rows (per tensor, per channel, "
-                f"NVFP4); {self.format} scales blocks of rows"
-            )
+        for key in ("fused_scales", "kv_scales"):
+            refusal = layout_refusal(key, layout[key], fmt, ARCHITECTURES[self.arch], knobs)
+            if refusal:
+                raise HarnessError(refusal)
         return ResolvedRecipe(self, settings, knobs, layout, perturb)
+
+
+def layout_refusal(key: str, value: Any, fmt, arch, knobs: Mapping) -> str | None:
+    """Why a layout field's value cannot be written for this format, architecture and knobs, or
+    None when it can. The one rule per field that recipes, campaign cells and drawn examples share."""
+    if key == "fused_scales" and value == "shared" and not shares_scales(fmt, knobs):
+        return (
+            f"fused_scales=shared needs scales that never span two parts' rows (per tensor, per channel, "
+            f"NVFP4); {fmt.name} scales blocks of rows"
+        )
+    if key == "kv_scales":
+        try:
+            kv_scales.check(value, arch, fmt.quantization_config(fmt.resolve_knobs(knobs), []))
+        except HarnessError as error:
+            return str(error)
+    return None
 
 
 @dataclass

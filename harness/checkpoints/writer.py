@@ -97,7 +97,7 @@ def inject_nonfinite(quantized: QuantizedWeight, kind: str) -> str:
             stored.view(-1)[0] = 0xFF
             quantized.tensors[suffix] = stored
             quantized.expectation = "refuse"
-            note = f"{suffix}[0] set to 0xFF (E8M0's NaN; it has no infinity): a loader must refuse it"
+            note = f"{suffix}[0] set to nan (E8M0 code 0xFF; the format has no infinity): a loader must refuse it"
             quantized.notes.append(note)
             return note
         if not tensor.is_floating_point():
@@ -210,7 +210,6 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
     arch = ARCHITECTURES[recipe.arch]
     kind = resolved.perturb["disagreement"]
     disagreements.check(kind, resolved.layout["shards"], fmt.quantization_config(resolved.knobs, []))
-    kv_scales.check(resolved.layout["kv_scales"], arch, fmt.quantization_config(resolved.knobs, []))
     layout = arch.tensor_layout(resolved.settings)
     target = None
     if kind != "none":

@@ -32,6 +32,10 @@ CONFIG_NAMES = (
     "dtype",
     "quant_method",  # quantization_config's, e.g. "modelopt", "compressed-tensors", "fp8"
 )
+#: derived from the config: bytes per element of its dtype, and one routed expert's intermediate
+#: size under whatever field the architecture keeps it (Mixtral's intermediate_size, the others'
+#: moe_intermediate_size); only for a registered mixture-of-experts architecture
+DERIVED_NAMES = ("dtype_bytes", "expert_width")
 #: names of a finding about one module (weight-mismatch etc.)
 MODULE_NAMES = ("rows", "cols", "block_rows", "block_cols", "partial", "expert")
 
@@ -63,7 +67,14 @@ def known_names() -> frozenset[str]:
     from harness.checkpoints.recipe import LAYOUT_DEFAULTS, PERTURB_DEFAULTS
     from harness.formats import FORMAT_NAMES, get_format
 
-    names = set(CONFIG_NAMES) | set(TINY_DEFAULTS) | set(LAYOUT_DEFAULTS) | set(PERTURB_DEFAULTS) | set(MODULE_NAMES)
+    names = (
+        set(CONFIG_NAMES)
+        | set(DERIVED_NAMES)
+        | set(TINY_DEFAULTS)
+        | set(LAYOUT_DEFAULTS)
+        | set(PERTURB_DEFAULTS)
+        | set(MODULE_NAMES)
+    )
     for arch in ARCHITECTURES.values():
         names |= set(arch.extra_defaults)
     for name in FORMAT_NAMES:
@@ -223,10 +234,25 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
     if isinstance(quantization, dict) and isinstance(quantization.get("quant_method"), str):
         context["quant_method"] = quantization["quant_method"]
     context["dtype"] = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    context |= derived_facts(config, context["dtype"])
     hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
     if config.get("head_dim") is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
         context["head_dim"] = hidden // heads
     return context
+
+
+def derived_facts(config: Mapping[str, Any], dtype: str) -> dict[str, Any]:
+    """DERIVED_NAMES from a config.json (those it cannot give are left out)."""
+    from harness.checkpoints.architectures import architecture_for
+    from harness.core.dtypes import MODEL_DTYPES
+
+    facts: dict[str, Any] = {}
+    if dtype in MODEL_DTYPES:
+        facts["dtype_bytes"] = MODEL_DTYPES[dtype].itemsize
+    arch = architecture_for(str(config.get("model_type", "")))
+    if arch is not None and arch.moe is not None and isinstance(config.get(arch.moe.intermediate_key), int):
+        facts["expert_width"] = config[arch.moe.intermediate_key]
+    return facts
 
 
 def observed_facts(directory: Path) -> dict[str, Any]:

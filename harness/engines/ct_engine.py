@@ -31,8 +31,8 @@ class CompressedTensorsEngine(HFModelEngine):
 
         raw = json.loads((Path(directory) / "config.json").read_text())
         quantization_config = QuantizationConfig.model_validate(raw["quantization_config"])
-        report = LoadReport()
-        with captured_warnings(report.warnings):
+        warned: list[str] = []
+        with captured_warnings(warned):
             self.model, tied = unquantized_model(directory)
             apply_quantization_config(self.model, quantization_config)
             compressor = ModelCompressor(quantization_config=quantization_config)
@@ -41,8 +41,8 @@ class CompressedTensorsEngine(HFModelEngine):
             result = self.model.load_state_dict(state, strict=False)
             homeless_experts(self.model, result.unexpected_keys)
             compressor.decompress_model(self.model)
-        report.missing = sorted(set(result.missing_keys) - tied)
-        report.unexpected = sorted(result.unexpected_keys)
+        report = self.checkpoint_report(raw, result.missing_keys, result.unexpected_keys, tied)
+        report.warnings = warned
         return report
 
 

@@ -12,7 +12,7 @@ import torch
 
 from harness.core.dtypes import MODEL_DTYPES as DTYPES
 from harness.core.naming import canonical_name
-from harness.engines.base import Engine
+from harness.engines.base import Engine, LoadReport
 
 
 def checkpoint_dtype(directory: str | Path) -> torch.dtype:
@@ -45,6 +45,17 @@ class HFModelEngine(Engine):
     def __init__(self):
         self.model = None
         self.fmt = self.knobs = None
+
+    @staticmethod
+    def checkpoint_report(config: dict, missing, unexpected, tied=frozenset()) -> LoadReport:
+        """A load report in the checkpoint's names: the model's key names mapped back
+        (`model_layout.report_names`: packed experts, Mixtral's `mlp`), tied heads not missing."""
+        from harness.checkpoints.model_layout import report_names
+
+        return LoadReport(
+            missing=sorted(set(report_names(config, [k for k in missing if k not in tied]))),
+            unexpected=sorted(set(report_names(config, list(unexpected)))),
+        )
 
     def weights(self):
         from harness.checkpoints.model_layout import to_checkpoint_names

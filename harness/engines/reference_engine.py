@@ -35,4 +35,4 @@ class ReferenceEngine(HFModelEngine):
         state = to_model_state(checkpoint.config, state)
         self.model, tied = unquantized_model(directory)
         result = self.model.load_state_dict(state, strict=False)
-        return LoadReport(missing=sorted(set(result.missing_keys) - tied), unexpected=sorted(result.unexpected_keys))
+        return self.checkpoint_report(checkpoint.config, result.missing_keys, result.unexpected_keys, tied)

@@ -38,7 +38,6 @@ class TransformersEngine(HFModelEngine):
     def load(self, directory: str) -> LoadReport:
         from transformers import AutoModelForCausalLM
 
-        from harness.checkpoints.model_layout import report_names
         from harness.checkpoints.reader import declared_format
 
         config = json.loads((Path(directory) / "config.json").read_text())
@@ -59,8 +58,8 @@ class TransformersEngine(HFModelEngine):
                     ) from error
                 raise RuntimeError(explain(error, logged)) from error
         self.model.eval()
-        report.missing = sorted(report_names(config, info.get("missing_keys", [])))
-        report.unexpected = sorted(report_names(config, info.get("unexpected_keys", [])))
+        names = self.checkpoint_report(config, info.get("missing_keys", []), info.get("unexpected_keys", []))
+        report.missing, report.unexpected = names.missing, names.unexpected
         report.mismatched = sorted(str(k) for k in info.get("mismatched_keys", []))
         # compressed-tensors decompresses on the first forward: run one so weights are what it computes
         with torch.no_grad():

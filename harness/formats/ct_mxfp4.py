@@ -176,7 +176,7 @@ class CtMxfp4(QuantFormat):
         )
         nan = scale == E8M0_NAN
         if nan.any():
-            raise FormatError(f"weight_scale has {int(nan.sum())} E8M0 NaN code(s) (0xFF)")
+            raise FormatError(f"weight_scale has {int(nan.sum())} non-finite value(s) (E8M0 NaN code 0xFF)")
         return unpack_e2m1(packed, cols) * expand_block_grid(decode_e8m0(scale), rows, cols, (1, GROUP))
 
     def scale_block(self, knobs, shape):

@@ -290,3 +290,30 @@ def test_real_transformers_on_the_grid_reproducer_is_the_grid_issue(engine_sessi
     weights = [f for f in findings if f.kind == "weight-mismatch"]
     assert weights and all(f.metrics["misreadings"]["fp8-block-grid-from-shape"]["equal"] for f in weights)
     assert {f.known_issue for f in findings} == {GRID_ISSUE}, [(f.kind, f.message) for f in findings]
+
+
+def test_the_grouped_mm_precondition_is_what_torch_refuses(tmp_path):
+    """The entry's `when` against torch's own CPU kernel: over contraction widths 1..40 and the
+    three model dtypes, the predicate holds exactly where _grouped_mm refuses the strides."""
+    import torch
+
+    from harness.checkpoints.architectures import architecture_for
+    from harness.differential.preconditions import derived_facts
+
+    grouped_mm = getattr(torch, "_grouped_mm", None)
+    if grouped_mm is None:
+        pytest.skip("this torch has no _grouped_mm")
+    issue = next(i for i in KnownIssues.load().issues if i.id == "transformers-moe-grouped-mm-odd-width-cpu")
+    key = architecture_for("qwen3_moe").moe.intermediate_key
+    for dtype_name, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float32)):
+        for width in range(1, 41):
+            tokens, weights = torch.randn(4, width, dtype=dtype), torch.randn(2, 8, width, dtype=dtype)
+            try:
+                grouped_mm(tokens, weights.transpose(-2, -1), offs=torch.tensor([2, 4], dtype=torch.int32))
+                refused = False
+            except RuntimeError as error:
+                assert "16 bytes" in str(error)
+                refused = True
+            config = {"model_type": "qwen3_moe", "hidden_size": 64, key: width}
+            context = config | {"dtype": dtype_name} | derived_facts(config, dtype_name)
+            assert all(p.holds(context) for p in issue.when) == refused, (dtype_name, width)
