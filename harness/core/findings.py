@@ -18,6 +18,8 @@ KINDS = {
     "topk": "the engine's top-1 token is outside the reference's top-k",
     "perplexity": "perplexity is worse than the reference engine's beyond tolerance",
     "nonfinite-logits": "the engine produced NaN or inf log-probabilities",
+    "activations": "the engine's logits are not those of the activation quantization the checkpoint specifies "
+    "(the reference computes both candidates: activations as specified, and left unquantized)",
     "engine-crash": "the engine's worker process died",
     "engine-timeout": "the engine's worker gave no answer in time",
     "engine-memory": "the engine's worker went over its memory limit",

@@ -21,6 +21,8 @@ class Tolerances:
     top_k: int
     max_topk_miss_fraction: float
     perplexity_rel: float
+    #: max |delta logprob| of an engine that quantizes activations as specified, in its own arithmetic
+    activation_max_abs_delta: float
 
 
 def _check_keys(where: str, table: dict, allowed: set[str]) -> None:
@@ -34,16 +36,23 @@ def load_tolerances(format_name: str, dtype: str, path: Path = DEFAULT_FILE) -> 
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise HarnessError(f"{path}: cannot read tolerances ({error})") from None
-    _check_keys("top level", data, {"weights", "logprobs", "perplexity", "formats"})
+    _check_keys("top level", data, {"weights", "logprobs", "perplexity", "activations", "formats"})
     if dtype not in MODEL_DTYPES:
         raise HarnessError(f"tolerances: no entry for dtype {dtype}")
     weights = data["weights"][dtype]
     logprobs = dict(data["logprobs"][dtype])
     perplexity = dict(data["perplexity"])
+    activations = dict(data["activations"][dtype])
     _check_keys(f"weights.{dtype}", weights, {"rel", "abs"})
     override = data.get("formats", {}).get(format_name, {})
-    _check_keys(f"formats.{format_name}", override, {"logprobs", "perplexity"})
+    _check_keys(f"formats.{format_name}", override, {"logprobs", "perplexity", "activations"})
     logprobs.update(override.get("logprobs", {}))
+    for key, value in override.get("activations", {}).items():  # for every dtype, or a dtype's own table
+        if key not in MODEL_DTYPES:
+            activations[key] = value
+        elif key == dtype:
+            activations.update(value)
+    _check_keys("activations", activations, {"max_abs_delta"})
     perplexity.update(override.get("perplexity", {}))
     _check_keys("logprobs", logprobs, {"max_abs_delta", "top_k", "max_topk_miss_fraction"})
     _check_keys("perplexity", perplexity, {"rel"})
@@ -54,4 +63,5 @@ def load_tolerances(format_name: str, dtype: str, path: Path = DEFAULT_FILE) -> 
         int(logprobs["top_k"]),
         float(logprobs["max_topk_miss_fraction"]),
         perplexity["rel"],
+        activations["max_abs_delta"],
     )

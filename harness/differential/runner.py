@@ -19,7 +19,7 @@ from harness.checkpoints.reader import (
 )
 from harness.checkpoints.writer import MANIFEST_FILE
 from harness.core.errors import CheckpointError, first_line
-from harness.core.findings import Finding
+from harness.core.findings import WEIGHT_KINDS, Finding
 from harness.core.naming import canonical_name
 from harness.core.tolerances import load_tolerances
 from harness.differential.compare import compare_logprobs, compare_weight, perplexity
@@ -125,6 +125,10 @@ class Judgement:
     misreadings: CheckpointMisreadings | None = None
     #: `compare --hostile`: what in the layout leads outside the directory (or is a header bomb)
     hazards: list[Hazard] = field(default_factory=list)
+    #: the reference's logits with activations quantized as the checkpoint specifies (None: the
+    #: format quantizes weights only, or the reference cannot model it here: `specified_reason`)
+    specified: list[torch.Tensor] | None = None
+    specified_reason: str = ""
 
     @classmethod
     def of(cls, directory: Path, session: EngineSession, hostile: bool = False) -> Judgement:
@@ -266,6 +270,8 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
         if anomalies:
             outcome.detail = "logits not judged: the load report already explains them"
         rows = worker.logprobs(judgement.sequences, judgement.scratch_file(engine, "logprobs"))
+        if engine == REFERENCE:
+            _activation_candidate(judgement, worker)
         outcome.generated = worker.generate(judgement.sequences[0][:8], GENERATE_TOKENS)
         return rows
     except EngineFailure as failure:
@@ -283,6 +289,16 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
             metrics={"traceback_tail": error.traceback[-1500:]},
         )
     return None
+
+
+def _activation_candidate(judgement: Judgement, worker: EngineProcess) -> None:
+    """The reference's second candidate: its forward with activations quantized as specified."""
+    try:
+        judgement.specified = worker.logprobs(
+            judgement.sequences, judgement.scratch_file(REFERENCE, "activations"), activations=True
+        )
+    except EngineError as error:
+        judgement.specified_reason = first_line(error)
 
 
 def _judge_hostile_load(judgement: Judgement, engine: str, worker: EngineProcess, report: dict) -> None:
@@ -355,7 +371,10 @@ def _judge_logits(judgement: Judgement, logprobs: dict[str, list[torch.Tensor]])
                 engine, "nonfinite-logits", f"{diff.nonfinite} non-finite log-probabilities", metrics=metrics
             )
             continue
-        if diff.max_abs_delta > tol.logprob_max_abs_delta:
+        weights_exact = not any(f.engine == engine and f.kind in WEIGHT_KINDS for f in result.findings)
+        if judgement.specified is not None and weights_exact:  # with wrong weights, logits are their consequence
+            _judge_activations(judgement, engine, rows, baseline, diff, metrics)
+        elif diff.max_abs_delta > tol.logprob_max_abs_delta:
             judgement.finding(
                 engine,
                 "logprobs",
@@ -473,3 +492,32 @@ def _judge_weights(engine, held, truth, dtype, tol, fmt, knobs, finding, module_
         if misreadings is not None and misreadings.misreadings:
             item.metrics["misreadings"] = misreadings.verdicts(name, got, dtype)
         item.metrics["block_ratio"] = diff.block_ratio
+
+
+def _judge_activations(judgement: Judgement, engine: str, rows, weights_only, diff, metrics: dict) -> None:
+    """An activation-quantized checkpoint: the engine's logits against the reference's two
+    candidates. Within the measured noise of the specified one: as specified. Otherwise a finding
+    that says which candidate the engine computed, when the candidates are far enough apart
+    (more than twice the noise) to tell: "not applied" when it is the weight-only one."""
+    from harness.oracle.activations import scheme_of
+
+    sequences, tol = judgement.sequences, judgement.tol
+    bound = tol.activation_max_abs_delta
+    to_specified = compare_logprobs(rows, judgement.specified, sequences, tol).max_abs_delta
+    apart = compare_logprobs(judgement.specified, weights_only, sequences, tol).max_abs_delta
+    metrics.update(to_specified=to_specified, candidates_apart=apart, activation_bound=bound)
+    if to_specified <= bound:
+        return
+    scheme = scheme_of(judgement.config["quantization_config"]).describe()
+    if apart > 2 * bound and diff.max_abs_delta <= bound:
+        message = (
+            f"activation quantization not applied ({scheme}): logits within {diff.max_abs_delta:.3g} of the "
+            f"weight-only reference and {to_specified:.3g} from the specified one (bound {bound}; the two "
+            f"candidates are {apart:.3g} apart)"
+        )
+    else:
+        message = (
+            f"activations not quantized as specified ({scheme}): logits {to_specified:.3g} from the "
+            f"specified candidate (bound {bound}) and {diff.max_abs_delta:.3g} from the weight-only one"
+        )
+    judgement.finding(engine, "activations", message, metrics=metrics)

@@ -58,6 +58,11 @@ class Engine:
         """Per sequence, float32 [len-1, vocab]: log-softmax of the prediction for tokens 1..len-1."""
         raise NotImplementedError
 
+    def activation_logprobs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """`logprobs` with every quantized Linear's input quantized as the checkpoint specifies:
+        only an engine that can be an oracle for that (the reference) implements it."""
+        raise EngineUnsupported(f"{self.name} computes no activation-quantized candidate")
+
     def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         raise NotImplementedError
 

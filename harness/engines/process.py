@@ -154,11 +154,13 @@ class EngineProcess:
         self.request("weights", out=str(out))
         return load_file(str(out))
 
-    def logprobs(self, sequences: list[list[int]], out: Path) -> list:
-        """Per sequence, float32 [len-1, vocab] next-token log-probabilities (through the file `out`)."""
+    def logprobs(self, sequences: list[list[int]], out: Path, activations: bool = False) -> list:
+        """Per sequence, float32 [len-1, vocab] next-token log-probabilities (through the file `out`);
+        `activations`: the engine's forward with activations quantized as the checkpoint specifies
+        (the reference engine's second candidate; others answer EngineError, unsupported)."""
         from safetensors.torch import load_file
 
-        self.request("logprobs", sequences=sequences, out=str(out))
+        self.request("logprobs", sequences=sequences, out=str(out), activations=activations)
         rows = load_file(str(out))
         return [rows[sequence_key(i)] for i in range(len(sequences))]
 

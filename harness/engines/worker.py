@@ -74,8 +74,9 @@ def handle(engine, op: str, request: dict) -> dict:
         }
         save_file(weights, request["out"])
         return {"count": len(weights)}
-    if op == "logprobs":
-        rows = engine.logprobs(request["sequences"])
+    if op == "logprobs":  # `activations`: the reference's candidate with activations quantized as specified
+        logprobs = engine.activation_logprobs if request.get("activations") else engine.logprobs
+        rows = logprobs(request["sequences"])
         save_file(
             {sequence_key(i): r.detach().to("cpu", torch.float32).contiguous() for i, r in enumerate(rows)},
             request["out"],

@@ -200,3 +200,36 @@ class KVScaleNamingEngine(ReferenceEngine):
                 if f"{layer}.self_attn.{half}" not in names:
                     report.missing.append(f"{layer}.self_attn.{half}")
         return report
+
+
+class ActivationsAsSpecifiedEngine(ReferenceEngine):
+    """NOT BUGGY: the control for the activation doubles below. The reference's forward with every
+    quantized Linear's input quantized as the checkpoint specifies: what a correct engine computes."""
+
+    name = "double-activations-as-specified"
+
+    def logprobs(self, sequences):
+        return self.activation_logprobs(sequences)
+
+
+class ActivationsIgnoredEngine(ReferenceEngine):
+    """Bug class: an activation-quantized checkpoint run with its activations left in the model
+    dtype (input scales dropped, the scheme never applied): the weight-only forward."""
+
+    name = "double-activations-ignored"
+
+
+class InvertedInputScaleEngine(ReferenceEngine):
+    """Bug class: the static activation scale read in the other convention (x * s for x / s; an
+    NVFP4 input global scale taken as a multiplier where it is a divisor, or the reverse)."""
+
+    name = "double-inverted-input-scale"
+
+    def logprobs(self, sequences):
+        scheme, modules = self.activations
+        inverted = {name: None if s is None else 1.0 / s.to(torch.float64) for name, s in modules.items()}
+        self.activations = (scheme, inverted)
+        try:
+            return self.activation_logprobs(sequences)
+        finally:
+            self.activations = (scheme, modules)

@@ -1,0 +1,148 @@
+"""Activation quantization as the checkpoint's config defines it: what a quantized Linear does to
+its input before the matmul. Written from the definitions (the QuantizationArgs a config states,
+E4M3 and E2M1 rounding from harness.core.numerics), never from an engine's kernels.
+
+The schemes the formats declare (`input_activations` of a config group; `activation_scheme` of
+transformers' fp8 config; ModelOpt's `quant_algo`):
+
+- FP8, static per tensor: x -> e4m3(clamp(x / s)) * s with the stored `input_scale` s;
+- FP8, dynamic per token: the same with s = amax(row) / 448, per row; per tensor: over all of x;
+- FP8, dynamic per group: s = amax / 448 over each row's groups of `group_size` columns (FP8_BLOCK
+  and DeepSeek's 1 x 128); a last partial group is the columns that remain;
+- NVFP4 (FP4 E2M1, tensor_group, groups of 16): with G the global scale in the divisor convention
+  (compressed-tensors' `input_global_scale`; ModelOpt's `input_scale` is 1 / G), each group's
+  scale b = e4m3(amax / 6 * G) and x -> e2m1(x * G / b) * b / G.
+
+A group (or row) whose amax is zero stays zero. Arithmetic is float64; the result is cast back to
+the activation's dtype.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from harness.core.errors import HarnessError
+from harness.core.numerics import E2M1_MAX, E2M1_TABLE, E4M3_MAX, NVFP4_GROUP, encode_e2m1, encode_e4m3
+
+
+@dataclass(frozen=True)
+class ActivationScheme:
+    kind: str  # "fp8" or "nvfp4"
+    strategy: str  # "tensor", "token", "group", "tensor_group"
+    dynamic: bool  # scales computed from the activation (NVFP4's group scales always are)
+    group_size: int | None = None
+    static: str = ""  # the stored tensor suffix of a static scale ("input_scale", "input_global_scale")
+    multiplier: bool = False  # NVFP4: the stored global is 1 / G (ModelOpt)
+
+    def describe(self) -> str:
+        how = "dynamic" if self.dynamic and not self.static else f"static {self.static}"
+        group = f" of {self.group_size}" if self.group_size else ""
+        return f"{self.kind.upper()} {self.strategy}{group} activations, {how}"
+
+
+def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
+    """The activation scheme a quantization_config declares, or None (weight-only). A scheme
+    outside the definitions above is a one-line HarnessError."""
+    method = quantization_config.get("quant_method")
+    if method == "fp8":  # transformers' FineGrainedFP8 (DeepSeek): dynamic 1 x block_cols groups
+        if quantization_config.get("activation_scheme", "dynamic") != "dynamic":
+            return ActivationScheme("fp8", "tensor", False, static="input_scale")
+        block = quantization_config.get("weight_block_size") or [128, 128]
+        cols = block[-1] if isinstance(block, list) else block
+        return ActivationScheme("fp8", "group", True, int(cols))
+    groups = [g for g in (quantization_config.get("config_groups") or {}).values() if isinstance(g, dict)]
+    inputs = [g.get("input_activations") for g in groups if g.get("input_activations")]
+    if not inputs:
+        return None
+    args = inputs[0]
+    bits, strategy = args.get("num_bits"), args.get("strategy") or "tensor"  # ModelOpt states none: per tensor
+    if bits == 8 and args.get("type") == "float":
+        dynamic = args.get("dynamic") is True
+        if strategy not in ("tensor", "token", "group") or (strategy == "token" and not dynamic):
+            raise HarnessError(f"FP8 activations with strategy {strategy!r} are not defined here")
+        return ActivationScheme("fp8", strategy, dynamic, args.get("group_size"), "" if dynamic else "input_scale")
+    if bits == 4 and args.get("type") == "float" and strategy in ("tensor_group", "tensor"):
+        if method == "modelopt":
+            return ActivationScheme("nvfp4", "tensor_group", True, NVFP4_GROUP, "input_scale", multiplier=True)
+        return ActivationScheme("nvfp4", "tensor_group", True, NVFP4_GROUP, "input_global_scale")
+    raise HarnessError(f"activations of {bits} bits, type {args.get('type')!r}, are not defined here")
+
+
+def declared_ignored(quantization_config: Mapping, module: str) -> bool:
+    """Whether the config leaves `module` unquantized: its `ignore` (compressed-tensors, ModelOpt)
+    or `modules_to_not_convert` (transformers' fp8) names it exactly, by `re:` pattern or by
+    wildcard."""
+    patterns = quantization_config.get("ignore") or quantization_config.get("modules_to_not_convert") or []
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            continue
+        if pattern.startswith("re:"):
+            if re.fullmatch(pattern[3:], module):
+                return True
+        elif pattern == module or fnmatch.fnmatchcase(module, pattern):
+            return True
+    return False
+
+
+def _fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    quantized = encode_e4m3(x / safe).to(torch.float64) * safe
+    return torch.where(scale > 0, quantized, torch.zeros_like(quantized))
+
+
+def _grouped(x: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:
+    """[..., K] -> [..., ceil(K/size), size], zero-padded (zeros move no amax)."""
+    columns = x.shape[-1]
+    pad = (-columns) % size
+    return torch.nn.functional.pad(x, (0, pad)).reshape(*x.shape[:-1], -1, size), columns
+
+
+def quantize_activations(x: torch.Tensor, scheme: ActivationScheme, stored: torch.Tensor | None = None) -> torch.Tensor:
+    """`x` as the scheme quantizes it (dequantized back, float64 -> x's dtype). `stored` is the
+    module's static scale tensor where the scheme has one."""
+    x64 = x.to(torch.float64)
+    if scheme.static and stored is None:
+        raise HarnessError(f"{scheme.describe()}: the module has no {scheme.static}")
+    if scheme.kind == "fp8":
+        if scheme.static:
+            result = _fp8(x64, stored.to(torch.float64).reshape(()))
+        elif scheme.strategy == "tensor":
+            result = _fp8(x64, x64.abs().amax() / E4M3_MAX)
+        elif scheme.strategy == "token":
+            result = _fp8(x64, x64.abs().amax(dim=-1, keepdim=True) / E4M3_MAX)
+        else:
+            groups, columns = _grouped(x64, scheme.group_size)
+            result = _fp8(groups, groups.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).flatten(-2)[..., :columns]
+        return result.to(x.dtype)
+    value = float(stored.to(torch.float64).reshape(()))
+    global_scale = 1.0 / value if scheme.multiplier else value
+    groups, columns = _grouped(x64, NVFP4_GROUP)
+    block = encode_e4m3(groups.abs().amax(dim=-1, keepdim=True) / E2M1_MAX * global_scale).to(torch.float64)
+    safe = torch.where(block > 0, block, torch.ones_like(block))
+    codes = encode_e2m1(groups * global_scale / safe)
+    values = E2M1_TABLE[codes] * safe / global_scale
+    values = torch.where(block > 0, values, torch.zeros_like(values))
+    return values.flatten(-2)[..., :columns].to(x.dtype)
+
+
+def install(model: torch.nn.Module, modules: Mapping[str, torch.Tensor | None], scheme: ActivationScheme) -> list:
+    """Quantize the input of each named Linear of `model` (name -> its static scale, or None) with
+    forward pre-hooks; the handles, to remove them. A name the model has no Linear for is a
+    HarnessError: a partly quantized forward would be neither candidate."""
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    absent = sorted(set(modules) - set(linears))
+    if absent:
+        raise HarnessError(f"no Linear in the model for {len(absent)} quantized module(s), e.g. {absent[0]}")
+    handles = []
+    for name, stored in modules.items():
+
+        def hook(module, args, stored=stored):
+            return (quantize_activations(args[0], scheme, stored), *args[1:])
+
+        handles.append(linears[name].register_forward_pre_hook(hook))
+    return handles
