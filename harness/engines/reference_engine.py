@@ -81,6 +81,8 @@ def activation_plan(checkpoint) -> tuple | str:
         return str(error)
     if scheme is None:
         return "the config quantizes weights only"
+    if config.get("kv_cache_scheme") or config.get("kv_cache_quant_algo"):  # the oracle issue's next step
+        return "the config also quantizes the KV cache, which the reference does not model yet"
     modules, _ = group_modules(checkpoint.names(), fmt, checkpoint.storage_dtypes())
     plan = {}
     for module, parts in modules.items():
