@@ -34,6 +34,7 @@ from harness.checkpoints.recipe import Recipe
 from harness.checkpoints.writer import generate
 from harness.core.findings import Finding
 from harness.differential.known_issues import KnownIssues
+from harness.differential.relations import sampled
 from harness.differential.runner import CheckpointResult, EngineSession, evaluate
 
 #: evaluations one new signature may spend on shrinking (each is a load in every engine)
@@ -165,6 +166,8 @@ class _Visit:
     shrink_left: int = 0
     #: signatures first found in this run, which it may still shrink
     active: set[tuple] = field(default_factory=set)
+    #: the relations those signatures were found checking: checked on every example that shrinks them
+    relations: set[str] = field(default_factory=set)
 
 
 def run_campaign(
@@ -176,13 +179,16 @@ def run_campaign(
     known: KnownIssues,
     shrink: bool = True,
     progress: Callable[[Campaign], None] | None = None,
+    relations: tuple[str, ...] = (),
 ) -> Campaign:
     """Visit `cells` until `budget` is spent or every cell is exhausted. Each visit goes to the
     cell served least so far (_VisitCost): least time under a time budget (a cell whose examples
     load in vLLM costs more than one only the reference loads, and gets fewer of them), fewest
-    examples under an example budget (deterministic). Every cell is visited once before any twice."""
+    examples under an example budget (deterministic). Every cell is visited once before any twice.
+    `relations` are checked one at a time on a deterministic fraction of the examples
+    (harness.differential.relations.sampled)."""
     campaign = Campaign(cells)
-    explorer = _Explorer(campaign, coverage, budget, work / "examples", session, known, shrink, progress)
+    explorer = _Explorer(campaign, coverage, budget, work / "examples", session, known, shrink, progress, relations)
     queue = [(0.0, position) for position in range(len(cells))]
     clock = _VisitCost(budget.seconds is not None)
     visits = [0] * len(cells)
@@ -220,7 +226,7 @@ class _VisitCost:
 
 
 class _Explorer:
-    def __init__(self, campaign, coverage, budget, examples_dir, session, known, shrink, progress):
+    def __init__(self, campaign, coverage, budget, examples_dir, session, known, shrink, progress, relations=()):
         self.campaign, self.coverage, self.budget = campaign, coverage, budget
         self.examples_dir, self.session, self.known = examples_dir, session, known
         self.shrink, self.progress = shrink, progress
@@ -228,6 +234,8 @@ class _Explorer:
         self.evaluated: dict[str, list[tuple]] = {}
         #: signature -> the recipe (as JSON) recorded as its smallest example
         self.minimal_key: dict[tuple, str] = {}
+        #: the relations the campaign samples (harness.differential.relations)
+        self.relations: tuple[str, ...] = relations
 
     def visit(self, cell: Cell, visit_round: int) -> None:
         base = settings.default
@@ -287,8 +295,10 @@ class _Explorer:
             state.shrink_left -= 1
         directory = self.examples_dir / f"{campaign.examples:05d}"
         generate(recipe, directory)
+        relations = sampled(campaign.examples, self.relations)
+        relations += tuple(sorted(state.relations - set(relations))) if state.shrinking else ()
         try:
-            result = evaluate(directory, self.session, self.known)
+            result = evaluate(directory, self.session, self.known, relations=relations)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         campaign.results.append(result)
@@ -305,6 +315,7 @@ class _Explorer:
                 campaign.minimal[signature] = (recipe, same)
                 self.minimal_key[signature] = json.dumps(recipe.to_json(), sort_keys=True)
                 state.active.add(signature)
+                state.relations.update(f.metrics["relation"] for f in same if "relation" in f.metrics)
             elif signature in state.active:
                 campaign.minimal[signature] = (recipe, same)
             if signature not in new:

@@ -8,6 +8,7 @@ from harness.checkpoints.recipe import Recipe
 from harness.checkpoints.writer import generate
 from harness.core.findings import Finding
 from harness.differential.known_issues import KnownIssue, KnownIssues
+from harness.differential.relations import RELATION_NAMES
 from harness.differential.runner import CheckpointResult, EngineSession, evaluate
 from harness.engines import judged_with_reference
 
@@ -18,10 +19,11 @@ def replay_recipe(
     session: EngineSession,
     known: KnownIssues | None = None,
     engines: list[str] | None = None,
+    relations: tuple[str, ...] = (),
 ) -> CheckpointResult:
     if not directory.exists():
         generate(recipe, directory)
-    return evaluate(directory, session, known, engines)
+    return evaluate(directory, session, known, engines, relations=relations)
 
 
 def reproduce_known_issue(issue: KnownIssue, session: EngineSession, work: Path) -> tuple[str, list[Finding]]:
@@ -35,6 +37,7 @@ def reproduce_known_issue(issue: KnownIssue, session: EngineSession, work: Path)
         return f"skipped: {issue.engine} {version} is outside {issue.versions}", []
     recipe = Recipe.from_json({"seed": 0, **issue.reproducer})
     engines = judged_with_reference(issue.engine)
-    result = replay_recipe(recipe, work / issue.id, session, KnownIssues([issue]), engines)
+    relations = RELATION_NAMES if "relation" in issue.kinds else ()  # a relation finding shows only when checked
+    result = replay_recipe(recipe, work / issue.id, session, KnownIssues([issue]), engines, relations)
     matching = [f for f in result.findings if f.known_issue == issue.id]
     return ("reproduced" if matching else "gone"), matching

@@ -9,8 +9,8 @@ real checkpoints use, and the config fragment that declares them.
 A scale is kv_amax / 448 (the FP8 e4m3 maximum), float32, shaped as its producer writes it:
 [1] (a compressed-tensors parameter), [] (ModelOpt's export). `proj` goes with ModelOpt formats,
 `output_scale` with compressed-tensors ones. The
-reference engine consumes them and runs its KV cache unquantized: modelling the KV quantization
-is the oracle's job (a separate issue); weights are judged exactly either way.
+reference engine's weight-only forward leaves its KV cache unquantized; its activation candidate
+quantizes the cache with them (harness.oracle.kv_cache); weights are judged exactly either way.
 """
 
 from __future__ import annotations

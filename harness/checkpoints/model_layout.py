@@ -16,6 +16,16 @@ import torch
 
 from harness.checkpoints.architectures import Architecture, architecture_for
 
+#: a config field the generator writes -> the name transformers 5 saves it under (save_pretrained
+#: writes Qwen3-MoE's `num_experts` as `num_local_experts`); either names the same setting
+SAVED_NAMES = {"num_experts": "num_local_experts"}
+
+
+def layout_settings(config: Mapping) -> Mapping:
+    """`config` with the fields the generator names filled in from transformers' saved names."""
+    extra = {field: config[saved] for field, saved in SAVED_NAMES.items() if field not in config and saved in config}
+    return {**config, **extra} if extra else config
+
 
 def known_layout(config: Mapping) -> Architecture | None:
     """The registered architecture of `config` when its layout can be computed from it (a foreign
@@ -24,7 +34,7 @@ def known_layout(config: Mapping) -> Architecture | None:
     if arch is None:
         return None
     try:
-        arch.tensor_layout(config)
+        arch.tensor_layout(layout_settings(config))
     except (KeyError, TypeError, ValueError):
         return None
     return arch
@@ -73,7 +83,7 @@ def to_model_state(config: Mapping, state: dict[str, torch.Tensor]) -> dict[str,
     if arch is None:
         return state
     result = dict(state)
-    for target, parts in packed_experts(arch, config).items():
+    for target, parts in packed_experts(arch, layout_settings(config)).items():
         if not all(name in result for part in parts for name in part):
             continue
         stacked = [torch.stack([result.pop(name) for name in part]) for part in parts]
@@ -86,7 +96,7 @@ def to_checkpoint_names(config: Mapping, held: dict[str, torch.Tensor]) -> dict[
     arch = known_layout(config)
     if arch is None:
         return held
-    packed = packed_experts(arch, config)
+    packed = packed_experts(arch, layout_settings(config))
     result = {}
     for name, tensor in held.items():
         parts = packed.get(name.removesuffix(".weight"))
@@ -106,7 +116,7 @@ def report_names(config: Mapping, names: list[str]) -> list[str]:
     arch = known_layout(config)
     if arch is None:
         return list(names)
-    packed = packed_experts(arch, config)
+    packed = packed_experts(arch, layout_settings(config))
     result = []
     for name in names:
         parts = packed.get(name.removesuffix(".weight"))

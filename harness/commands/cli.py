@@ -128,19 +128,25 @@ def parse_optional(args, engines: list[str]) -> list[str]:
     return optional
 
 
-def reproduce_command(directory: Path, engine: str) -> str:
-    """The one line that reproduces a finding of `engine` on `directory` (with the plugins it needs)."""
+def reproduce_command(directory: Path, engine: str, relation: str | None = None) -> str:
+    """The one line that reproduces a finding of `engine` on `directory` (with the plugins it needs;
+    with the relation it was found checking, harness.differential.relations)."""
     from harness.core.plugins import VARIABLE
     from harness.engines import judged_with_reference
 
     plugins = f"{VARIABLE}={os.environ[VARIABLE]} " if os.environ.get(VARIABLE) else ""
-    return f"{plugins}python -m harness compare {directory} --engines {','.join(judged_with_reference(engine))}"
+    relations = f" --relations {relation}" if relation else ""
+    return (
+        f"{plugins}python -m harness compare {directory} --engines {','.join(judged_with_reference(engine))}"
+        + relations
+    )
 
 
 def command_compare(args) -> int:
     import tempfile
 
     from harness.differential.known_issues import KnownIssues
+    from harness.differential.relations import parse_relations
     from harness.differential.report import write_report
     from harness.differential.runner import EngineSession, evaluate
     from harness.engines.process import Limits
@@ -150,6 +156,7 @@ def command_compare(args) -> int:
         raise HarnessError(f"{directory}: not a directory")
     engines = parse_engines(args.engines)
     optional = parse_optional(args, engines)
+    relations = parse_relations(args.relations)
     known = KnownIssues.load()
     if not args.hostile:  # unusable input stops here, before any engine's worker starts
         from harness.oracle.reference import format_and_knobs
@@ -160,12 +167,12 @@ def command_compare(args) -> int:
         session = EngineSession(engines, work / "work", Limits(args.timeout, args.memory_mb))
         try:
             start_engines(session, engines, optional)
-            result = evaluate(directory, session, known, hostile=args.hostile)
+            result = evaluate(directory, session, known, hostile=args.hostile, relations=relations)
         finally:
             session.close()
         for item in result.findings:
             item.reproduction = str(directory.resolve())
-            item.command = reproduce_command(directory.resolve(), item.engine)
+            item.command = reproduce_command(directory.resolve(), item.engine, item.metrics.get("relation"))
         print_outcomes(result)
         if args.report:
             engines_info = {
@@ -199,6 +206,8 @@ def print_outcomes(result) -> None:
         ppl = f", perplexity {outcome.perplexity:.4g}" if outcome.perplexity is not None else ""
         detail = f": {outcome.detail}" if outcome.detail else ""
         print(f"  {engine:<20} {outcome.status}{ppl}{detail}")
+        for relation, verdict in outcome.relations.items():
+            print(f"    relation {relation}: {verdict}")
     for item in result.findings:
         tag = f"known issue {item.known_issue}" if item.known_issue else "NEW"
         print(f"  finding [{tag}] {item.engine} {item.kind}: {item.message}")
@@ -228,6 +237,7 @@ def command_fixes(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from harness.checkpoints.architectures import ARCHITECTURES
+    from harness.differential.relations import RELATION_NAMES
     from harness.engines import ENGINES
     from harness.formats import FORMAT_NAMES
 
@@ -288,6 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="when the harness refuses the checkpoint (an index entry or symlink leading outside it, a header "
         "bomb), let each engine load it anyway: one that reads outside or accepts the bomb is a security "
         "finding (docs/hostile.md)",
+    )
+    compare.add_argument(
+        "--relations",
+        help=f"comma-separated load paths each engine must agree with bit for bit ({', '.join(RELATION_NAMES)}), "
+        "or all; default none (harness.differential.relations)",
     )
     compare.set_defaults(run=command_compare)
 

@@ -52,11 +52,13 @@ def command_run(args) -> int:
     from harness.campaign.profiles import load_profile
     from harness.commands.cli import parse_engines, parse_optional, start_engines
     from harness.differential.known_issues import KnownIssues
+    from harness.differential.relations import CAMPAIGN_EVERY, parse_relations
     from harness.differential.runner import EngineSession
     from harness.engines.process import Limits
 
     engines = parse_engines(args.engines)
     optional = parse_optional(args, engines)
+    relations = parse_relations(args.relations)
     seconds = parse_duration(args.budget) if args.budget else None
     coverage, cells, mine = plan_cells(args)
     load_profile(args.profile)
@@ -67,7 +69,9 @@ def command_run(args) -> int:
     shard = f" (shard {args.shard}: {len(mine)} of {len(cells)} cells)" if args.shard else ""
     print(
         f"campaign: {len(mine)} cells (format x arch x dtype x family){shard}, engines {', '.join(engines)}, "
-        f"profile {args.profile}, {' or '.join(bounds)}" + ("" if args.shrink else ", no shrinking")
+        f"profile {args.profile}, {' or '.join(bounds)}"
+        + ("" if args.shrink else ", no shrinking")
+        + (f"; relations {', '.join(relations)} in turn on every {CAMPAIGN_EVERY}th example" if relations else "")
     )
     with tempfile.TemporaryDirectory(prefix="harness-run-") as scratch:
         report = Path(args.report).resolve() if args.report else None
@@ -78,7 +82,7 @@ def command_run(args) -> int:
             start_engines(session, engines, optional)
             budget = Budget(max_examples, seconds)  # from now: starting the engines is not the campaign's time
             bar = _progress_bar(budget, len(mine))
-            campaign = run_campaign(mine, coverage, budget, work, session, known, args.shrink, bar)
+            campaign = run_campaign(mine, coverage, budget, work, session, known, args.shrink, bar, relations)
         finally:
             session.close()
             if bar:
@@ -148,7 +152,7 @@ def summarise(campaign, session, engines: list[str], known, report: Path | None)
                 generate(recipe, destination)
             for item in items:
                 item.reproduction = str(destination)
-                item.command = reproduce_command(destination, engine)
+                item.command = reproduce_command(destination, engine, item.metrics.get("relation"))
             if minimal:
                 print(f"    reproduce: {items[0].command}")
         findings.extend(items)
@@ -195,6 +199,7 @@ def write_campaign_report(report: Path, campaign, findings: list, session, engin
 
 
 def add_parser(commands) -> None:
+    from harness.differential.relations import CAMPAIGN_DEFAULT, CAMPAIGN_EVERY, RELATION_NAMES
     from harness.engines import ENGINES
 
     run = commands.add_parser(
@@ -212,6 +217,12 @@ def add_parser(commands) -> None:
     run.add_argument("--shard", help="I/N: explore only shard I (1-based) of N; merge with merge-reports")
     run.add_argument("--report", help="write OUTDIR/report.json, report.md and repro/ here")
     run.add_argument("--no-shrink", dest="shrink", action="store_false", help="skip shrinking new findings")
+    run.add_argument(
+        "--relations",
+        default=",".join(CAMPAIGN_DEFAULT),
+        help=f"load paths that must agree ({', '.join(RELATION_NAMES)}), checked one at a time on every "
+        f"{CAMPAIGN_EVERY}th example; all, none, or names (default: {', '.join(CAMPAIGN_DEFAULT)})",
+    )
     run.add_argument(
         "--optional-engines",
         help="engines (of --engines) that may be unavailable here; any other that cannot run is exit 2",

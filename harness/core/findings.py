@@ -20,6 +20,8 @@ KINDS = {
     "nonfinite-logits": "the engine produced NaN or inf log-probabilities",
     "activations": "the engine's logits are not those of the activation quantization the checkpoint specifies "
     "(the reference computes both candidates: activations as specified, and left unquantized)",
+    "relation": "two load paths of one engine that must agree exactly do not (load twice, save and reload, "
+    "NaN-filled storage, dequantize at load: harness.differential.relations)",
     "engine-crash": "the engine's worker process died",
     "engine-timeout": "the engine's worker gave no answer in time",
     "engine-memory": "the engine's worker went over its memory limit",
@@ -60,12 +62,15 @@ class Finding:
     def cause(self) -> str:
         """The finding's cause, as far as its data tells it: the known issue it is attributed to;
         for a weight finding, what the generator did to the module (its checkpoint notes, numbers
-        dropped); for logit findings, that they are consequences; otherwise the message with its
-        numbers and names of layers dropped ("start (N) + length (N) exceeds dimension size (N)")."""
+        dropped); for logit findings, that they are consequences; for a relation, the relation and
+        how it fails (harness.differential.relations); otherwise the message with its numbers and
+        names of layers dropped ("start (N) + length (N) exceeds dimension size (N)")."""
         if self.known_issue:
             return f"known: {self.known_issue}"
         if self.kind in CONSEQUENCE_KINDS:
             return "consequence"
+        if self.kind == "relation" and "failure" in self.metrics:  # how, not which tensor shows it first
+            return normalise(f"{self.metrics['relation']}: {self.metrics['failure']}")
         if self.kind in WEIGHT_KINDS:
             notes = self.message.partition(" [checkpoint: ")[2].rstrip("]")
             return normalise(notes) if notes else "unperturbed module"

@@ -23,6 +23,8 @@ class Tolerances:
     perplexity_rel: float
     #: max |delta logprob| of an engine that quantizes activations as specified, in its own arithmetic
     activation_max_abs_delta: float
+    #: the same where the checkpoint quantizes the KV cache too
+    activation_kv_max_abs_delta: float
 
 
 def _check_keys(where: str, table: dict, allowed: set[str]) -> None:
@@ -52,7 +54,7 @@ def load_tolerances(format_name: str, dtype: str, path: Path = DEFAULT_FILE) -> 
             activations[key] = value
         elif key == dtype:
             activations.update(value)
-    _check_keys("activations", activations, {"max_abs_delta"})
+    _check_keys("activations", activations, {"max_abs_delta", "with_kv_cache"})
     perplexity.update(override.get("perplexity", {}))
     _check_keys("logprobs", logprobs, {"max_abs_delta", "top_k", "max_topk_miss_fraction"})
     _check_keys("perplexity", perplexity, {"rel"})
@@ -64,4 +66,5 @@ def load_tolerances(format_name: str, dtype: str, path: Path = DEFAULT_FILE) -> 
         float(logprobs["max_topk_miss_fraction"]),
         perplexity["rel"],
         activations["max_abs_delta"],
+        activations["with_kv_cache"],
     )

@@ -25,6 +25,7 @@ from harness.core.tolerances import load_tolerances
 from harness.differential.compare import compare_logprobs, compare_weight, perplexity
 from harness.differential.known_issues import KnownIssues
 from harness.differential.misreadings import CheckpointMisreadings
+from harness.differential.relations import Load, check_relations
 from harness.engines import REFERENCE, engine_spec
 from harness.engines.environments import engine_python
 from harness.engines.process import EngineError, EngineFailure, EngineProcess, Limits
@@ -48,6 +49,8 @@ class EngineOutcome:
     report: dict = field(default_factory=dict)
     perplexity: float | None = None
     generated: list[int] = field(default_factory=list)
+    #: relation name -> "holds", "does not hold" or "not checked: why" (harness.differential.relations)
+    relations: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -129,6 +132,11 @@ class Judgement:
     #: format quantizes weights only, or the reference cannot model it here: `specified_reason`)
     specified: list[torch.Tensor] | None = None
     specified_reason: str = ""
+    #: how far the same definition moves these logits when rounded in the model dtype instead of
+    #: float64: this checkpoint's own sensitivity, a floor under the activation bound
+    specified_noise: float = 0.0
+    #: the relations checked on each engine that loads it (harness.differential.relations)
+    relations: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, directory: Path, session: EngineSession, hostile: bool = False) -> Judgement:
@@ -210,11 +218,14 @@ def evaluate(
     known: KnownIssues | None = None,
     engines: list[str] | None = None,
     hostile: bool = False,
+    relations: tuple[str, ...] = (),
 ) -> CheckpointResult:
     """Load `directory` in each engine (default: all of the session's) and judge each. `hostile`:
     a checkpoint the reference refuses is loaded by the engines all the same, and one that reads
-    outside the directory or accepts a header bomb is a `security` finding."""
+    outside the directory or accepts a header bomb is a `security` finding. `relations`: load
+    paths each engine that loads it must agree with, bit for bit (harness.differential.relations)."""
     judgement = Judgement.of(Path(directory).resolve(), session, hostile)
+    judgement.relations = tuple(relations)
     logprobs: dict[str, list[torch.Tensor]] = {}
     for engine in engines or session.engines:
         rows = _load_and_judge(judgement, engine)
@@ -273,6 +284,8 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
         if engine == REFERENCE:
             _activation_candidate(judgement, worker)
         outcome.generated = worker.generate(judgement.sequences[0][:8], GENERATE_TOKENS)
+        if judgement.relations:  # last: the worker then holds the relations' loads, not this one
+            check_relations(judgement, engine, worker, Load(outcome.report, held, rows))
         return rows
     except EngineFailure as failure:
         outcome.status, outcome.detail = "failed", str(failure)
@@ -295,10 +308,16 @@ def _activation_candidate(judgement: Judgement, worker: EngineProcess) -> None:
     """The reference's second candidate: its forward with activations quantized as specified."""
     try:
         judgement.specified = worker.logprobs(
-            judgement.sequences, judgement.scratch_file(REFERENCE, "activations"), activations=True
+            judgement.sequences, judgement.scratch_file(REFERENCE, "activations"), activations="float64"
+        )
+        rounded = worker.logprobs(
+            judgement.sequences, judgement.scratch_file(REFERENCE, "activations-model"), activations="model"
         )
     except EngineError as error:
-        judgement.specified_reason = first_line(error)
+        judgement.specified, judgement.specified_reason = None, first_line(error)
+        return
+    floor = compare_logprobs(rounded, judgement.specified, judgement.sequences, judgement.tol).max_abs_delta
+    judgement.specified_noise = floor
 
 
 def _judge_hostile_load(judgement: Judgement, engine: str, worker: EngineProcess, report: dict) -> None:
@@ -499,16 +518,21 @@ def _judge_activations(judgement: Judgement, engine: str, rows, weights_only, di
     candidates. Within the measured noise of the specified one: as specified. Otherwise a finding
     that says which candidate the engine computed, when the candidates are far enough apart
     (more than twice the noise) to tell: "not applied" when it is the weight-only one."""
-    from harness.oracle.activations import scheme_of
+    from harness.oracle.kv_cache import declares_fp8_kv_cache
+    from harness.oracle.specified import describe
 
     sequences, tol = judgement.sequences, judgement.tol
-    bound = tol.activation_max_abs_delta
+    config = judgement.config["quantization_config"]
+    bound = tol.activation_kv_max_abs_delta if declares_fp8_kv_cache(config) else tol.activation_max_abs_delta
+    bound = max(bound, 2 * judgement.specified_noise)  # a checkpoint whose logits amplify rounding
     to_specified = compare_logprobs(rows, judgement.specified, sequences, tol).max_abs_delta
     apart = compare_logprobs(judgement.specified, weights_only, sequences, tol).max_abs_delta
-    metrics.update(to_specified=to_specified, candidates_apart=apart, activation_bound=bound)
+    metrics.update(
+        to_specified=to_specified, candidates_apart=apart, activation_bound=bound, noise_floor=judgement.specified_noise
+    )
     if to_specified <= bound:
         return
-    scheme = scheme_of(judgement.config["quantization_config"]).describe()
+    scheme = describe(config)
     if apart > 2 * bound and diff.max_abs_delta <= bound:
         message = (
             f"activation quantization not applied ({scheme}): logits within {diff.max_abs_delta:.3g} of the "

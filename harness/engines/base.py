@@ -58,7 +58,7 @@ class Engine:
         """Per sequence, float32 [len-1, vocab]: log-softmax of the prediction for tokens 1..len-1."""
         raise NotImplementedError
 
-    def activation_logprobs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+    def activation_logprobs(self, sequences: list[list[int]], arithmetic: str = "float64") -> list[torch.Tensor]:
         """`logprobs` with every quantized Linear's input quantized as the checkpoint specifies:
         only an engine that can be an oracle for that (the reference) implements it."""
         raise EngineUnsupported(f"{self.name} computes no activation-quantized candidate")
@@ -68,3 +68,16 @@ class Engine:
 
     def unload(self) -> None:
         """Free the loaded model so the next load starts clean."""
+
+    # Load paths that must agree with `load` exactly (harness.differential.relations); an engine
+    # that has no such path says so (EngineUnsupported), and the relation is "not checked".
+
+    def load_variant(self, directory: str, variant: str) -> LoadReport:
+        """Load `directory` by another path that must hold what `load` holds: `sentinel` (every
+        parameter materialized NaN-filled before loading), `dequantize` (the quantizer's
+        dequantize-at-load option)."""
+        raise EngineUnsupported(f"{self.name} has no '{variant}' load path")
+
+    def save(self, directory: str) -> None:
+        """Save the loaded model as its users would (save_pretrained), for a reload by `load`."""
+        raise EngineUnsupported(f"{self.name} does not save a loaded model")

@@ -45,6 +45,14 @@ class CompressedTensorsEngine(HFModelEngine):
         report.warnings = warned
         return report
 
+    def save(self, directory):
+        from harness.engines.base import EngineUnsupported
+
+        raise EngineUnsupported(
+            "this engine drives compressed-tensors' decompression only; its save path (compress, then "
+            "save_pretrained) is not driven, and the model it holds has no transformers quantizer to save with"
+        )
+
 
 def homeless_experts(model, unexpected: list[str]) -> None:
     """compressed-tensors attaches its schemes to nn.Linear modules; transformers 5 packs a sparse

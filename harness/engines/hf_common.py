@@ -21,6 +21,10 @@ def checkpoint_dtype(directory: str | Path) -> torch.dtype:
     return DTYPES.get(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16", torch.bfloat16)
 
 
+#: set while `sentinel_storage` is active
+_SENTINEL: list[bool] = []
+
+
 def unquantized_model(directory: str | Path):
     """The checkpoint's transformers model class, randomly initialised in the checkpoint's dtype,
     with no quantizer attached: the caller fills in the weights."""
@@ -33,8 +37,41 @@ def unquantized_model(directory: str | Path):
     # kernel refuses rows whose byte stride is not a multiple of 16 (an expert width of 18)
     config._experts_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config, dtype=checkpoint_dtype(directory)).eval()
+    if _SENTINEL:  # the relation `sentinel`: the caller must write every parameter
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.is_floating_point():
+                    parameter.fill_(float("nan"))
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     return model, tied
+
+
+@contextmanager
+def sentinel_storage():
+    """Parameters materialized NaN-filled before the loader writes them, as vLLM's reload tests
+    do: a model built by `unquantized_model` starts all NaN, and transformers' initialization of
+    the parameters it did not load (after its own init, so computed buffers stay right) leaves
+    NaN. A NaN left after loading is a parameter the loader never wrote."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel._initialize_weights
+
+    def initialize_then_fill(self, module, is_custom_code: bool = False):
+        if getattr(module, "_is_hf_initialized", False):
+            return
+        original(self, module, is_custom_code)
+        with torch.no_grad():
+            for parameter in module.parameters(recurse=False):
+                if parameter.is_floating_point() and not getattr(parameter, "_is_hf_initialized", False):
+                    parameter.fill_(float("nan"))
+
+    _SENTINEL.append(True)
+    PreTrainedModel._initialize_weights = initialize_then_fill
+    try:
+        yield
+    finally:
+        PreTrainedModel._initialize_weights = original
+        _SENTINEL.pop()
 
 
 class HFModelEngine(Engine):
@@ -71,12 +108,28 @@ class HFModelEngine(Engine):
     def unload(self):
         self.model = None
 
+    def load_variant(self, directory, variant):
+        if variant != "sentinel":
+            return super().load_variant(directory, variant)
+        with sentinel_storage():
+            return self.load(directory)
+
+    def save(self, directory):
+        self.model.save_pretrained(directory)
+
+
+def input_device(model) -> torch.device:
+    """Where a forward's inputs go: the model's device, or the CPU when every parameter is offloaded
+    to disk (the `offload` relation: the model's device is then `meta`, and accelerate's hooks move
+    the inputs along)."""
+    return torch.device("cpu") if model.device.type == "meta" else model.device
+
 
 @torch.no_grad()
 def model_logprobs(model, sequences: list[list[int]]) -> list[torch.Tensor]:
     rows = []
     for sequence in sequences:
-        ids = torch.tensor([sequence], device=model.device)
+        ids = torch.tensor([sequence], device=input_device(model))
         logits = model(input_ids=ids).logits[0, :-1].to(torch.float32)
         rows.append(torch.log_softmax(logits, dim=-1))
     return rows
@@ -84,7 +137,7 @@ def model_logprobs(model, sequences: list[list[int]]) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def model_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt], device=model.device)
+    ids = torch.tensor([prompt], device=input_device(model))
     out = model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),

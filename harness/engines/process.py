@@ -143,9 +143,16 @@ class EngineProcess:
         """Why the engine cannot load format `fmt` here, or None."""
         return self.request("unsupported", format=fmt)["reason"]
 
-    def load(self, directory: str | Path) -> dict:
-        """Load a checkpoint (replacing any loaded one); its load report as a dict of lists."""
+    def load(self, directory: str | Path, variant: str | None = None) -> dict:
+        """Load a checkpoint (replacing any loaded one); its load report as a dict of lists.
+        `variant`: another load path that must agree with the default (Engine.load_variant)."""
+        if variant:
+            return self.request("load", directory=str(directory), variant=variant)["report"]
         return self.request("load", directory=str(directory))["report"]
+
+    def save(self, directory: str | Path) -> None:
+        """Save the loaded model into `directory` as its users would (Engine.save)."""
+        self.request("save", directory=str(directory))
 
     def weights(self, out: Path) -> dict:
         """Every weight the engine holds, float32 under HF names (travels through the file `out`)."""
@@ -154,10 +161,11 @@ class EngineProcess:
         self.request("weights", out=str(out))
         return load_file(str(out))
 
-    def logprobs(self, sequences: list[list[int]], out: Path, activations: bool = False) -> list:
+    def logprobs(self, sequences: list[list[int]], out: Path, activations: str = "") -> list:
         """Per sequence, float32 [len-1, vocab] next-token log-probabilities (through the file `out`);
-        `activations`: the engine's forward with activations quantized as the checkpoint specifies
-        (the reference engine's second candidate; others answer EngineError, unsupported)."""
+        `activations` ("float64" or "model", its arithmetic): the engine's forward with activations
+        quantized as the checkpoint specifies (the reference engine's second candidate; others
+        answer EngineError, unsupported)."""
         from safetensors.torch import load_file
 
         self.request("logprobs", sequences=sequences, out=str(out), activations=activations)

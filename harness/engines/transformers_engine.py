@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
 from harness.engines.base import EngineUnsupported, LoadReport
-from harness.engines.hf_common import HFModelEngine, captured_warnings
+from harness.engines.hf_common import HFModelEngine, captured_warnings, input_device
 
 
 def explain(error: Exception, logged: list[str]) -> str:
@@ -63,5 +65,47 @@ class TransformersEngine(HFModelEngine):
         report.mismatched = sorted(str(k) for k in info.get("mismatched_keys", []))
         # compressed-tensors decompresses on the first forward: run one so weights are what it computes
         with torch.no_grad():
-            self.model(input_ids=torch.tensor([[1, 3, 4, 5]], device=self.model.device))
+            self.model(input_ids=torch.tensor([[1, 3, 4, 5]], device=input_device(self.model)))
         return report
+
+    def load_variant(self, directory: str, variant: str) -> LoadReport:
+        """`dequantize`: from_pretrained with the checkpoint's own quantization config and
+        `dequantize=True` (compressed-tensors' former `run_compressed=False`; FineGrainedFP8's
+        dequantize), a load path transformers' own tests hold to the default one. `offload`: a
+        device_map that keeps half the checkpoint's bytes in memory and offloads the rest to disk."""
+        if variant == "dequantize":
+            config = json.loads((Path(directory) / "config.json").read_text())
+            options = {"quantization_config": dequantizing(config)}
+        elif variant == "offload" and "device_map" not in type(self).load_options:
+            self.offload_folder = tempfile.mkdtemp(prefix="harness-offload-")
+            half = sum(f.stat().st_size for f in Path(directory).glob("*.safetensors")) // 2
+            options = {"device_map": "auto", "max_memory": {"cpu": half}, "offload_folder": self.offload_folder}
+        else:
+            return super().load_variant(directory, variant)
+        self.load_options = {**type(self).load_options, **options}
+        try:
+            return self.load(directory)
+        finally:
+            del self.load_options
+
+    def unload(self):
+        super().unload()
+        if getattr(self, "offload_folder", None):
+            shutil.rmtree(self.offload_folder, ignore_errors=True)
+            self.offload_folder = None
+
+
+def dequantizing(config: dict):
+    """The checkpoint's quantization config with `dequantize=True` as a from_pretrained argument,
+    where its quantizer has that loading attribute."""
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+
+    quantization = config.get("quantization_config")
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    config_class = AUTO_QUANTIZATION_CONFIG_MAPPING.get(method)
+    if config_class is None:
+        raise EngineUnsupported(f"transformers has no quantizer for quant_method {method!r} to dequantize with")
+    options = config_class.from_dict({**quantization, "dequantize": True})
+    if "dequantize" not in options.get_loading_attributes():
+        raise EngineUnsupported(f"transformers' {config_class.__name__} has no dequantize loading option")
+    return options

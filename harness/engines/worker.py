@@ -64,9 +64,14 @@ def handle(engine, op: str, request: dict) -> dict:
 
     if op == "unsupported":
         return {"reason": engine.unsupported_reason(request["format"])}
-    if op == "load":
+    if op == "load":  # `variant`: another load path that must agree (harness.differential.relations)
         engine.unload()
-        return {"report": engine.load(request["directory"]).to_json()}
+        variant = request.get("variant")
+        report = engine.load_variant(request["directory"], variant) if variant else engine.load(request["directory"])
+        return {"report": report.to_json()}
+    if op == "save":
+        engine.save(request["directory"])
+        return {}
     if op == "weights":
         weights = {
             name: tensor.detach().to("cpu", torch.float32, copy=True).contiguous()
@@ -75,8 +80,11 @@ def handle(engine, op: str, request: dict) -> dict:
         save_file(weights, request["out"])
         return {"count": len(weights)}
     if op == "logprobs":  # `activations`: the reference's candidate with activations quantized as specified
-        logprobs = engine.activation_logprobs if request.get("activations") else engine.logprobs
-        rows = logprobs(request["sequences"])
+        arithmetic = request.get("activations")  # "float64" or "model" (harness.oracle.activations)
+        if arithmetic:
+            rows = engine.activation_logprobs(request["sequences"], arithmetic=arithmetic)
+        else:
+            rows = engine.logprobs(request["sequences"])
         save_file(
             {sequence_key(i): r.detach().to("cpu", torch.float32).contiguous() for i, r in enumerate(rows)},
             request["out"],

@@ -13,8 +13,10 @@ transformers' fp8 config; ModelOpt's `quant_algo`):
   (compressed-tensors' `input_global_scale`; ModelOpt's `input_scale` is 1 / G), each group's
   scale b = e4m3(amax / 6 * G) and x -> e2m1(x * G / b) * b / G.
 
-A group (or row) whose amax is zero stays zero. Arithmetic is float64; the result is cast back to
-the activation's dtype.
+A group (or row) whose amax is zero stays zero. Arithmetic is float64 and the result is cast back
+to the activation's dtype; `arithmetic="model"` computes the same definition in the activation's
+own dtype, as engines do, so that the distance between the two says how far this checkpoint's
+logits move when the definition is merely rounded differently (the reference's own noise floor).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class ActivationScheme:
     group_size: int | None = None
     static: str = ""  # the stored tensor suffix of a static scale ("input_scale", "input_global_scale")
     multiplier: bool = False  # NVFP4: the stored global is 1 / G (ModelOpt)
+    arithmetic: str = "float64"  # or "model": the activation's own dtype
 
     def describe(self) -> str:
         how = "dynamic" if self.dynamic and not self.static else f"static {self.static}"
@@ -91,7 +94,7 @@ def declared_ignored(quantization_config: Mapping, module: str) -> bool:
 
 def _fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    quantized = encode_e4m3(x / safe).to(torch.float64) * safe
+    quantized = encode_e4m3(x / safe).to(x.dtype) * safe
     return torch.where(scale > 0, quantized, torch.zeros_like(quantized))
 
 
@@ -105,12 +108,13 @@ def _grouped(x: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:
 def quantize_activations(x: torch.Tensor, scheme: ActivationScheme, stored: torch.Tensor | None = None) -> torch.Tensor:
     """`x` as the scheme quantizes it (dequantized back, float64 -> x's dtype). `stored` is the
     module's static scale tensor where the scheme has one."""
-    x64 = x.to(torch.float64)
+    work = torch.float64 if scheme.arithmetic == "float64" else x.dtype
+    x64 = x.to(work)
     if scheme.static and stored is None:
         raise HarnessError(f"{scheme.describe()}: the module has no {scheme.static}")
     if scheme.kind == "fp8":
         if scheme.static:
-            result = _fp8(x64, stored.to(torch.float64).reshape(()))
+            result = _fp8(x64, stored.to(work).reshape(()))
         elif scheme.strategy == "tensor":
             result = _fp8(x64, x64.abs().amax() / E4M3_MAX)
         elif scheme.strategy == "token":
@@ -122,10 +126,10 @@ def quantize_activations(x: torch.Tensor, scheme: ActivationScheme, stored: torc
     value = float(stored.to(torch.float64).reshape(()))
     global_scale = 1.0 / value if scheme.multiplier else value
     groups, columns = _grouped(x64, NVFP4_GROUP)
-    block = encode_e4m3(groups.abs().amax(dim=-1, keepdim=True) / E2M1_MAX * global_scale).to(torch.float64)
+    block = encode_e4m3(groups.abs().amax(dim=-1, keepdim=True) / E2M1_MAX * global_scale).to(work)
     safe = torch.where(block > 0, block, torch.ones_like(block))
     codes = encode_e2m1(groups * global_scale / safe)
-    values = E2M1_TABLE[codes] * safe / global_scale
+    values = E2M1_TABLE.to(work)[codes] * safe / global_scale
     values = torch.where(block > 0, values, torch.zeros_like(values))
     return values.flatten(-2)[..., :columns].to(x.dtype)
 

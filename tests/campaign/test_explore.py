@@ -135,3 +135,27 @@ def test_each_cell_keeps_its_own_examples_in_a_shared_database():
     assert list(a.fetch(b"test")) == [b"example"] and list(b.fetch(b"test")) == []
     a.delete(b"test", b"example")
     assert list(a.fetch(b"test")) == []
+
+
+def test_the_campaign_finds_an_engine_that_ignores_activation_quantization(tmp_path):
+    """The labelled double that runs activation-quantized checkpoints on unquantized activations
+    is a new `activations` finding of the campaign itself, not only of `compare` (float32 cells)."""
+    result = cli(
+        "run",
+        "--engines",
+        "reference,tests.doubles.buggy_engines:ActivationsIgnoredEngine",
+        "--formats",
+        "ct-fp8-tensor",
+        "--archs",
+        "llama",
+        "--families",
+        "plain",
+        "--max-examples",
+        "12",
+        "--no-shrink",
+        "--report",
+        tmp_path / "r",
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert ("activations", "ct-fp8-tensor") in {(c["signature"][1], c["signature"][2]) for c in report["counts"]}

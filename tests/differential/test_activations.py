@@ -17,6 +17,7 @@ DOUBLES = "tests.doubles.buggy_engines"
 SPECIFIED = f"{DOUBLES}:ActivationsAsSpecifiedEngine"
 IGNORED = f"{DOUBLES}:ActivationsIgnoredEngine"
 INVERTED = f"{DOUBLES}:InvertedInputScaleEngine"
+KV_IGNORED = f"{DOUBLES}:KVCacheIgnoredEngine"
 
 
 def test_fp8_activations_land_on_scaled_e4m3_values_and_saturate():
@@ -64,7 +65,7 @@ def test_the_schemes_the_formats_declare_are_read():
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
     pytest.importorskip("transformers")
-    session = EngineSession(["reference", SPECIFIED, IGNORED, INVERTED], tmp_path_factory.mktemp("engines"))
+    session = EngineSession(["reference", SPECIFIED, IGNORED, INVERTED, KV_IGNORED], tmp_path_factory.mktemp("engines"))
     yield session
     session.close()
 
@@ -81,3 +82,72 @@ def test_compare_tells_specified_from_ignored_from_inverted(session, tmp_path, f
     assert "activation quantization not applied" in kinds[("ActivationsIgnoredEngine", "activations")]
     if knobs or fmt != "ct-fp8-tensor":  # a static scale to invert
         assert "not quantized as specified" in kinds[("InvertedInputScaleEngine", "activations")]
+
+
+def test_seed_002s_bug_class_is_caught_on_the_tiny_models_w4a4_variant(session, tmp_path):
+    """Seed 002: an NVFP4 activation global scale wrong after loading, weights exact. On the tiny
+    trained model's ct-nvfp4 (W4A4, bfloat16) variant, the double that reads the input global scale
+    in the other convention is an `activations` finding; the engine that quantizes as specified and
+    the reference are clean."""
+    from harness.lm import quantize_model
+
+    directory = quantize_model("tiny-llama", "ct-nvfp4", tmp_path / "tiny")
+    result = evaluate(directory, session)
+    kinds = {(f.engine.rpartition(":")[2], f.kind) for f in result.findings}
+    assert ("InvertedInputScaleEngine", "activations") in kinds
+    assert not [engine for engine, _ in kinds if engine in ("reference", "ActivationsAsSpecifiedEngine")], kinds
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_declared_fp8_kv_cache_is_part_of_the_definition(session, tmp_path, seed):
+    """With `kv_cache_scheme` and k/v scales, the specified forward quantizes the cache: an engine
+    that applies the Linears' activation quantization but not the cache is caught (float32)."""
+    layout = {"dtype": "float32", "kv_scales": "self_attn"}
+    generate(Recipe(format="ct-fp8-channel", arch="llama", seed=seed, layout=layout), tmp_path / "c")
+    result = evaluate(tmp_path / "c", session)
+    kinds = {(f.engine.rpartition(":")[2], f.kind): f.message for f in result.findings}
+    assert not [engine for engine, _ in kinds if engine in ("reference", "ActivationsAsSpecifiedEngine")], kinds
+    assert "FP8 KV cache" in kinds[("KVCacheIgnoredEngine", "activations")]
+    assert ("ActivationsIgnoredEngine", "activations") in kinds  # within 2x the wider bound: not named "not applied"
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_the_experts_forward_is_the_model_classs_own_when_nothing_is_quantized(arch, monkeypatch):
+    """The packed-experts forward the activation candidate installs computes what the model's eager
+    experts compute, once quantization is taken out (so only the quantization differs)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from harness.checkpoints.architectures import ARCHITECTURES
+    from harness.oracle import expert_activations
+
+    spec = ARCHITECTURES[arch]
+    settings = spec.settings({"num_hidden_layers": 3})  # DeepSeek-V3 keeps its first layers dense
+    config = AutoConfig.for_model(spec.model_type, **{**settings, **spec.fixed})
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    name, module = next((n, m) for n, m in model.named_modules() if hasattr(m, "gate_up_proj"))
+    for parameter in module.parameters():
+        torch.nn.init.normal_(parameter, std=0.05)
+    experts = module.gate_up_proj.shape[0]
+    hidden = torch.randn(7, module.gate_up_proj.shape[2])
+    index = torch.stack([torch.randperm(experts)[:2] for _ in range(7)])
+    weights = torch.rand(7, 2)
+    monkeypatch.setattr(expert_activations, "quantize_activations", lambda x, scheme, scale: x)
+    scheme = ActivationScheme("fp8", "token", True)
+    ours = expert_activations._forward(module, scheme, [(None, None, None)] * experts, hidden, index, weights)
+    assert torch.allclose(ours, module(hidden, index, weights), rtol=1e-5, atol=1e-6), name
+
+
+def test_an_moe_checkpoints_experts_are_part_of_the_definition(session, tmp_path):
+    """qwen3_moe, dynamic FP8: the candidate quantizes the routed experts' inputs too, so an engine
+    that quantizes as specified passes and one that ignores activations is caught (float32)."""
+    recipe = Recipe(
+        format="ct-fp8-tensor", arch="qwen3_moe", config={"num_hidden_layers": 2}, layout={"dtype": "float32"}
+    )
+    generate(recipe, tmp_path / "c")
+    result = evaluate(tmp_path / "c", session)
+    kinds = {(f.engine.rpartition(":")[2], f.kind): f.message for f in result.findings}
+    assert not [engine for engine, _ in kinds if engine in ("reference", "ActivationsAsSpecifiedEngine")], kinds
+    assert "not applied" in kinds[("ActivationsIgnoredEngine", "activations")]

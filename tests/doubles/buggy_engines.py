@@ -4,6 +4,7 @@ own loader plugs in: `--engines tests.doubles.buggy_engines:DroppedScaleEngine`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -226,10 +227,84 @@ class InvertedInputScaleEngine(ReferenceEngine):
     name = "double-inverted-input-scale"
 
     def logprobs(self, sequences):
-        scheme, modules = self.activations
-        inverted = {name: None if s is None else 1.0 / s.to(torch.float64) for name, s in modules.items()}
-        self.activations = (scheme, inverted)
+        plan = self.activations
+        self.activations = dataclasses.replace(
+            plan, inputs={name: None if s is None else 1.0 / s.to(torch.float64) for name, s in plan.inputs.items()}
+        )
         try:
             return self.activation_logprobs(sequences)
         finally:
-            self.activations = (scheme, modules)
+            self.activations = plan
+
+
+class KVCacheIgnoredEngine(ReferenceEngine):
+    """Bug class: a declared FP8 KV cache run unquantized (its k/v scales loaded or not, never
+    applied); the activations of the Linears are quantized as specified."""
+
+    name = "double-kv-cache-ignored"
+
+    def logprobs(self, sequences):
+        plan = self.activations
+        self.activations = dataclasses.replace(plan, kv={})
+        try:
+            return self.activation_logprobs(sequences)
+        finally:
+            self.activations = plan
+
+
+class CachedConversionEngine(ReferenceEngine):
+    """Bug class for the relation `load-twice`: state kept across loads in one process. The final
+    norm is stored in an offset convention (w - 1) and converted in place on a tensor the engine
+    caches per checkpoint: right on the first load, converted again (w + 1) on every later one."""
+
+    name = "double-cached-conversion"
+    _stored: dict[str, torch.Tensor] = {}
+
+    def load(self, directory):
+        report = super().load(directory)
+        norm = self.model.model.norm
+        stored = self._stored.setdefault(str(directory), norm.weight.data.clone() - 1)
+        stored.add_(1)  # BUG: the conversion runs on the cached tensor itself
+        norm.weight.data = stored
+        return report
+
+
+class UnwrittenParameterEngine(ReferenceEngine):
+    """Bug class for the relation `sentinel`: a parameter the loader never writes and never
+    reports missing (the final norm's weight), so it keeps whatever its storage held: the model
+    class's initial value here, the NaN sentinel under `sentinel`."""
+
+    name = "double-unwritten-parameter"
+
+    def load(self, directory):
+        original = torch.nn.Module.load_state_dict
+
+        def skipping(module, state, strict=True, assign=False):
+            victim = "model.norm.weight"
+            result = original(module, {k: v for k, v in state.items() if k != victim}, strict=strict, assign=assign)
+            if victim in result.missing_keys:
+                result.missing_keys.remove(victim)  # BUG: not reported either
+            return result
+
+        torch.nn.Module.load_state_dict = skipping
+        try:
+            return super().load(directory)
+        finally:
+            torch.nn.Module.load_state_dict = original
+
+
+class LossySaveEngine(ReferenceEngine):
+    """Bug class for the relation `round-trip`: saving rounds every weight through float16 (a save
+    path that casts to a default dtype), so the reloaded model is not the one that was loaded."""
+
+    name = "double-lossy-save"
+
+    def save(self, directory):
+        dtype = self.model.dtype
+        self.model.to(torch.float16)
+        try:
+            self.model.save_pretrained(directory)
+        finally:
+            self.model.to(dtype)
+        config = Path(directory) / "config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "dtype": str(dtype).removeprefix("torch.")}))

@@ -1,0 +1,97 @@
+"""KV-cache quantization as the config declares it: an FP8 (E4M3) cache with one static scale per
+attention layer for the keys and one for the values (compressed-tensors' `kv_cache_scheme` of
+strategy tensor, ModelOpt's `kv_cache_quant_algo: FP8`). What enters the cache is quantized: the
+keys after rotary embedding, the values as projected, k -> e4m3(clamp(k / k_scale)) * k_scale (the
+same per-tensor rule as a static input scale, harness.oracle.activations).
+
+The scales are read under every naming real checkpoints use (harness.checkpoints.kv_scales):
+`self_attn.k_scale`, `k_proj.output_scale`, ModelOpt's `k_proj.k_scale`, and the same for v.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from harness.core.errors import HarnessError
+from harness.oracle.activations import ActivationScheme, quantize_activations
+
+#: per naming: (suffix of the key scale, suffix of the value scale), after `<layer>.self_attn.`
+NAMINGS = (("k_scale", "v_scale"), ("k_proj.output_scale", "v_proj.output_scale"), ("k_proj.k_scale", "v_proj.v_scale"))
+STATIC_FP8 = ActivationScheme("fp8", "tensor", False, static="kv_scale")
+
+
+def declares_fp8_kv_cache(quantization_config: Mapping) -> bool:
+    """True when the config quantizes the KV cache; a KV scheme other than static per-tensor FP8
+    is a one-line HarnessError."""
+    scheme = quantization_config.get("kv_cache_scheme")
+    if isinstance(scheme, Mapping):
+        if (scheme.get("num_bits"), scheme.get("type"), scheme.get("strategy"), scheme.get("dynamic")) != (
+            8,
+            "float",
+            "tensor",
+            False,
+        ):
+            raise HarnessError(f"kv_cache_scheme {dict(scheme)} is not a static per-tensor FP8 cache")
+        return True
+    algo = quantization_config.get("kv_cache_quant_algo")
+    if algo is not None and algo != "FP8":
+        raise HarnessError(f"kv_cache_quant_algo {algo!r} is not defined here")
+    return algo == "FP8"
+
+
+def kv_scales(attention_modules: list[str], names: set[str]) -> dict[str, tuple[str, str]]:
+    """attention module -> (key scale name, value scale name) for each module, or a one-line
+    HarnessError naming the first module without a complete pair under one naming."""
+    found = {}
+    for module in attention_modules:
+        pairs = [(f"{module}.{k}", f"{module}.{v}") for k, v in NAMINGS]
+        complete = [pair for pair in pairs if pair[0] in names and pair[1] in names]
+        if not complete:
+            raise HarnessError(f"{module}: no complete k/v scale pair for the FP8 KV cache the config declares")
+        found[module] = complete[0]
+    return found
+
+
+class _QuantizingCache:
+    """Stands in for the model's cache inside one attention forward: quantizes what enters it."""
+
+    def __init__(self, cache, k_scale: torch.Tensor, v_scale: torch.Tensor, scheme: ActivationScheme):
+        self.cache, self.k_scale, self.v_scale, self.scheme = cache, k_scale, v_scale, scheme
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        key_states = quantize_activations(key_states, self.scheme, self.k_scale)
+        value_states = quantize_activations(value_states, self.scheme, self.v_scale)
+        if self.cache is None:
+            return key_states, value_states
+        return self.cache.update(key_states, value_states, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+
+def install(
+    model: torch.nn.Module, scales: Mapping[str, tuple[torch.Tensor, torch.Tensor]], arithmetic: str = "float64"
+) -> list:
+    """Quantize the KV cache of each named attention module (name -> (k_scale, v_scale)) with
+    forward pre-hooks that hand it a quantizing cache; the handles, to remove them. `arithmetic`:
+    as in harness.oracle.activations."""
+    scheme = dataclasses.replace(STATIC_FP8, arithmetic=arithmetic)
+    modules = dict(model.named_modules())
+    absent = sorted(set(scales) - set(modules))
+    if absent:
+        raise HarnessError(f"no attention module in the model for {absent[0]}")
+    handles = []
+    for name, (k_scale, v_scale) in scales.items():
+
+        def hook(module, args, kwargs, k_scale=k_scale, v_scale=v_scale):
+            key = (
+                "past_key_values" if "past_key_values" in kwargs or "past_key_value" not in kwargs else "past_key_value"
+            )
+            kwargs[key] = _QuantizingCache(kwargs.get(key), k_scale, v_scale, scheme)
+            return args, kwargs
+
+        handles.append(modules[name].register_forward_pre_hook(hook, with_kwargs=True))
+    return handles

@@ -1,0 +1,111 @@
+"""The forward a checkpoint specifies beyond its weights: which Linears quantize their inputs and
+how (harness.oracle.activations), and whether the KV cache is FP8 with which scales
+(harness.oracle.kv_cache). `plan` reads it from a checkpoint; `Plan.install` hooks it into a
+transformers model whose weights are already the dequantized truth (the reference engine)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.core.errors import HarnessError
+from harness.core.naming import canonical_name
+from harness.oracle import activations, expert_activations, kv_cache
+
+
+@dataclass
+class Plan:
+    scheme: activations.ActivationScheme | None
+    #: quantized Linear -> its static input scale (None for dynamic schemes)
+    inputs: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    #: attention module -> (k_scale, v_scale) of an FP8 KV cache
+    kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: a model's packed experts module -> per expert, the (gate, up, down) static input scales
+    experts: dict[str, list[tuple]] = field(default_factory=dict)
+
+    def install(self, model: torch.nn.Module, arithmetic: str = "float64") -> list:
+        """Hook the plan into `model`; the handles. `arithmetic`: float64, or "model" (the same
+        definition rounded in the activations' dtype: harness.oracle.activations)."""
+        handles = []
+        if self.scheme:
+            scheme = dataclasses.replace(self.scheme, arithmetic=arithmetic)
+            handles += activations.install(model, self.inputs, scheme)
+            handles += expert_activations.install(model, self.experts, scheme)
+        return handles + kv_cache.install(model, self.kv, arithmetic)
+
+
+def describe(quantization_config: dict) -> str:
+    """What the config specifies beyond weights, in words (for findings)."""
+    parts = []
+    scheme = activations.scheme_of(quantization_config)
+    if scheme is not None:
+        parts.append(scheme.describe())
+    if kv_cache.declares_fp8_kv_cache(quantization_config):
+        parts.append("FP8 KV cache, static per-tensor scales")
+    return "; ".join(parts) or "weights only"
+
+
+def plan(checkpoint) -> Plan | str:
+    """The checkpoint's Plan, or why there is none: a weight-only config, a scheme the definitions
+    here do not cover, a static scale or a KV pair that is absent."""
+    from harness.oracle.reference import format_and_knobs, group_modules
+
+    config = checkpoint.config.get("quantization_config")
+    if not isinstance(config, dict):
+        return "the checkpoint is not quantized"
+    try:
+        scheme = activations.scheme_of(config)
+        kv = kv_cache.declares_fp8_kv_cache(config)
+        fmt = format_and_knobs(checkpoint)[0]
+    except HarnessError as error:
+        return str(error)
+    if scheme is None and not kv:
+        return "the config quantizes weights only"
+    result = Plan(scheme)
+    names = checkpoint.names()
+    modules, _ = group_modules(names, fmt, checkpoint.storage_dtypes())
+    for module, parts in modules.items() if scheme else ():
+        if activations.declared_ignored(config, module) or module.endswith("embed_tokens"):  # targets: Linear
+            continue
+        if scheme.static and scheme.static not in parts:
+            return f"{module} has no {scheme.static} ({scheme.describe()})"
+        result.inputs[canonical_name(module)] = checkpoint.tensor(parts[scheme.static]) if scheme.static else None
+    refusal = _move_experts(result, checkpoint.config)
+    if refusal:
+        return refusal
+    if kv:
+        layers = int(checkpoint.config.get("num_hidden_layers", 0))
+        prefix = next((n.split("layers.")[0] for n in names if ".layers." in n), "model.")
+        attention = [f"{prefix}layers.{layer}.self_attn" for layer in range(layers)]
+        try:
+            pairs = kv_cache.kv_scales(attention, set(names))
+        except HarnessError as error:
+            return str(error)
+        result.kv = {canonical_name(m): (checkpoint.tensor(k), checkpoint.tensor(v)) for m, (k, v) in pairs.items()}
+    return result
+
+
+def _move_experts(result: Plan, config: dict) -> str | None:
+    """Move the routed experts' Linears from `inputs` to `experts`, grouped per packed experts module
+    as the model holds them (harness.checkpoints.model_layout); why not, where an expert is not
+    quantized like the others."""
+    from harness.checkpoints.model_layout import known_layout, packed_experts
+
+    arch = known_layout(config)
+    if result.scheme is None or arch is None or arch.moe is None:
+        return None
+    packed = packed_experts(arch, config)
+    for target, (gates, ups) in ((t, p) for t, p in packed.items() if t.endswith(".gate_up_proj")):
+        base = target.removesuffix(".gate_up_proj")
+        (downs,) = packed[f"{base}.down_proj"]
+        triples = []
+        for names in zip(gates, ups, downs, strict=True):
+            modules = [name.removesuffix(".weight") for name in names]
+            absent = [m for m in modules if m not in result.inputs]
+            if absent:
+                return f"{absent[0]}: an expert whose input the config does not quantize like the others"
+            triples.append(tuple(result.inputs.pop(m) for m in modules))
+        result.experts[base] = triples
+    return None
