@@ -151,3 +151,19 @@ def test_an_moe_checkpoints_experts_are_part_of_the_definition(session, tmp_path
     kinds = {(f.engine.rpartition(":")[2], f.kind): f.message for f in result.findings}
     assert not [engine for engine, _ in kinds if engine in ("reference", "ActivationsAsSpecifiedEngine")], kinds
     assert "not applied" in kinds[("ActivationsIgnoredEngine", "activations")]
+
+
+def test_an_input_scale_taken_from_the_wrong_fused_part_is_caught(tmp_path):
+    """q/k/v and gate/up with distinct static input scales (as a calibration writes them): the double
+    that quantizes every part's input with the first part's scale is an `activations` finding in
+    float32 (0.29 from the definition, bound 0.1); in bfloat16 the difference is within its noise."""
+    pytest.importorskip("transformers")
+    fused = f"{DOUBLES}:FusedPartInputScaleEngine"
+    session = EngineSession(["reference", fused], tmp_path / "engines")
+    try:
+        layout = {"dtype": "float32", "fused_scales": "distinct-inputs"}
+        generate(Recipe(format="modelopt-fp8", arch="llama", layout=layout), tmp_path / "c")
+        result = evaluate(tmp_path / "c", session)
+    finally:
+        session.close()
+    assert [(f.engine, f.kind) for f in result.findings] == [(fused, "activations")]

@@ -252,6 +252,30 @@ class KVCacheIgnoredEngine(ReferenceEngine):
             self.activations = plan
 
 
+class FusedPartInputScaleEngine(ReferenceEngine):
+    """Bug class: fused parts (q/k/v, gate/up) quantize their inputs with one part's static scale (the
+    first part's) instead of each part's own, as a loader that fuses the projections and keeps one
+    input scale without merging them by the format's rule would."""
+
+    name = "double-fused-part-input-scale"
+
+    def logprobs(self, sequences):
+        plan = self.activations
+        inputs = dict(plan.inputs)
+        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            for name in [n for n in inputs if n.endswith(group[0])]:
+                first = inputs[name]
+                for other in group[1:]:
+                    sibling = name.removesuffix(group[0]) + other
+                    if sibling in inputs:
+                        inputs[sibling] = first
+        self.activations = dataclasses.replace(plan, inputs=inputs)
+        try:
+            return self.activation_logprobs(sequences)
+        finally:
+            self.activations = plan
+
+
 class CachedConversionEngine(ReferenceEngine):
     """Bug class for the relation `load-twice`: state kept across loads in one process. The final
     norm is stored in an offset convention (w - 1) and converted in place on a tensor the engine
