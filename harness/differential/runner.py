@@ -393,6 +393,7 @@ def _judge_logits(judgement: Judgement, logprobs: dict[str, list[torch.Tensor]])
         weights_exact = not any(f.engine == engine and f.kind in WEIGHT_KINDS for f in result.findings)
         if judgement.specified is not None and weights_exact:  # with wrong weights, logits are their consequence
             _judge_activations(judgement, engine, rows, baseline, diff, metrics)
+            diff = compare_logprobs(rows, judgement.specified, sequences, tol)  # top-1 and perplexity: the definition's
         elif diff.max_abs_delta > tol.logprob_max_abs_delta:
             judgement.finding(
                 engine,
