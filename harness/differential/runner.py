@@ -129,12 +129,16 @@ class Judgement:
     #: `compare --hostile`: what in the layout leads outside the directory (or is a header bomb)
     hazards: list[Hazard] = field(default_factory=list)
     #: the reference's logits with activations quantized as the checkpoint specifies (None: the
-    #: format quantizes weights only, or the reference cannot model it here: `specified_reason`)
+    #: format quantizes weights only, or the reference cannot model it here); `specified_reason`:
+    #: what the config specifies, in words, or why there is no such candidate
     specified: list[torch.Tensor] | None = None
     specified_reason: str = ""
     #: how far the same definition moves these logits when rounded in the model dtype instead of
     #: float64: this checkpoint's own sensitivity, a floor under the activation bound
     specified_noise: float = 0.0
+    #: the bound an engine's logits must keep from `specified` ([activations] tolerance, at least
+    #: twice the noise floor)
+    specified_bound: float = 0.0
     #: the relations checked on each engine that loads it (harness.differential.relations)
     relations: tuple[str, ...] = ()
 
@@ -316,8 +320,15 @@ def _activation_candidate(judgement: Judgement, worker: EngineProcess) -> None:
     except EngineError as error:
         judgement.specified, judgement.specified_reason = None, first_line(error)
         return
-    floor = compare_logprobs(rounded, judgement.specified, judgement.sequences, judgement.tol).max_abs_delta
+    from harness.oracle.kv_cache import declares_fp8_kv_cache
+    from harness.oracle.specified import describe
+
+    tol, config = judgement.tol, judgement.config["quantization_config"]
+    floor = compare_logprobs(rounded, judgement.specified, judgement.sequences, tol).max_abs_delta
+    bound = tol.activation_kv_max_abs_delta if declares_fp8_kv_cache(config) else tol.activation_max_abs_delta
     judgement.specified_noise = floor
+    judgement.specified_bound = max(bound, 2 * floor)  # a checkpoint whose logits amplify rounding
+    judgement.specified_reason = describe(config)
 
 
 def _judge_hostile_load(judgement: Judgement, engine: str, worker: EngineProcess, report: dict) -> None:
@@ -519,13 +530,7 @@ def _judge_activations(judgement: Judgement, engine: str, rows, weights_only, di
     candidates. Within the measured noise of the specified one: as specified. Otherwise a finding
     that says which candidate the engine computed, when the candidates are far enough apart
     (more than twice the noise) to tell: "not applied" when it is the weight-only one."""
-    from harness.oracle.kv_cache import declares_fp8_kv_cache
-    from harness.oracle.specified import describe
-
-    sequences, tol = judgement.sequences, judgement.tol
-    config = judgement.config["quantization_config"]
-    bound = tol.activation_kv_max_abs_delta if declares_fp8_kv_cache(config) else tol.activation_max_abs_delta
-    bound = max(bound, 2 * judgement.specified_noise)  # a checkpoint whose logits amplify rounding
+    sequences, tol, bound = judgement.sequences, judgement.tol, judgement.specified_bound
     to_specified = compare_logprobs(rows, judgement.specified, sequences, tol).max_abs_delta
     apart = compare_logprobs(judgement.specified, weights_only, sequences, tol).max_abs_delta
     metrics.update(
@@ -533,7 +538,7 @@ def _judge_activations(judgement: Judgement, engine: str, rows, weights_only, di
     )
     if to_specified <= bound:
         return
-    scheme = describe(config)
+    scheme = judgement.specified_reason
     if apart > 2 * bound and diff.max_abs_delta <= bound:
         message = (
             f"activation quantization not applied ({scheme}): logits within {diff.max_abs_delta:.3g} of the "

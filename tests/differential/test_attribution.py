@@ -292,17 +292,16 @@ def test_real_transformers_on_the_grid_reproducer_is_the_grid_issue(engine_sessi
     assert {f.known_issue for f in findings} == {GRID_ISSUE}, [(f.kind, f.message) for f in findings]
 
 
-def test_the_grouped_mm_precondition_is_what_torch_refuses(tmp_path):
+def test_the_grouped_mm_precondition_is_what_torch_refuses():
     """The entry's `when` against torch's own CPU kernel: over contraction widths 1..40 and the
-    three model dtypes, the predicate holds exactly where _grouped_mm refuses the strides."""
+    three model dtypes, the predicate holds exactly where _grouped_mm refuses the strides. A torch
+    without _grouped_mm fails here: the entry's mechanism would then be gone."""
     import torch
 
     from harness.checkpoints.architectures import architecture_for
     from harness.differential.preconditions import derived_facts
 
-    grouped_mm = getattr(torch, "_grouped_mm", None)
-    if grouped_mm is None:
-        pytest.skip("this torch has no _grouped_mm")
+    grouped_mm = torch._grouped_mm
     issue = next(i for i in KnownIssues.load().issues if i.id == "transformers-moe-grouped-mm-odd-width-cpu")
     key = architecture_for("qwen3_moe").moe.intermediate_key
     for dtype_name, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float32)):
