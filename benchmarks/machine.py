@@ -1,18 +1,16 @@
-"""Machine facts the benchmark scripts record beside their figures."""
+"""Machine facts the benchmark scripts record beside their figures (the CPU model and instruction-set
+class from harness.core.machine, the one place that reads them)."""
 
 import platform
 import re
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from harness.core.machine import cpu_model, isa_class  # noqa: E402
+
+__all__ = ["cpu_model", "isa_class", "machine_tag"]
 
 
 def machine_tag() -> str:

@@ -133,8 +133,9 @@ class Judgement:
     #: what the config specifies, in words, or why there is no such candidate
     specified: list[torch.Tensor] | None = None
     specified_reason: str = ""
-    #: how far the same definition moves these logits when rounded in the model dtype instead of
-    #: float64: this checkpoint's own sensitivity, a floor under the activation bound
+    #: how far the definition's rounding variants (harness.oracle.specified.VARIANTS: activations
+    #: rounded in the model dtype; quantized weights one ulp off) move these logits: this
+    #: checkpoint's own sensitivity, a floor under the activation bound
     specified_noise: float = 0.0
     #: the bound an engine's logits must keep from `specified` ([activations] tolerance, at least
     #: twice the noise floor)
@@ -309,22 +310,23 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
 
 
 def _activation_candidate(judgement: Judgement, worker: EngineProcess) -> None:
-    """The reference's second candidate: its forward with activations quantized as specified."""
+    """The reference's second candidate: its forward with activations quantized as specified, and
+    its noise floor: how far the specified forward's rounding variants land from it."""
+    from harness.oracle.kv_cache import declares_fp8_kv_cache
+    from harness.oracle.specified import VARIANTS, describe
+
+    sequences = judgement.sequences
     try:
-        judgement.specified = worker.logprobs(
-            judgement.sequences, judgement.scratch_file(REFERENCE, "activations"), activations="float64"
-        )
-        rounded = worker.logprobs(
-            judgement.sequences, judgement.scratch_file(REFERENCE, "activations-model"), activations="model"
-        )
+        forwards = {
+            variant: worker.logprobs(sequences, judgement.scratch_file(REFERENCE, f"specified-{variant}"), variant)
+            for variant in VARIANTS
+        }
     except EngineError as error:
         judgement.specified, judgement.specified_reason = None, first_line(error)
         return
-    from harness.oracle.kv_cache import declares_fp8_kv_cache
-    from harness.oracle.specified import describe
-
     tol, config = judgement.tol, judgement.config["quantization_config"]
-    floor = compare_logprobs(rounded, judgement.specified, judgement.sequences, tol).max_abs_delta
+    judgement.specified = forwards.pop("float64")
+    floor = max(compare_logprobs(rows, judgement.specified, sequences, tol).max_abs_delta for rows in forwards.values())
     bound = tol.activation_kv_max_abs_delta if declares_fp8_kv_cache(config) else tol.activation_max_abs_delta
     judgement.specified_noise = floor
     judgement.specified_bound = max(bound, 2 * floor)  # a checkpoint whose logits amplify rounding
@@ -542,12 +544,12 @@ def _judge_activations(judgement: Judgement, engine: str, rows, weights_only, di
     if apart > 2 * bound and diff.max_abs_delta <= bound:
         message = (
             f"activation quantization not applied ({scheme}): logits within {diff.max_abs_delta:.3g} of the "
-            f"weight-only reference and {to_specified:.3g} from the specified one (bound {bound}; the two "
+            f"weight-only reference and {to_specified:.3g} from the specified one (bound {bound:.3g}; the two "
             f"candidates are {apart:.3g} apart)"
         )
     else:
         message = (
             f"activations not quantized as specified ({scheme}): logits {to_specified:.3g} from the "
-            f"specified candidate (bound {bound}) and {diff.max_abs_delta:.3g} from the weight-only one"
+            f"specified candidate (bound {bound:.3g}) and {diff.max_abs_delta:.3g} from the weight-only one"
         )
     judgement.finding(engine, "activations", message, metrics=metrics)

@@ -58,7 +58,7 @@ class Engine:
         """Per sequence, float32 [len-1, vocab]: log-softmax of the prediction for tokens 1..len-1."""
         raise NotImplementedError
 
-    def activation_logprobs(self, sequences: list[list[int]], arithmetic: str = "float64") -> list[torch.Tensor]:
+    def activation_logprobs(self, sequences: list[list[int]], variant: str = "float64") -> list[torch.Tensor]:
         """`logprobs` with every quantized Linear's input quantized as the checkpoint specifies:
         only an engine that can be an oracle for that (the reference) implements it."""
         raise EngineUnsupported(f"{self.name} computes no activation-quantized candidate")

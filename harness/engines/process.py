@@ -163,7 +163,7 @@ class EngineProcess:
 
     def logprobs(self, sequences: list[list[int]], out: Path, activations: str = "") -> list:
         """Per sequence, float32 [len-1, vocab] next-token log-probabilities (through the file `out`);
-        `activations` ("float64" or "model", its arithmetic): the engine's forward with activations
+        `activations` (a variant of harness.oracle.specified.VARIANTS): the engine's forward with activations
         quantized as the checkpoint specifies (the reference engine's second candidate; others
         answer EngineError, unsupported)."""
         from safetensors.torch import load_file

@@ -40,17 +40,17 @@ class ReferenceEngine(HFModelEngine):
         result = self.model.load_state_dict(state, strict=False)
         return self.checkpoint_report(checkpoint.config, result.missing_keys, result.unexpected_keys, tied)
 
-    def activation_logprobs(self, sequences, arithmetic: str = "float64"):
+    def activation_logprobs(self, sequences, variant: str = "float64"):
         """The checkpoint's full definition: weights as dequantized, each quantized Linear's input
-        and the KV cache quantized as its config specifies (harness.oracle.specified); `arithmetic`
-        "model" rounds that definition in the model's dtype instead of float64."""
+        and the KV cache quantized as its config specifies (harness.oracle.specified); `variant`:
+        "float64" (the definition) or one of its rounding variants (harness.oracle.specified.VARIANTS)."""
         from harness.core.errors import HarnessError
         from harness.engines.hf_common import model_logprobs
 
         if isinstance(self.activations, str):
             raise EngineUnsupported(self.activations)
         try:
-            handles = self.activations.install(self.model, arithmetic)
+            handles = self.activations.install(self.model, variant)
         except HarnessError as error:  # e.g. experts packed in 3-D: not Linears to hook
             raise EngineUnsupported(f"activation candidate: {error}") from None
         try:

@@ -80,9 +80,9 @@ def handle(engine, op: str, request: dict) -> dict:
         save_file(weights, request["out"])
         return {"count": len(weights)}
     if op == "logprobs":  # `activations`: the reference's candidate with activations quantized as specified
-        arithmetic = request.get("activations")  # "float64" or "model" (harness.oracle.activations)
-        if arithmetic:
-            rows = engine.activation_logprobs(request["sequences"], arithmetic=arithmetic)
+        variant = request.get("activations")  # harness.oracle.specified.VARIANTS
+        if variant:
+            rows = engine.activation_logprobs(request["sequences"], variant=variant)
         else:
             rows = engine.logprobs(request["sequences"])
         save_file(

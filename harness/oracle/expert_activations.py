@@ -43,11 +43,13 @@ def _forward(module, scheme: ActivationScheme, scales: ExpertScales, hidden, top
 def install(model: torch.nn.Module, experts: Mapping[str, ExpertScales], scheme: ActivationScheme) -> list:
     """Give each named experts module (name -> per-expert scales) the forward above; the handles."""
     modules = dict(model.named_modules())
-    handles = []
-    for name, scales in experts.items():
+    for name, scales in experts.items():  # all checked before any hook: none is left half-installed
         module = modules.get(name)
         if module is None or not hasattr(module, "gate_up_proj") or len(scales) != module.gate_up_proj.shape[0]:
             raise HarnessError(f"{name}: no packed experts module with {len(scales)} experts in the model")
+    handles = []
+    for name, scales in experts.items():
+        module = modules[name]
 
         def hook(module, args, kwargs, output, scales=scales):
             values = list(args) + [kwargs[k] for k in ("hidden_states", "top_k_index", "top_k_weights") if k in kwargs]

@@ -25,15 +25,65 @@ class Plan:
     #: a model's packed experts module -> per expert, the (gate, up, down) static input scales
     experts: dict[str, list[tuple]] = field(default_factory=dict)
 
-    def install(self, model: torch.nn.Module, arithmetic: str = "float64") -> list:
-        """Hook the plan into `model`; the handles. `arithmetic`: float64, or "model" (the same
-        definition rounded in the activations' dtype: harness.oracle.activations)."""
-        handles = []
-        if self.scheme:
-            scheme = dataclasses.replace(self.scheme, arithmetic=arithmetic)
-            handles += activations.install(model, self.inputs, scheme)
-            handles += expert_activations.install(model, self.experts, scheme)
-        return handles + kv_cache.install(model, self.kv, arithmetic)
+    def install(self, model: torch.nn.Module, variant: str = "float64") -> list:
+        """Hook the plan into `model`; the handles (removing them restores the model). `variant`
+        (VARIANTS): the definition, or one of its rounding variants."""
+        if variant not in VARIANTS:
+            raise HarnessError(f"unknown variant {variant!r} of the specified forward; one of {', '.join(VARIANTS)}")
+        arithmetic, _, nudge = variant.partition("+")
+        handles = [_WeightsOneUlp(model, self, nudge)] if nudge else []
+        try:
+            if self.scheme:
+                scheme = dataclasses.replace(self.scheme, arithmetic=arithmetic)
+                handles += activations.install(model, self.inputs, scheme)
+                handles += expert_activations.install(model, self.experts, scheme)
+            return handles + kv_cache.install(model, self.kv, arithmetic)
+        except BaseException:  # a half-installed plan would change every later forward
+            for handle in handles:
+                handle.remove()
+            raise
+
+
+#: the specified forward ("float64": the definition, its arithmetic float64) and its rounding
+#: variants, whose largest distance from it is the reference's own noise floor for this checkpoint:
+#: "model", activations (and the KV cache) quantized in the model's dtype as engines do; "+weights-
+#: toward-zero" / "+weights-away-from-zero", every quantized weight one ulp off, a weight the weight
+#: tolerance accepts (2 ulps) as engines hold it (e.g. with the scale cast to the model dtype). One
+#: variant alone can miss how a checkpoint amplifies rounding: an x1000-weight bfloat16 model's
+#: logits moved 0.28 to 1.75 under single variants and 6.3 under "model+weights-away-from-zero",
+#: as far as the engines that quantize its activations exactly as "model" does (docs/findings.md).
+VARIANTS = (
+    "float64",
+    "model",
+    "float64+weights-toward-zero",
+    "float64+weights-away-from-zero",
+    "model+weights-toward-zero",
+    "model+weights-away-from-zero",
+)
+
+
+class _WeightsOneUlp:
+    """Moves the quantized modules' weights (the plan's Linears and packed experts) one ulp toward
+    or away from zero in place; `remove` puts them back, as a hook handle does."""
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, nudge: str):
+        modules = dict(model.named_modules())
+        self.saved = []
+        for name in (*plan.inputs, *plan.experts):
+            module = modules.get(name)
+            for attribute in ("weight", "gate_up_proj", "down_proj"):
+                parameter = getattr(module, attribute, None)
+                if isinstance(parameter, torch.Tensor) and parameter.is_floating_point():
+                    self.saved.append((parameter, parameter.detach().clone()))
+                    target = torch.zeros_like(parameter) if nudge == "weights-toward-zero" else parameter * 2
+                    with torch.no_grad():
+                        parameter.copy_(torch.nextafter(parameter, target))
+
+    def remove(self) -> None:
+        with torch.no_grad():
+            for parameter, original in self.saved:
+                parameter.copy_(original)
+        self.saved = []
 
 
 def describe(quantization_config: dict) -> str:
