@@ -208,6 +208,8 @@ def print_outcomes(result) -> None:
         print(f"  {engine:<20} {outcome.status}{ppl}{detail}")
         for relation, verdict in outcome.relations.items():
             print(f"    relation {relation}: {verdict}")
+        if outcome.activation_probe:
+            print(f"    activation probe: {outcome.activation_probe}")
     for item in result.findings:
         tag = f"known issue {item.known_issue}" if item.known_issue else "NEW"
         print(f"  finding [{tag}] {item.engine} {item.kind}: {item.message}")

@@ -25,6 +25,7 @@ from harness.core.tolerances import load_tolerances
 from harness.differential.compare import compare_logprobs, compare_weight, perplexity
 from harness.differential.known_issues import KnownIssues
 from harness.differential.misreadings import CheckpointMisreadings
+from harness.differential.probe import probe_engine, reference_probe
 from harness.differential.relations import Load, check_relations
 from harness.engines import REFERENCE, engine_spec
 from harness.engines.environments import engine_python
@@ -51,6 +52,8 @@ class EngineOutcome:
     generated: list[int] = field(default_factory=list)
     #: relation name -> "holds", "does not hold" or "not checked: why" (harness.differential.relations)
     relations: dict[str, str] = field(default_factory=dict)
+    #: what the activation probe found, or why it did not run (harness.differential.probe)
+    activation_probe: str = ""
 
 
 @dataclass
@@ -142,6 +145,8 @@ class Judgement:
     specified_bound: float = 0.0
     #: the relations checked on each engine that loads it (harness.differential.relations)
     relations: tuple[str, ...] = ()
+    #: the reference's activation probe inputs (harness.differential.probe), or None
+    probe: dict | None = None
 
     @classmethod
     def of(cls, directory: Path, session: EngineSession, hostile: bool = False) -> Judgement:
@@ -288,6 +293,9 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
         rows = worker.logprobs(judgement.sequences, judgement.scratch_file(engine, "logprobs"))
         if engine == REFERENCE:
             _activation_candidate(judgement, worker)
+            reference_probe(judgement, worker, outcome)
+        elif judgement.probe is not None:
+            probe_engine(judgement, engine, worker, outcome, held)
         outcome.generated = worker.generate(judgement.sequences[0][:8], GENERATE_TOKENS)
         if judgement.relations:  # last: the worker then holds the relations' loads, not this one
             check_relations(judgement, engine, worker, Load(outcome.report, held, rows))

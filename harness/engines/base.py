@@ -63,6 +63,16 @@ class Engine:
         only an engine that can be an oracle for that (the reference) implements it."""
         raise EngineUnsupported(f"{self.name} computes no activation-quantized candidate")
 
+    def probe_linears(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each named quantized Linear (model names) run by itself on its input rows, as the engine's
+        forward runs it (activation quantization included): name -> output. A name the engine holds
+        no such module for is left out (harness.differential.probe)."""
+        raise EngineUnsupported(f"{self.name} cannot run one quantized Linear by itself")
+
+    def probe_reference(self, rows: int) -> dict[str, torch.Tensor]:
+        """The activation probe's inputs, and those inputs quantized as specified (the reference only)."""
+        raise EngineUnsupported(f"{self.name} computes no activation probe")
+
     def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         raise NotImplementedError
 

@@ -105,6 +105,9 @@ class HFModelEngine(Engine):
     def generate(self, prompt, max_new_tokens):
         return model_generate(self.model, prompt, max_new_tokens)
 
+    def probe_linears(self, inputs):
+        return run_linears(self.model, inputs)
+
     def unload(self):
         self.model = None
 
@@ -133,6 +136,20 @@ def model_logprobs(model, sequences: list[list[int]]) -> list[torch.Tensor]:
         logits = model(input_ids=ids).logits[0, :-1].to(torch.float32)
         rows.append(torch.log_softmax(logits, dim=-1))
     return rows
+
+
+@torch.no_grad()
+def run_linears(model, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each named module of `model` called on its input (on the module's device): its output."""
+    modules = dict(model.named_modules())
+    outputs = {}
+    for name, rows in inputs.items():
+        module = modules.get(name)
+        weight = getattr(module, "weight", None)
+        if module is None or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            continue  # e.g. a fused or renamed module: the probe judges what it can find
+        outputs[name] = module(rows.to(weight.device)).detach().cpu()
+    return outputs
 
 
 @torch.no_grad()

@@ -172,6 +172,26 @@ class EngineProcess:
         rows = load_file(str(out))
         return [rows[sequence_key(i)] for i in range(len(sequences))]
 
+    def probe_reference(self, out: Path, rows: int = 8) -> dict:
+        """The reference's activation probe (ReferenceEngine.probe_reference), through the file `out`."""
+        from safetensors.torch import load_file
+
+        self.request("probe_reference", out=str(out), rows=rows)
+        return load_file(str(out))
+
+    def probe(self, inputs: dict, scratch: Path) -> dict:
+        """Each named quantized Linear run on its input (Engine.probe_linears), through files in
+        `scratch` (`-in`, `-out` suffixes)."""
+        from safetensors.torch import load_file, save_file
+
+        into, out = (
+            scratch.with_name(scratch.stem + "-in.safetensors"),
+            scratch.with_name(scratch.stem + "-out.safetensors"),
+        )
+        save_file({name: rows.contiguous() for name, rows in inputs.items()}, str(into))
+        self.request("probe", inputs=str(into), out=str(out))
+        return load_file(str(out))
+
     def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         return self.request("generate", prompt=list(prompt), max_new_tokens=max_new_tokens)["tokens"]
 

@@ -59,6 +59,31 @@ class ReferenceEngine(HFModelEngine):
             for handle in handles:
                 handle.remove()
 
+    def probe_reference(self, rows: int = 8):
+        """The activation probe's inputs (harness.differential.probe): for each quantized Linear of
+        the plan, `NAME.input` (purpose-built rows, harness.oracle.probe_inputs) and `NAME.quantized`,
+        those rows as the checkpoint's scheme quantizes them (model dtype)."""
+        import torch
+
+        from harness.oracle.activations import quantize_activations
+        from harness.oracle.probe_inputs import probe_input
+
+        plan = self.activations
+        if isinstance(plan, str):
+            raise EngineUnsupported(plan)
+        if plan.scheme is None or not plan.inputs:
+            raise EngineUnsupported("the config quantizes no Linear's input")
+        modules = dict(self.model.named_modules())
+        probe = {}
+        for seed, (name, stored) in enumerate(sorted(plan.inputs.items())):
+            weight = modules[name].weight
+            rows_in = probe_input(plan.scheme, stored, weight.shape[1], rows, weight.dtype, seed)
+            quantized = quantize_activations(rows_in, plan.scheme, stored)
+            if not (torch.isfinite(rows_in).all() and torch.isfinite(quantized).all() and quantized.any()):
+                continue  # a scale the model dtype cannot carry inputs for (non-finite, or all would be 0)
+            probe |= {f"{name}.input": rows_in, f"{name}.quantized": quantized}
+        return probe
+
     def unload(self):
         super().unload()
         self.activations = "no checkpoint loaded"

@@ -427,6 +427,41 @@ class VllmEngine(Engine):
             output = self.llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)[0]
         return list(output.outputs[0].token_ids)
 
+    def probe_linears(self, inputs):
+        """vLLM's own Linear layers run in its process (`LLM.apply_model`). A fused layer (qkv_proj,
+        gate_up_proj) runs once per part, on that part's input, and the part's rows are cut from
+        that run: a layer that quantizes every part's input with one merged scale shows."""
+        self.require_forward()
+        wanted: dict[str, list[tuple[str, int, int | None]]] = {}  # vLLM module -> (name, first row, rows)
+        for module, info in self.modules.items():
+            parent, start = module.rpartition(".")[0], 0
+            for part, rows in info.get("parts", ()):
+                if canonical_name(f"{parent}.{part}") in inputs:
+                    wanted.setdefault(module, []).append((canonical_name(f"{parent}.{part}"), start, rows))
+                start += rows
+        fused = {name for parts in wanted.values() for name, _, _ in parts}
+        for name in set(inputs) - fused:  # an unfused Linear: vLLM names it as the checkpoint does
+            wanted.setdefault(name, []).append((name, 0, None))
+
+        def run(model):
+            outputs, modules = {}, dict(model.named_modules())
+            with torch.no_grad():
+                for module, parts in wanted.items():
+                    layer = modules.get(module)
+                    if (
+                        layer is None
+                        or not isinstance(getattr(layer, "weight", None), torch.Tensor)
+                        or any(c.__name__ == "VocabParallelEmbedding" for c in type(layer).__mro__)
+                    ):  # not a Linear vLLM runs by this name (its LM head is the sampler's): left out
+                        continue
+                    for name, start, rows in parts:
+                        result = layer(inputs[name].to(layer.weight.device))
+                        result = result[0] if isinstance(result, tuple) else result
+                        outputs[name] = (result if rows is None else result[:, start : start + rows]).cpu().clone()
+            return outputs
+
+        return self.llm.apply_model(run)[0]
+
     def require_forward(self) -> None:
         if self.forward_unsupported:
             raise EngineUnsupported(self.forward_unsupported)

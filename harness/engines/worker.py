@@ -90,6 +90,15 @@ def handle(engine, op: str, request: dict) -> dict:
             request["out"],
         )
         return {"count": len(rows)}
+    if op == "probe_reference":  # the activation probe's inputs and expectations (harness.differential.probe)
+        save_file({k: v.contiguous() for k, v in engine.probe_reference(request["rows"]).items()}, request["out"])
+        return {}
+    if op == "probe":  # each named Linear run on its probe input
+        from safetensors.torch import load_file
+
+        outputs = engine.probe_linears(load_file(request["inputs"]))
+        save_file({name: t.detach().to("cpu").contiguous() for name, t in outputs.items()}, request["out"])
+        return {"count": len(outputs)}
     if op == "generate":
         return {"tokens": engine.generate(request["prompt"], request["max_new_tokens"])}
     raise ValueError(f"unknown op {op!r}")

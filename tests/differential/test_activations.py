@@ -153,20 +153,26 @@ def test_an_moe_checkpoints_experts_are_part_of_the_definition(session, tmp_path
     assert "not applied" in kinds[("ActivationsIgnoredEngine", "activations")]
 
 
-def test_an_input_scale_taken_from_the_wrong_fused_part_is_caught(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_input_scale_taken_from_the_wrong_fused_part_is_caught(tmp_path, dtype):
     """q/k/v and gate/up with distinct static input scales (as a calibration writes them): the double
-    that quantizes every part's input with the first part's scale is an `activations` finding in
-    float32 (0.29 from the definition, bound 0.1); in bfloat16 the difference is within its noise."""
+    that quantizes every part's input with the first part's scale is caught by the activation probe
+    at exactly the sibling parts, in float32 and in bfloat16 (where the logits alone are within
+    their noise); in float32 the logits say so too (0.29 from the definition, bound 0.1)."""
     pytest.importorskip("transformers")
     fused = f"{DOUBLES}:FusedPartInputScaleEngine"
     session = EngineSession(["reference", fused], tmp_path / "engines")
     try:
-        layout = {"dtype": "float32", "fused_scales": "distinct-inputs"}
+        layout = {"dtype": dtype, "fused_scales": "distinct-inputs"}
         generate(Recipe(format="modelopt-fp8", arch="llama", layout=layout), tmp_path / "c")
         result = evaluate(tmp_path / "c", session)
     finally:
         session.close()
-    assert [(f.engine, f.kind) for f in result.findings] == [(fused, "activations")]
+    assert {(f.engine, f.kind) for f in result.findings} == {(fused, "activations")}
+    (probe,) = [f for f in result.findings if f.message.startswith("activation probe")]
+    siblings = {m.rpartition(".")[2] for m in probe.metrics["modules"]}
+    assert siblings == {"k_proj", "v_proj", "up_proj"}, probe.metrics["modules"]
+    assert len(result.findings) == (2 if dtype == "float32" else 1)
 
 
 def test_the_rounding_variants_nudge_only_quantized_weights_and_put_them_back(tmp_path):
@@ -229,3 +235,100 @@ def test_an_ill_conditioned_checkpoint_is_not_an_activation_finding(tmp_path):
         session.close()
     assert result.outcomes["transformers"].status == "loaded"
     assert not result.findings, [(f.engine, f.kind, f.message) for f in result.findings]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "scheme, stored",
+    [
+        (ActivationScheme("fp8", "token", True), None),
+        (ActivationScheme("fp8", "tensor", True), None),
+        (ActivationScheme("fp8", "group", True, 128), None),
+        (ActivationScheme("fp8", "tensor", False, static="input_scale"), torch.tensor([0.0123])),
+        (ActivationScheme("nvfp4", "tensor_group", True, 16, "input_global_scale"), torch.tensor([311.7])),
+        (ActivationScheme("nvfp4", "tensor_group", True, 16, "input_scale", multiplier=True), torch.tensor([1 / 97.3])),
+    ],
+)
+def test_probe_inputs_quantize_the_same_in_every_arithmetic_and_far_from_their_grid(scheme, stored, dtype):
+    """The probe's inputs are decided by the scheme alone: float64 and the model dtype's arithmetic
+    pick the same grid point for every element (their values differ at most by a scale and the
+    product rounded in the model dtype, three half-ulps < 2**-6 relative; the next grid point is
+    >= 1/16 away), and quantizing
+    moves every element a large fraction of its grid step (so an engine that skips it cannot land
+    within rounding of the specified output)."""
+    import dataclasses
+
+    from harness.oracle.probe_inputs import probe_input
+
+    for columns in (160, 200, 37):  # a partial last group of 128 and of 16
+        x = probe_input(scheme, stored, columns, 8, dtype, seed=columns)
+        assert x.dtype == dtype and x.shape == (8, columns) and torch.isfinite(x).all()
+        exact = quantize_activations(x, scheme, stored)
+        rounded = quantize_activations(x, dataclasses.replace(scheme, arithmetic="model"), stored)
+        assert ((exact.double() - rounded.double()).abs() <= 2**-6 * exact.double().abs()).all()
+        if scheme.kind == "fp8" and scheme.dynamic:  # a power-of-two scale: nothing to round at all
+            assert torch.equal(exact, rounded)
+        moved = (exact.double() - x.double()).abs() / x.double().abs().clamp_min(1e-30)
+        if scheme.kind == "fp8":
+            saturated = x.double().abs() == x.double().abs().amax(dim=-1, keepdim=True)  # the amax element
+            # a fraction f of a step 2**(e-3) above 2**e * m, m <= 1.875: at least f / 8 / 1.93 (f = 3/8
+            # dynamic, 1/4 static less the model dtype's rounding of x and of its quantized value)
+            assert (moved[~saturated] > (0.25 / 8 / 1.93 - 2**-8 if scheme.static else 0.375 / 8 / 1.93)).all()
+        else:
+            assert float((exact.double() - x.double()).norm() / x.double().norm()) > 0.05
+
+
+def test_the_activation_probe_judges_bfloat16_where_logits_cannot(session, tmp_path):
+    """Dynamic per-token FP8 in bfloat16: the logits of the weight-only forward are within the noise
+    of the specified one (no logit-level finding can be claimed), but the probe names the double
+    that ignores activations ("not applied", every quantized Linear) and passes the control."""
+    generate(Recipe(format="ct-fp8-tensor", arch="llama", layout={"dtype": "bfloat16"}), tmp_path / "c")
+    result = evaluate(tmp_path / "c", session)
+    probe = {f.engine.rpartition(":")[2]: f for f in result.findings if f.message.startswith("activation probe")}
+    assert "activation quantization not applied" in probe["ActivationsIgnoredEngine"].message
+    assert len(probe["ActivationsIgnoredEngine"].metrics["modules"]) == 14
+    assert set(probe) == {"ActivationsIgnoredEngine"}, {e: f.message for e, f in probe.items()}
+    specified = result.outcomes[f"{DOUBLES}:ActivationsAsSpecifiedEngine"]
+    assert specified.activation_probe == "14/14 quantized Linear(s) as specified"
+
+
+@pytest.mark.parametrize(
+    "fmt, knobs",
+    [("ct-fp8-tensor", {"input_scale": True}), ("ct-nvfp4", {}), ("modelopt-fp8", {}), ("ct-fp8-block", {})],
+)
+def test_the_probe_tells_a_wrong_static_scale_from_none_in_bfloat16(session, tmp_path, fmt, knobs):
+    generate(Recipe(format=fmt, arch="llama", knobs=knobs, layout={"dtype": "bfloat16"}), tmp_path / "c")
+    result = evaluate(tmp_path / "c", session)
+    probe = {
+        f.engine.rpartition(":")[2]: f.message for f in result.findings if f.message.startswith("activation probe")
+    }
+    assert "not applied" in probe.pop("ActivationsIgnoredEngine")
+    if fmt != "ct-fp8-block":  # dynamic groups: no static scale to invert
+        assert "not quantized as specified" in probe.pop("InvertedInputScaleEngine")
+    assert not probe, probe
+
+
+@pytest.mark.parametrize(
+    "fmt, knobs, dtype",
+    [
+        ("ct-fp8-tensor", {}, "bfloat16"),
+        ("ct-fp8-tensor", {"input_scale": True, "scale_dtype": "float32"}, "bfloat16"),
+        ("ct-fp8-channel", {}, "float16"),
+        ("ct-nvfp4", {}, "bfloat16"),
+    ],
+)
+def test_transformers_and_compressed_tensors_quantize_every_probed_linear_as_specified(tmp_path, fmt, knobs, dtype):
+    """Measured, not assumed: both real engines quantize each Linear's input as the definition does
+    on the probe's inputs (with float32 scales the weights sit one ulp off and the probe still
+    judges the activation path against the engine's own weights)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    session = EngineSession(["reference", "transformers", "compressed-tensors"], tmp_path / "engines")
+    try:
+        generate(Recipe(format=fmt, arch="llama", knobs=knobs, layout={"dtype": dtype}), tmp_path / "c")
+        result = evaluate(tmp_path / "c", session)
+    finally:
+        session.close()
+    for engine in ("transformers", "compressed-tensors"):
+        assert result.outcomes[engine].activation_probe == "14/14 quantized Linear(s) as specified", engine
+    assert not [f for f in result.findings if f.kind == "activations"]

@@ -284,12 +284,15 @@ def test_the_grid_misreading_itself_is_attributed(grid_reproducer, tmp_path):
 @pytest.mark.slow
 @pytest.mark.needs_engine("transformers")
 def test_real_transformers_on_the_grid_reproducer_is_the_grid_issue(engine_session, grid_reproducer):
-    """End to end with every entry loaded: real transformers' weights equal the predicted misreading."""
+    """End to end with every entry loaded: real transformers' weights equal the predicted misreading,
+    and the modules it reads right run unquantized activations (the activation probe, in bfloat16)."""
     result = evaluate(grid_reproducer, engine_session, KnownIssues.load(), ["reference", "transformers"])
     findings = [f for f in result.findings if f.engine == "transformers"]
     weights = [f for f in findings if f.kind == "weight-mismatch"]
     assert weights and all(f.metrics["misreadings"]["fp8-block-grid-from-shape"]["equal"] for f in weights)
-    assert {f.known_issue for f in findings} == {GRID_ISSUE}, [(f.kind, f.message) for f in findings]
+    assert {f.known_issue for f in weights} == {GRID_ISSUE}
+    others = {f.known_issue for f in findings if f.kind != "weight-mismatch"}
+    assert others <= {"transformers-fp8-block-cpu-activations-unquantized"}, [(f.kind, f.message) for f in findings]
 
 
 def test_the_grouped_mm_precondition_is_what_torch_refuses():

@@ -205,12 +205,37 @@ class KVScaleNamingEngine(ReferenceEngine):
 
 class ActivationsAsSpecifiedEngine(ReferenceEngine):
     """NOT BUGGY: the control for the activation doubles below. The reference's forward with every
-    quantized Linear's input quantized as the checkpoint specifies: what a correct engine computes."""
+    quantized Linear's input quantized as the checkpoint specifies: what a correct engine computes.
+    Its doubles change only `forward_plan`; the forward and the activation probe both run it."""
 
     name = "double-activations-as-specified"
 
+    def forward_plan(self):
+        return self.activations
+
     def logprobs(self, sequences):
-        return self.activation_logprobs(sequences)
+        return self._with_plan(lambda: self.activation_logprobs(sequences))
+
+    def probe_linears(self, inputs):
+        from harness.engines.hf_common import run_linears
+
+        def probe():
+            handles = self.activations.install(self.model)
+            try:
+                return run_linears(self.model, inputs)
+            finally:
+                for handle in handles:
+                    handle.remove()
+
+        return self._with_plan(probe)
+
+    def _with_plan(self, run):
+        plan = self.activations
+        self.activations = self.forward_plan()
+        try:
+            return run()
+        finally:
+            self.activations = plan
 
 
 class ActivationsIgnoredEngine(ReferenceEngine):
@@ -220,48 +245,38 @@ class ActivationsIgnoredEngine(ReferenceEngine):
     name = "double-activations-ignored"
 
 
-class InvertedInputScaleEngine(ReferenceEngine):
+class InvertedInputScaleEngine(ActivationsAsSpecifiedEngine):
     """Bug class: the static activation scale read in the other convention (x * s for x / s; an
     NVFP4 input global scale taken as a multiplier where it is a divisor, or the reverse)."""
 
     name = "double-inverted-input-scale"
 
-    def logprobs(self, sequences):
+    def forward_plan(self):
         plan = self.activations
-        self.activations = dataclasses.replace(
+        return dataclasses.replace(
             plan, inputs={name: None if s is None else 1.0 / s.to(torch.float64) for name, s in plan.inputs.items()}
         )
-        try:
-            return self.activation_logprobs(sequences)
-        finally:
-            self.activations = plan
 
 
-class KVCacheIgnoredEngine(ReferenceEngine):
+class KVCacheIgnoredEngine(ActivationsAsSpecifiedEngine):
     """Bug class: a declared FP8 KV cache run unquantized (its k/v scales loaded or not, never
     applied); the activations of the Linears are quantized as specified."""
 
     name = "double-kv-cache-ignored"
 
-    def logprobs(self, sequences):
-        plan = self.activations
-        self.activations = dataclasses.replace(plan, kv={})
-        try:
-            return self.activation_logprobs(sequences)
-        finally:
-            self.activations = plan
+    def forward_plan(self):
+        return dataclasses.replace(self.activations, kv={})
 
 
-class FusedPartInputScaleEngine(ReferenceEngine):
+class FusedPartInputScaleEngine(ActivationsAsSpecifiedEngine):
     """Bug class: fused parts (q/k/v, gate/up) quantize their inputs with one part's static scale (the
     first part's) instead of each part's own, as a loader that fuses the projections and keeps one
     input scale without merging them by the format's rule would."""
 
     name = "double-fused-part-input-scale"
 
-    def logprobs(self, sequences):
-        plan = self.activations
-        inputs = dict(plan.inputs)
+    def forward_plan(self):
+        inputs = dict(self.activations.inputs)
         for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
             for name in [n for n in inputs if n.endswith(group[0])]:
                 first = inputs[name]
@@ -269,11 +284,7 @@ class FusedPartInputScaleEngine(ReferenceEngine):
                     sibling = name.removesuffix(group[0]) + other
                     if sibling in inputs:
                         inputs[sibling] = first
-        self.activations = dataclasses.replace(plan, inputs=inputs)
-        try:
-            return self.activation_logprobs(sequences)
-        finally:
-            self.activations = plan
+        return dataclasses.replace(self.activations, inputs=inputs)
 
 
 class CachedConversionEngine(ReferenceEngine):

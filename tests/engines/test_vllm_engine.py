@@ -155,3 +155,25 @@ def test_fused_tensors_are_split_back_to_the_truth(tmp_path, fmt):
     assert sorted(weights) == sorted(truth)
     for name, expected in truth.items():
         assert_within_bf16_ulps(name, weights[name], expected)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_the_activation_probe_runs_vllms_own_layers(tmp_path):
+    """vLLM's Linear layers (the fused qkv_proj and gate_up_proj part by part, from their own
+    inputs) run on the probe's purpose-built inputs in vLLM's process: on a bfloat16 ct-fp8-channel
+    checkpoint (dynamic per-token FP8, the scheme vLLM runs on CPU) every quantized Linear is
+    quantized as specified, which bfloat16 logits alone could not say."""
+    from harness.differential.runner import EngineSession, evaluate
+
+    directory = tmp_path / "c"
+    generate(Recipe(format="ct-fp8-channel", arch="llama", layout={"dtype": "bfloat16"}), directory)
+    session = EngineSession(["reference", "vllm"], tmp_path / "engines")
+    try:
+        result = evaluate(directory, session)
+    finally:
+        session.close()
+    if result.outcomes["vllm"].status == "unsupported":
+        pytest.skip(result.outcomes["vllm"].detail)
+    assert result.outcomes["vllm"].activation_probe == "14/14 quantized Linear(s) as specified"
+    assert not [f for f in result.findings if f.kind == "activations"]

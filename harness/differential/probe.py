@@ -1,0 +1,148 @@
+"""The activation probe: what an engine does to each quantized Linear's input, judged module by
+module on purpose-built inputs (harness.oracle.probe_inputs) whose quantization no rounding order
+can change. Whole-model logits cannot tell dynamic FP8 activations from none in bfloat16 (the two
+candidates are as far apart as rounding moves either); one Linear's output on these inputs can:
+quantizing moves it about 3% (relative norm; 13% for NVFP4), rounding its output 0.4 to 0.8%.
+
+The reference gives each module's input and that input quantized as specified
+(ReferenceEngine.probe_reference); the engine runs the same modules on the same inputs
+(Engine.probe_linears). Its output is judged against what its own held weights (already judged
+against the truth) compute from the quantized input, and from the raw one: so a weight one ulp off
+(inside the weight tolerance) is not mistaken for an activation difference. The bound: one ulp of
+every output element in the model dtype (both sides round once), plus float32 accumulation in
+another order (in_features * 2**-23 * |W| |Q(x)|), as a norm relative to the expected output.
+A module whose weights are already a finding is not probed (its outputs are that finding's
+consequence)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from harness.core.errors import first_line
+from harness.core.findings import WEIGHT_KINDS
+from harness.core.naming import canonical_name
+from harness.engines.process import EngineError, EngineProcess
+
+PROBE_ROWS = 8
+
+
+@dataclass(frozen=True)
+class ModuleVerdict:
+    module: str
+    to_specified: float  # ||output - specified|| / ||specified|| (Frobenius)
+    to_weights_only: float
+    apart: float  # the two expectations, the same way
+    bound: float
+    verdict: str  # "as specified", "not applied", "not as specified"
+
+
+def reference_probe(judgement, worker: EngineProcess, outcome) -> None:
+    """The reference's probe inputs for the checkpoint it loaded (`judgement.probe`, None where there
+    are none); for an activation-quantized checkpoint, `outcome.activation_probe` says how many or why none."""
+    try:
+        probe = worker.probe_reference(judgement.scratch_file(outcome.engine, "probe"), PROBE_ROWS)
+        why = "no quantized Linear's probe input fits the model dtype"
+    except EngineError as error:
+        probe, why = None, first_line(error)
+    judgement.probe = probe or None
+    if judgement.specified is not None:
+        inputs = sum(key.endswith(".input") for key in probe or {})
+        outcome.activation_probe = f"inputs for {inputs} quantized Linear(s)" if inputs else why
+
+
+def expected_outputs(rows: torch.Tensor, quantized: torch.Tensor, weight: torch.Tensor, bias, dtype):
+    """(specified, weights-only, bound) for one module holding `weight` and `bias` (float32 copies
+    of what the engine holds), in float64 and rounded once to the model dtype."""
+    weight = weight.double()
+    bias = bias.double() if bias is not None else torch.zeros(weight.shape[0], dtype=torch.float64)
+    specified = (quantized.double() @ weight.T + bias).to(dtype)
+    weights_only = (rows.double() @ weight.T + bias).to(dtype)
+    held = specified.abs()
+    ulp = torch.nextafter(held, torch.full_like(held, float("inf"))).double() - held.double()
+    accumulation = weight.shape[1] * 2.0**-23 * (quantized.double().abs() @ weight.abs().T).norm()
+    size = float(specified.double().norm()) or 1.0
+    return specified, weights_only, float(ulp.norm() + accumulation) / size
+
+
+def judge_module(name: str, got: torch.Tensor, specified, weights_only, bound: float) -> ModuleVerdict:
+    want, weights_only, got = specified.double(), weights_only.double(), got.double()
+    size = float(want.norm()) or 1.0
+    to_specified = float((got - want).norm()) / size
+    to_weights_only = float((got - weights_only).norm()) / size
+    apart = float((want - weights_only).norm()) / size
+    if to_specified <= bound:
+        verdict = "as specified"
+    elif to_weights_only <= bound and apart > 2 * bound:
+        verdict = "not applied"
+    else:
+        verdict = "not as specified"
+    return ModuleVerdict(name, to_specified, to_weights_only, apart, bound, verdict)
+
+
+def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: dict[str, torch.Tensor]) -> None:
+    """Run the probe on `engine` (which holds `held`, its weights under checkpoint names) and judge
+    it: one `activations` finding per kind of deviation, naming its modules; what was probed in
+    `outcome.activation_probe`."""
+    probe = judgement.probe
+    names = sorted(key.removesuffix(".input") for key in probe if key.endswith(".input"))
+    explained = {  # modules whose weights, or whose tensors in the load report, are already a finding
+        f.module.removesuffix(".weight").removesuffix(".bias")
+        for f in judgement.result.findings
+        if f.engine == engine and f.kind in WEIGHT_KINDS and f.module
+    }
+    reported = outcome.report.get("missing", []) + outcome.report.get("unexpected", [])
+    explained |= {canonical_name(key).rpartition(".")[0] for key in reported}
+    judged = [name for name in names if name not in explained and f"{name}.weight" in held]
+    if not judged:
+        outcome.activation_probe = "not run: every probed module's weights or load report are already a finding"
+        return
+    try:
+        outputs = worker.probe({n: probe[f"{n}.input"] for n in judged}, judgement.scratch_file(engine, "probe"))
+    except EngineError as error:
+        outcome.activation_probe = f"not run: {first_line(error)}"
+        return
+    verdicts, overflow = [], 0
+    for name in (n for n in judged if n in outputs):
+        rows, quantized = probe[f"{name}.input"], probe[f"{name}.quantized"]
+        expected = expected_outputs(rows, quantized, held[f"{name}.weight"], held.get(f"{name}.bias"), rows.dtype)
+        if outputs[name].shape != expected[0].shape:  # e.g. padded rows: not the module the truth has
+            continue
+        if not all(torch.isfinite(t).all() for t in expected[:2]):
+            overflow += 1  # the model dtype cannot hold this module's output (e.g. x1000 weights in float16)
+            continue
+        verdicts.append(judge_module(name, outputs[name], *expected))
+    fine = sum(v.verdict == "as specified" for v in verdicts)
+    absent = len(judged) - len(verdicts) - overflow
+    outcome.activation_probe = (
+        f"{fine}/{len(verdicts)} quantized Linear(s) as specified"
+        + (f"; {absent} not found in the engine's model (or of another shape)" if absent else "")
+        + (f"; {overflow} not judged: their output overflows the model dtype" if overflow else "")
+    )
+    scheme = judgement.specified_reason or "activations"
+    for kind in ("not applied", "not as specified"):
+        failed = [v for v in verdicts if v.verdict == kind]
+        if not failed:
+            continue
+        worst = max(failed, key=lambda v: v.to_specified)
+        if kind == "not applied":
+            what = f"activation quantization not applied ({scheme})"
+        else:
+            what = f"activations not quantized as specified ({scheme})"
+        judgement.finding(
+            engine,
+            "activations",
+            f"activation probe: {what} at {len(failed)}/{len(verdicts)} quantized Linear(s), e.g. "
+            f"{worst.module}: output {worst.to_specified:.2g} from the specified one and "
+            f"{worst.to_weights_only:.2g} from the weight-only one (relative norms; bound {worst.bound:.2g})",
+            module=worst.module,
+            metrics={
+                "probe": "activation",
+                "modules": [v.module for v in failed],
+                "to_specified": worst.to_specified,
+                "to_weights_only": worst.to_weights_only,
+                "candidates_apart": worst.apart,
+                "activation_bound": worst.bound,
+            },
+        )

@@ -1,0 +1,88 @@
+"""Purpose-built inputs for a quantized Linear: activations whose quantization the checkpoint's
+scheme (harness.oracle.activations) decides the same way in every arithmetic, so that an engine's
+output for them tells "quantized as specified" from "not quantized" from "wrong scale" far above
+rounding noise, even in bfloat16 where whole-model logits cannot (docs/findings.md).
+
+Every element sits a fixed fraction of a grid step above a grid point (1/4 to 7/16 of the step:
+never at the tie at 1/2, so no rounding order moves it across), and each group that computes a
+dynamic scale holds one element at exactly the scale's amax: for FP8 the scale is a power of two
+(amax / 448 exact in any float dtype), for NVFP4 a block scale on the E4M3 grid. Quantization then
+moves every element by 1/4 to 7/16 of a step (2 to 5% of its value for FP8), while bfloat16
+rounds at 2**-9 to 2**-8: no bfloat16 rounding moves a quantized value across a grid point.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness.core.numerics import E2M1_MAX, E4M3_MAX, NVFP4_GROUP
+from harness.oracle.activations import ActivationScheme
+
+#: how far above its grid point each element sits, in grid steps, exact in bfloat16 and float16 (an
+#: E4M3 value's 3 mantissa bits plus 7/16 of a step fill bfloat16's 7). An E4M3 step is 16 bfloat16
+#: ulps, the tie 8: dynamic FP8 divides by a power of two (exact), so 6 or 7 ulps is safe; a static
+#: scale is arbitrary and engines round three times (x itself, the scale cast to the model dtype,
+#: the division: up to 2 ulps, measured 216 = the tie from 208 + 7), so there 4 or 5 ulps.
+OFFSETS = (0.375, 0.4375)
+STATIC_OFFSETS = (0.25, 0.3125)
+#: the dynamic FP8 scale the inputs are built for: a power of two, so amax / 448 is exact
+DYNAMIC_SCALE = 2.0**-4
+#: E2M1 values below the largest, each with the distance to the next one up
+_E2M1_STEPS = ((0.0, 0.5), (0.5, 0.5), (1.0, 0.5), (1.5, 0.5), (2.0, 1.0), (3.0, 1.0), (4.0, 2.0))
+
+
+def probe_input(
+    scheme: ActivationScheme, stored: torch.Tensor | None, in_features: int, rows: int, dtype: torch.dtype, seed: int
+) -> torch.Tensor:
+    """[rows, in_features] in `dtype`: inputs whose quantization under `scheme` (with the module's
+    static scale `stored`, where the scheme has one) is decided far from any rounding boundary."""
+    generator = torch.Generator().manual_seed(seed)
+    if scheme.kind == "nvfp4":
+        return _nvfp4(scheme, stored, in_features, rows, dtype, generator)
+    static = scheme.static and stored is not None
+    scale = float(stored.to(torch.float64).reshape(())) if static else DYNAMIC_SCALE
+    # E4M3 normal values 2**e * 1.mmm with e in [-3, 7]: the largest, 240 + 3/8 step, stays below 448
+    exponent = torch.randint(-3, 8, (rows, in_features), generator=generator).to(torch.float64)
+    mantissa = 1 + torch.randint(0, 8, (rows, in_features), generator=generator).to(torch.float64) / 8
+    step = torch.exp2(exponent - 3)
+    offsets = torch.tensor(STATIC_OFFSETS if static else OFFSETS, dtype=torch.float64)
+    offset = offsets[torch.randint(0, 2, (rows, in_features), generator=generator)]
+    sign = torch.where(torch.rand(rows, in_features, generator=generator) < 0.5, -1.0, 1.0).to(torch.float64)
+    x = sign * (torch.exp2(exponent) * mantissa + offset * step) * scale
+    if not static:  # one element of each group that computes a scale sits at its amax, 448 * scale
+        for columns in _scale_groups(scheme, in_features):
+            if scheme.strategy == "tensor":
+                x[0, columns.start] = E4M3_MAX * scale
+                break
+            pick = columns.start + torch.randint(0, len(columns), (rows,), generator=generator)
+            x[torch.arange(rows), pick] = E4M3_MAX * scale
+    return x.to(dtype)
+
+
+def _scale_groups(scheme: ActivationScheme, in_features: int) -> list[range]:
+    size = scheme.group_size if scheme.strategy == "group" else in_features
+    return [range(start, min(start + size, in_features)) for start in range(0, in_features, size)]
+
+
+def _nvfp4(scheme, stored, in_features, rows, dtype, generator) -> torch.Tensor:
+    """E2M1 values (plus an offset) times a block scale b on the E4M3 grid over the global scale G;
+    each group of 16 holds 6 b / G, its amax, so that its scale rounds back to b."""
+    value = float(stored.to(torch.float64).reshape(()))
+    global_scale = 1.0 / value if scheme.multiplier else value
+    groups = -(-in_features // NVFP4_GROUP)
+    block = torch.exp2(torch.randint(-2, 5, (rows, groups, 1), generator=generator).to(torch.float64))
+    block = block * (1 + torch.randint(0, 8, (rows, groups, 1), generator=generator).to(torch.float64) / 8)
+    table = torch.tensor(_E2M1_STEPS, dtype=torch.float64)
+    picked = table[torch.randint(0, len(_E2M1_STEPS), (rows, groups, NVFP4_GROUP), generator=generator)]
+    offset = torch.tensor(OFFSETS, dtype=torch.float64)[
+        torch.randint(0, 2, (rows, groups, NVFP4_GROUP), generator=generator)
+    ]
+    codes = picked[..., 0] + offset * picked[..., 1]
+    position = torch.randint(0, NVFP4_GROUP, (rows, groups, 1), generator=generator)
+    codes.scatter_(-1, position, E2M1_MAX)
+    sign = torch.where(torch.rand(rows, groups, NVFP4_GROUP, generator=generator) < 0.5, -1.0, 1.0)
+    x = (sign * codes * block / global_scale).reshape(rows, groups * NVFP4_GROUP)[:, :in_features]
+    if in_features % NVFP4_GROUP:  # the last, partial group: its amax must be among its columns
+        last = (groups - 1) * NVFP4_GROUP
+        x[:, last] = block[:, -1, 0] * E2M1_MAX / global_scale
+    return x.to(dtype)
