@@ -23,6 +23,7 @@ import torch
 from harness.core.errors import first_line
 from harness.core.findings import WEIGHT_KINDS
 from harness.core.naming import canonical_name
+from harness.engines.hf_common import LEAD
 from harness.engines.process import EngineError, EngineProcess
 
 PROBE_ROWS = 8
@@ -31,11 +32,11 @@ PROBE_ROWS = 8
 @dataclass(frozen=True)
 class ModuleVerdict:
     module: str
-    to_specified: float  # ||output - specified|| / ||specified|| (Frobenius)
+    to_specified: float  # max over rows of ||output - specified|| / ||specified||
     to_weights_only: float
     apart: float  # the two expectations, the same way
     bound: float
-    verdict: str  # "as specified", "not applied", "not as specified"
+    verdict: str  # "as specified", "not applied", "scale inverted", "not as specified"
 
 
 def reference_probe(judgement, worker: EngineProcess, outcome) -> None:
@@ -61,24 +62,48 @@ def expected_outputs(rows: torch.Tensor, quantized: torch.Tensor, weight: torch.
     weights_only = (rows.double() @ weight.T + bias).to(dtype)
     held = specified.abs()
     ulp = torch.nextafter(held, torch.full_like(held, float("inf"))).double() - held.double()
-    accumulation = weight.shape[1] * 2.0**-23 * (quantized.double().abs() @ weight.abs().T).norm()
-    size = float(specified.double().norm()) or 1.0
-    return specified, weights_only, float(ulp.norm() + accumulation) / size
+    accumulation = weight.shape[1] * 2.0**-23 * (quantized.double().abs() @ weight.abs().T).norm(dim=-1)
+    return specified, weights_only, (ulp.norm(dim=-1) + accumulation) / _row_norms(specified)
 
 
-def judge_module(name: str, got: torch.Tensor, specified, weights_only, bound: float) -> ModuleVerdict:
-    want, weights_only, got = specified.double(), weights_only.double(), got.double()
-    size = float(want.norm()) or 1.0
-    to_specified = float((got - want).norm()) / size
-    to_weights_only = float((got - weights_only).norm()) / size
-    apart = float((want - weights_only).norm()) / size
-    if to_specified <= bound:
+def _row_norms(rows: torch.Tensor) -> torch.Tensor:
+    norms = rows.double().norm(dim=-1)
+    return torch.where(norms > 0, norms, torch.ones_like(norms))
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Per row (token): ||got - want|| / ||want||. Rows are judged one by one: the probe's rows
+    differ in scale by up to 2**12, and a whole-tensor norm would hear only the largest."""
+    return (got.double() - want.double()).norm(dim=-1) / _row_norms(want)
+
+
+def _within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> bool:
+    return bool((_relative(got, want) <= bound).all())
+
+
+def judge_module(
+    name: str, got: torch.Tensor, specified, weights_only, bound: torch.Tensor, inverted: tuple | None = None
+) -> ModuleVerdict:
+    """`bound`: per row; `inverted`: (output, bound) the module computes with its static scale in
+    the other convention. The distances reported are the largest over the rows."""
+    apart = _relative(specified, weights_only)
+    if _within(got, specified, bound):
         verdict = "as specified"
-    elif to_weights_only <= bound and apart > 2 * bound:
+    elif _within(got, weights_only, bound) and bool((apart > 2 * bound).all()):
         verdict = "not applied"
+    elif inverted is not None and _within(got, *inverted) and not _within(specified, *inverted):
+        verdict = "scale inverted"
     else:
         verdict = "not as specified"
-    return ModuleVerdict(name, to_specified, to_weights_only, apart, bound, verdict)
+    worst = lambda values: float(values.max())  # noqa: E731
+    return ModuleVerdict(
+        name,
+        worst(_relative(got, specified)),
+        worst(_relative(got, weights_only)),
+        worst(apart),
+        worst(bound),
+        verdict,
+    )
 
 
 def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: dict[str, torch.Tensor]) -> None:
@@ -99,7 +124,8 @@ def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: d
         outcome.activation_probe = "not run: every probed module's weights or load report are already a finding"
         return
     try:
-        outputs = worker.probe({n: probe[f"{n}.input"] for n in judged}, judgement.scratch_file(engine, "probe"))
+        sent = {n: probe[f"{n}.input"] for n in judged} | {k: v for k, v in probe.items() if k.endswith(LEAD)}
+        outputs = worker.probe(sent, judgement.scratch_file(engine, "probe"))
     except EngineError as error:
         outcome.activation_probe = f"not run: {first_line(error)}"
         return
@@ -112,7 +138,13 @@ def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: d
         if not all(torch.isfinite(t).all() for t in expected[:2]):
             overflow += 1  # the model dtype cannot hold this module's output (e.g. x1000 weights in float16)
             continue
-        verdicts.append(judge_module(name, outputs[name], *expected))
+        inverted = None
+        if f"{name}.inverted" in probe:  # a static scale: what reading it in the other convention computes
+            other = expected_outputs(
+                rows, probe[f"{name}.inverted"], held[f"{name}.weight"], held.get(f"{name}.bias"), rows.dtype
+            )
+            inverted = (other[0], other[2]) if torch.isfinite(other[0]).all() else None
+        verdicts.append(judge_module(name, outputs[name], *expected, inverted=inverted))
     fine = sum(v.verdict == "as specified" for v in verdicts)
     absent = len(judged) - len(verdicts) - overflow
     outcome.activation_probe = (
@@ -121,13 +153,15 @@ def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: d
         + (f"; {overflow} not judged: their output overflows the model dtype" if overflow else "")
     )
     scheme = judgement.specified_reason or "activations"
-    for kind in ("not applied", "not as specified"):
+    for kind in ("not applied", "scale inverted", "not as specified"):
         failed = [v for v in verdicts if v.verdict == kind]
         if not failed:
             continue
         worst = max(failed, key=lambda v: v.to_specified)
         if kind == "not applied":
             what = f"activation quantization not applied ({scheme})"
+        elif kind == "scale inverted":
+            what = f"activations quantized with the static scale in the other convention, 1/s for s ({scheme})"
         else:
             what = f"activations not quantized as specified ({scheme})"
         judgement.finding(
@@ -135,7 +169,7 @@ def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: d
             "activations",
             f"activation probe: {what} at {len(failed)}/{len(verdicts)} quantized Linear(s), e.g. "
             f"{worst.module}: output {worst.to_specified:.2g} from the specified one and "
-            f"{worst.to_weights_only:.2g} from the weight-only one (relative norms; bound {worst.bound:.2g})",
+            f"{worst.to_weights_only:.2g} from the weight-only one (relative norms, worst row; bound {worst.bound:.2g})",
             module=worst.module,
             metrics={
                 "probe": "activation",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -138,17 +139,28 @@ def model_logprobs(model, sequences: list[list[int]]) -> list[torch.Tensor]:
     return rows
 
 
+#: in a probe's inputs, `NAME + LEAD` is the shape the model's forward gives NAME before its last
+#: dimension, -1 for the tokens (DeepSeek-V3 hands kv_b_proj [batch, 1, tokens, rank])
+LEAD = "#lead"
+
+
 @torch.no_grad()
 def run_linears(model, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each named module of `model` called on its input (on the module's device): its output."""
+    """Each named module of `model` called on its input rows (on the module's device), shaped as the
+    model's forward shapes it (`LEAD`; [1, rows, K] by default): its output, [rows, out]."""
     modules = dict(model.named_modules())
     outputs = {}
     for name, rows in inputs.items():
         module = modules.get(name)
         weight = getattr(module, "weight", None)
-        if module is None or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        if name.endswith(LEAD) or module is None or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             continue  # e.g. a fused or renamed module: the probe judges what it can find
-        outputs[name] = module(rows.to(weight.device)).detach().cpu()
+        lead = inputs.get(name + LEAD, torch.tensor([1, -1])).tolist()
+        shaped = [rows.shape[0] if d == -1 else d for d in lead]
+        if torch.Size(shaped).numel() != rows.shape[0]:
+            shaped = [1, rows.shape[0]]
+        result = module(rows.reshape(*shaped, rows.shape[-1]).to(weight.device))
+        outputs[name] = result.reshape(rows.shape[0], -1).detach().cpu()
     return outputs
 
 
@@ -209,8 +221,8 @@ class _Collect(logging.Handler):
     def emit(self, record):
         message = record.getMessage()
         self.sink.append(message.splitlines()[0][:300] if message else "")
-        if self.full is not None:
-            self.full.append(message[:20000])
+        if self.full is not None:  # load-report tables pad every row to the widest cell: squeeze first
+            self.full.append(re.sub(r"[ \t]{2,}", " ", message)[:20000])
 
 
 @contextmanager

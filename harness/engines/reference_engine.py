@@ -62,9 +62,11 @@ class ReferenceEngine(HFModelEngine):
     def probe_reference(self, rows: int = 8):
         """The activation probe's inputs (harness.differential.probe): for each quantized Linear of
         the plan, `NAME.input` (purpose-built rows, harness.oracle.probe_inputs) and `NAME.quantized`,
-        those rows as the checkpoint's scheme quantizes them (model dtype)."""
+        those rows as the checkpoint's scheme quantizes them (model dtype); with a static scale s, also
+        `NAME.inverted`: the same rows quantized with 1 / s (the scale read in the other convention)."""
         import torch
 
+        from harness.engines.hf_common import LEAD
         from harness.oracle.activations import quantize_activations
         from harness.oracle.probe_inputs import probe_input
 
@@ -74,7 +76,7 @@ class ReferenceEngine(HFModelEngine):
         if plan.scheme is None or not plan.inputs:
             raise EngineUnsupported("the config quantizes no Linear's input")
         modules = dict(self.model.named_modules())
-        probe = {}
+        probe = {f"{name}{LEAD}": lead for name, lead in input_leads(self.model, plan.inputs).items()}
         for seed, (name, stored) in enumerate(sorted(plan.inputs.items())):
             weight = modules[name].weight
             rows_in = probe_input(plan.scheme, stored, weight.shape[1], rows, weight.dtype, seed)
@@ -82,8 +84,33 @@ class ReferenceEngine(HFModelEngine):
             if not (torch.isfinite(rows_in).all() and torch.isfinite(quantized).all() and quantized.any()):
                 continue  # a scale the model dtype cannot carry inputs for (non-finite, or all would be 0)
             probe |= {f"{name}.input": rows_in, f"{name}.quantized": quantized}
+            if plan.scheme.static:
+                inverted = quantize_activations(rows_in, plan.scheme, 1.0 / stored.to(torch.float64))
+                if torch.isfinite(inverted).all():
+                    probe[f"{name}.inverted"] = inverted
         return probe
 
     def unload(self):
         super().unload()
         self.activations = "no checkpoint loaded"
+
+
+def input_leads(model, names, tokens: int = 5) -> dict:
+    """The shape before the last dimension that `model`'s forward gives each named module, with -1
+    where the tokens are (one forward of `tokens` tokens)."""
+    import torch
+
+    modules, leads, handles = dict(model.named_modules()), {}, []
+    for name in names:
+
+        def hook(module, args, name=name):
+            leads[name] = torch.tensor([-1 if d == tokens else d for d in args[0].shape[:-1]])
+
+        handles.append(modules[name].register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.arange(3, 3 + tokens).unsqueeze(0))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return leads

@@ -440,7 +440,9 @@ class VllmEngine(Engine):
                     wanted.setdefault(module, []).append((canonical_name(f"{parent}.{part}"), start, rows))
                 start += rows
         fused = {name for parts in wanted.values() for name, _, _ in parts}
-        for name in set(inputs) - fused:  # an unfused Linear: vLLM names it as the checkpoint does
+        for name in (
+            {n for n in inputs if "#" not in n} - fused
+        ):  # (vLLM's layers take [tokens, K]: no lead)  # an unfused Linear: vLLM names it as the checkpoint does
             wanted.setdefault(name, []).append((name, 0, None))
 
         def run(model):

@@ -25,8 +25,11 @@ from harness.oracle.activations import ActivationScheme
 #: the division: up to 2 ulps, measured 216 = the tie from 208 + 7), so there 4 or 5 ulps.
 OFFSETS = (0.375, 0.4375)
 STATIC_OFFSETS = (0.25, 0.3125)
-#: the dynamic FP8 scale the inputs are built for: a power of two, so amax / 448 is exact
-DYNAMIC_SCALE = 2.0**-4
+#: the dynamic FP8 scales the inputs are built for: powers of two, so amax / 448 is exact; each row
+#: (per token) or row and group (per group) takes the next one in turn, 2**12 apart at most, so that
+#: a scale computed over the wrong extent (one for all tokens) pushes the rows with the smaller ones
+#: into E4M3's subnormals (a power-of-two ratio alone would keep their mantissas exact)
+DYNAMIC_SCALES = (2.0**-4, 2.0**4, 2.0**-8, 2.0**0)
 #: E2M1 values below the largest, each with the distance to the next one up
 _E2M1_STEPS = ((0.0, 0.5), (0.5, 0.5), (1.0, 0.5), (1.5, 0.5), (2.0, 1.0), (3.0, 1.0), (4.0, 2.0))
 
@@ -40,7 +43,14 @@ def probe_input(
     if scheme.kind == "nvfp4":
         return _nvfp4(scheme, stored, in_features, rows, dtype, generator)
     static = scheme.static and stored is not None
-    scale = float(stored.to(torch.float64).reshape(())) if static else DYNAMIC_SCALE
+    groups = _scale_groups(scheme, in_features)
+    scale = torch.full((rows, in_features), DYNAMIC_SCALES[0], dtype=torch.float64)
+    if static:
+        scale.fill_(float(stored.to(torch.float64).reshape(())))
+    elif scheme.strategy != "tensor":
+        for index, columns in enumerate(groups):
+            for row in range(rows):
+                scale[row, columns.start : columns.stop] = DYNAMIC_SCALES[(row + index) % len(DYNAMIC_SCALES)]
     # E4M3 normal values 2**e * 1.mmm with e in [-3, 7]: the largest, 240 + 3/8 step, stays below 448
     exponent = torch.randint(-3, 8, (rows, in_features), generator=generator).to(torch.float64)
     mantissa = 1 + torch.randint(0, 8, (rows, in_features), generator=generator).to(torch.float64) / 8
@@ -50,12 +60,12 @@ def probe_input(
     sign = torch.where(torch.rand(rows, in_features, generator=generator) < 0.5, -1.0, 1.0).to(torch.float64)
     x = sign * (torch.exp2(exponent) * mantissa + offset * step) * scale
     if not static:  # one element of each group that computes a scale sits at its amax, 448 * scale
-        for columns in _scale_groups(scheme, in_features):
+        for columns in groups:
             if scheme.strategy == "tensor":
-                x[0, columns.start] = E4M3_MAX * scale
+                x[0, columns.start] = E4M3_MAX * scale[0, columns.start]
                 break
             pick = columns.start + torch.randint(0, len(columns), (rows,), generator=generator)
-            x[torch.arange(rows), pick] = E4M3_MAX * scale
+            x[torch.arange(rows), pick] = E4M3_MAX * scale[torch.arange(rows), pick]
     return x.to(dtype)
 
 
