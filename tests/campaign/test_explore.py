@@ -159,3 +159,28 @@ def test_the_campaign_finds_an_engine_that_ignores_activation_quantization(tmp_p
     assert result.returncode == 1, result.stdout + result.stderr
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     assert ("activations", "ct-fp8-tensor") in {(c["signature"][1], c["signature"][2]) for c in report["counts"]}
+
+
+def test_the_campaign_finds_a_static_input_scale_read_in_the_other_convention(tmp_path):
+    """The labelled double that reads static input scales as 1/s is found by the campaign on its own
+    in the input-scale cells, named for what it does (the activation probe's verdict)."""
+    result = cli(
+        "run",
+        "--engines",
+        "reference,tests.doubles.buggy_engines:InvertedInputScaleEngine",
+        "--formats",
+        "ct-fp8-tensor",
+        "--archs",
+        "llama",
+        "--families",
+        "input-scale",
+        "--max-examples",
+        "6",
+        "--no-shrink",
+        "--report",
+        tmp_path / "r",
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    messages = [f["message"] for f in report["findings"] if f["kind"] == "activations"]
+    assert any("static scale in the other convention" in m for m in messages), messages
