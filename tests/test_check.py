@@ -175,13 +175,14 @@ def test_engine_without_the_format_cannot_test():
 @pytest.mark.slow
 @pytest.mark.needs_engine("transformers")
 def test_reproduction_directory_good(tmp_path):
-    """A directory as `run --report` leaves it in repro/, the engine taken from report.json."""
+    """A directory as `run --report` leaves it in repro/, the engine taken from report.json. (A format
+    transformers runs exactly on CPU, activations included: FineGrainedFP8's are not quantized there.)"""
     report = tmp_path / "report"
-    directory = report / "repro" / "transformers-weight-mismatch-fp8-block"
+    directory = report / "repro" / "transformers-weight-mismatch-ct-fp8-channel"
     made = cli(
         "gen",
         "--format",
-        "fp8-block",
+        "ct-fp8-channel",
         "--arch",
         "llama",
         "--out",

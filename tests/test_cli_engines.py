@@ -34,11 +34,13 @@ def checkpoint(tmp_path_factory):
     return directory
 
 
-def test_compare_clean_checkpoint_exits_0_with_an_empty_findings_list(checkpoint, tmp_path):
+def test_compare_clean_checkpoint_exits_0_with_no_new_finding(checkpoint, tmp_path):
     result = cli("compare", checkpoint, "--engines", "reference,transformers", "--report", tmp_path / "r")
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "r" / "report.json").read_text())
-    assert report["findings"] == []
+    # weights and load report clean; on CPU transformers leaves FineGrainedFP8's activations unquantized
+    known = {"transformers-fp8-block-cpu-activations-unquantized"}
+    assert {f["known_issue"] for f in report["findings"]} <= known, report["findings"]
     assert {"reference", "transformers"} <= set(report["checkpoints"][0]["outcomes"])
     assert (tmp_path / "r" / "report.md").is_file()
 

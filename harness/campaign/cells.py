@@ -13,6 +13,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.checkpoints import disagreements
 from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.recipe import LAYOUT_CHOICES, LAYOUT_DEFAULTS, PERTURB_DEFAULTS, layout_refusal
 from harness.core.errors import HarnessError
@@ -113,6 +114,9 @@ class Coverage:
                     return None
             if section == "layout":  # values this format and architecture can carry
                 values = tuple(v for v in values if not layout_refusal(name, v, fmt, ARCHITECTURES[cell.arch], {}))
+            if key == "perturb.disagreement":  # kinds this format can carry (two shards are always given)
+                config = fmt.quantization_config(fmt.resolve_knobs({}), [])
+                values = tuple(v for v in values if disagreements.applies(v, 2, config))
             if not values:
                 return None
             force[key] = values

@@ -15,6 +15,11 @@ from harness.engines.hf_common import HFModelEngine, checkpoint_dtype, unquantiz
 class ReferenceEngine(HFModelEngine):
     name = "reference"
     package = "quant-load-harness"
+    #: as an engine under judgement (a subclass standing for some loader: a test double, a planted
+    #: package), run the forward the checkpoint specifies, activations quantized, in `logprobs` and
+    #: `probe_linears`; the reference itself answers weight-only there (its specified forward is
+    #: `activation_logprobs`, the runner's second candidate)
+    runs_specified = False
 
     def load(self, directory: str) -> LoadReport:
         from harness.checkpoints.kv_scales import is_kv_scale
@@ -39,6 +44,23 @@ class ReferenceEngine(HFModelEngine):
         self.activations = specified.plan(checkpoint)
         result = self.model.load_state_dict(state, strict=False)
         return self.checkpoint_report(checkpoint.config, result.missing_keys, result.unexpected_keys, tied)
+
+    def logprobs(self, sequences):
+        if self.runs_specified and not isinstance(self.activations, str):
+            return self.activation_logprobs(sequences)
+        return super().logprobs(sequences)
+
+    def probe_linears(self, inputs):
+        from harness.engines.hf_common import run_linears
+
+        if not self.runs_specified or isinstance(self.activations, str):
+            return super().probe_linears(inputs)
+        handles = self.activations.install(self.model)
+        try:
+            return run_linears(self.model, inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def activation_logprobs(self, sequences, variant: str = "float64"):
         """The checkpoint's full definition: weights as dequantized, each quantized Linear's input

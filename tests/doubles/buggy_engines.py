@@ -187,6 +187,7 @@ class KVScaleNamingEngine(ReferenceEngine):
     value, as the engines that register those parameters do (cases/known_issues.toml)."""
 
     name = "double-kv-scale-naming"
+    runs_specified = True  # its activations and KV cache as specified: only its naming is the bug
 
     def load(self, directory):
         from harness.checkpoints.kv_scales import is_kv_scale
@@ -209,28 +210,21 @@ class ActivationsAsSpecifiedEngine(ReferenceEngine):
     Its doubles change only `forward_plan`; the forward and the activation probe both run it."""
 
     name = "double-activations-as-specified"
+    runs_specified = True
 
     def forward_plan(self):
         return self.activations
 
     def logprobs(self, sequences):
-        return self._with_plan(lambda: self.activation_logprobs(sequences))
+        return self._with_plan(lambda: super(ActivationsAsSpecifiedEngine, self).logprobs(sequences))
 
     def probe_linears(self, inputs):
-        from harness.engines.hf_common import run_linears
-
-        def probe():
-            handles = self.activations.install(self.model)
-            try:
-                return run_linears(self.model, inputs)
-            finally:
-                for handle in handles:
-                    handle.remove()
-
-        return self._with_plan(probe)
+        return self._with_plan(lambda: super(ActivationsAsSpecifiedEngine, self).probe_linears(inputs))
 
     def _with_plan(self, run):
         plan = self.activations
+        if isinstance(plan, str):  # weight-only: nothing to change
+            return run()
         self.activations = self.forward_plan()
         try:
             return run()

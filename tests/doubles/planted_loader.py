@@ -47,6 +47,7 @@ from harness.engines.reference_engine import ReferenceEngine
 class PlantedEngine(ReferenceEngine):
     name = "planted-loader"
     package = "planted_loader"
+    runs_specified = True  # activations quantized as the checkpoint says: only the dequantizer regresses
 
     def load(self, directory):
         from harness.checkpoints.reader import Checkpoint
