@@ -10,7 +10,8 @@ The reference gives each module's input and that input quantized as specified
 against the truth) compute from the quantized input, and from the raw one: so a weight one ulp off
 (inside the weight tolerance) is not mistaken for an activation difference. The bound: one ulp of
 every output element in the model dtype (both sides round once), plus float32 accumulation in
-another order (in_features * 2**-23 * |W| |Q(x)|), as a norm relative to the expected output.
+another order (in_features * 2**-23 * |W| |Q(x)|) and its flushing subnormal products to zero
+(in_features * 2**-126 each), as a norm relative to the expected output, row by row.
 A module whose weights are already a finding is not probed (its outputs are that finding's
 consequence)."""
 
@@ -63,7 +64,10 @@ def expected_outputs(rows: torch.Tensor, quantized: torch.Tensor, weight: torch.
     held = specified.abs()
     ulp = torch.nextafter(held, torch.full_like(held, float("inf"))).double() - held.double()
     accumulation = weight.shape[1] * 2.0**-23 * (quantized.double().abs() @ weight.abs().T).norm(dim=-1)
-    return specified, weights_only, (ulp.norm(dim=-1) + accumulation) / _row_norms(specified)
+    # a float32 accumulator may flush subnormal products to zero (subnormal weights: the
+    # subnormal-block perturbation): up to in_features * 2**-126 per output element
+    flushed = weight.shape[1] * 2.0**-126 * weight.shape[0] ** 0.5
+    return specified, weights_only, (ulp.norm(dim=-1) + accumulation + flushed) / _row_norms(specified)
 
 
 def _row_norms(rows: torch.Tensor) -> torch.Tensor:
@@ -135,8 +139,8 @@ def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: d
         expected = expected_outputs(rows, quantized, held[f"{name}.weight"], held.get(f"{name}.bias"), rows.dtype)
         if outputs[name].shape != expected[0].shape:  # e.g. padded rows: not the module the truth has
             continue
-        if not all(torch.isfinite(t).all() for t in expected[:2]):
-            overflow += 1  # the model dtype cannot hold this module's output (e.g. x1000 weights in float16)
+        if not all(torch.isfinite(t).all() for t in expected[:2]) or bool((expected[2] >= 0.5).any()):
+            overflow += 1  # outside the model dtype's range (x1000 weights in float16; subnormal weights)
             continue
         inverted = None
         if f"{name}.inverted" in probe:  # a static scale: what reading it in the other convention computes
@@ -150,7 +154,7 @@ def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: d
     outcome.activation_probe = (
         f"{fine}/{len(verdicts)} quantized Linear(s) as specified"
         + (f"; {absent} not found in the engine's model (or of another shape)" if absent else "")
-        + (f"; {overflow} not judged: their output overflows the model dtype" if overflow else "")
+        + (f"; {overflow} not judged: their output leaves the model dtype's normal range" if overflow else "")
     )
     scheme = judgement.specified_reason or "activations"
     for kind in ("not applied", "scale inverted", "not as specified"):
