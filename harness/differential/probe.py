@@ -11,7 +11,9 @@ against the truth) compute from the quantized input, and from the raw one: so a 
 (inside the weight tolerance) is not mistaken for an activation difference. The bound: one ulp of
 every output element in the model dtype (both sides round once), plus float32 accumulation in
 another order (in_features * 2**-23 * |W| |Q(x)|) and its flushing subnormal products to zero
-(in_features * 2**-126 each), as a norm relative to the expected output, row by row.
+(in_features * 2**-126 each), as a norm relative to the expected output, row by row; with a static
+scale, plus that scale's relative rounding to the model dtype (engines hold it there: every
+quantized value moves by that factor).
 A module whose weights are already a finding is not probed (its outputs are that finding's
 consequence)."""
 
@@ -137,6 +139,8 @@ def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: d
     for name in (n for n in judged if n in outputs):
         rows, quantized = probe[f"{name}.input"], probe[f"{name}.quantized"]
         expected = expected_outputs(rows, quantized, held[f"{name}.weight"], held.get(f"{name}.bias"), rows.dtype)
+        # a static scale held in the model dtype scales every quantized value by (1 + its rounding)
+        expected = (*expected[:2], expected[2] + float(probe.get(f"{name}.scale_rounding", torch.zeros(1))))
         if outputs[name].shape != expected[0].shape:  # e.g. padded rows: not the module the truth has
             continue
         if not all(torch.isfinite(t).all() for t in expected[:2]) or bool((expected[2] >= 0.5).any()):

@@ -106,6 +106,10 @@ class ReferenceEngine(HFModelEngine):
             if not (torch.isfinite(rows_in).all() and torch.isfinite(quantized).all() and quantized.any()):
                 continue  # a scale the model dtype cannot carry inputs for (non-finite, or all would be 0)
             probe |= {f"{name}.input": rows_in, f"{name}.quantized": quantized}
+            if plan.scheme.static:  # engines hold the scale in the model dtype: its rounding, relative
+                exact = stored.to(torch.float64).reshape(())
+                held = stored.to(weight.dtype).to(torch.float64).reshape(())
+                probe[f"{name}.scale_rounding"] = ((held - exact).abs() / exact.abs()).reshape(1)
             if plan.scheme.static:
                 inverted = quantize_activations(rows_in, plan.scheme, 1.0 / stored.to(torch.float64))
                 if torch.isfinite(inverted).all():
