@@ -55,12 +55,8 @@ class ReferenceEngine(HFModelEngine):
 
         if not self.runs_specified or isinstance(self.activations, str):
             return super().probe_linears(inputs)
-        handles = self.activations.install(self.model)
-        try:
+        with self.activations.installed(self.model):
             return run_linears(self.model, inputs)
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def activation_logprobs(self, sequences, variant: str = "float64"):
         """The checkpoint's full definition: weights as dequantized, each quantized Linear's input
@@ -72,14 +68,10 @@ class ReferenceEngine(HFModelEngine):
         if isinstance(self.activations, str):
             raise EngineUnsupported(self.activations)
         try:
-            handles = self.activations.install(self.model, variant)
+            with self.activations.installed(self.model, variant):
+                return model_logprobs(self.model, sequences)
         except HarnessError as error:  # e.g. experts packed in 3-D: not Linears to hook
             raise EngineUnsupported(f"activation candidate: {error}") from None
-        try:
-            return model_logprobs(self.model, sequences)
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def probe_reference(self, rows: int = 8):
         """The activation probe's inputs (harness.differential.probe): for each quantized Linear of

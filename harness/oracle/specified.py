@@ -6,6 +6,7 @@ transformers model whose weights are already the dequantized truth (the referenc
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,16 @@ class Plan:
     kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     #: a model's packed experts module -> per expert, the (gate, up, down) static input scales
     experts: dict[str, list[tuple]] = field(default_factory=dict)
+
+    @contextmanager
+    def installed(self, model: torch.nn.Module, variant: str = "float64"):
+        """`install` for the duration of a with-block: the model is restored on leaving it."""
+        handles = self.install(model, variant)
+        try:
+            yield model
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def install(self, model: torch.nn.Module, variant: str = "float64") -> list:
         """Hook the plan into `model`; the handles (removing them restores the model). `variant`
