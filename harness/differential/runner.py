@@ -413,8 +413,8 @@ def _judge_logits(judgement: Judgement, logprobs: dict[str, list[torch.Tensor]])
             continue
         weights_exact = not any(f.engine == engine and f.kind in WEIGHT_KINDS for f in result.findings)
         if judgement.specified is not None and weights_exact:  # with wrong weights, logits are their consequence
-            _judge_activations(judgement, engine, rows, baseline, diff, metrics)
-            diff = compare_logprobs(rows, judgement.specified, sequences, tol)  # top-1 and perplexity: the definition's
+            # top-1 and perplexity below are then judged against the definition's logits
+            diff = _judge_activations(judgement, engine, rows, baseline, diff, metrics)
         elif diff.max_abs_delta > tol.logprob_max_abs_delta:
             judgement.finding(
                 engine,
@@ -535,19 +535,21 @@ def _judge_weights(engine, held, truth, dtype, tol, fmt, knobs, finding, module_
         item.metrics["block_ratio"] = diff.block_ratio
 
 
-def _judge_activations(judgement: Judgement, engine: str, rows, weights_only, diff, metrics: dict) -> None:
+def _judge_activations(judgement: Judgement, engine: str, rows, weights_only, diff, metrics: dict):
     """An activation-quantized checkpoint: the engine's logits against the reference's two
     candidates. Within the measured noise of the specified one: as specified. Otherwise a finding
     that says which candidate the engine computed, when the candidates are far enough apart
-    (more than twice the noise) to tell: "not applied" when it is the weight-only one."""
+    (more than twice the noise) to tell: "not applied" when it is the weight-only one. Returns the
+    engine's LogprobDiff against the specified candidate."""
     sequences, tol, bound = judgement.sequences, judgement.tol, judgement.specified_bound
-    to_specified = compare_logprobs(rows, judgement.specified, sequences, tol).max_abs_delta
+    specified = compare_logprobs(rows, judgement.specified, sequences, tol)
+    to_specified = specified.max_abs_delta
     apart = compare_logprobs(judgement.specified, weights_only, sequences, tol).max_abs_delta
     metrics.update(
         to_specified=to_specified, candidates_apart=apart, activation_bound=bound, noise_floor=judgement.specified_noise
     )
     if to_specified <= bound:
-        return
+        return specified
     scheme = judgement.specified_reason
     if apart > 2 * bound and diff.max_abs_delta <= bound:
         message = (
@@ -561,3 +563,4 @@ def _judge_activations(judgement: Judgement, engine: str, rows, weights_only, di
             f"specified candidate (bound {bound:.3g}) and {diff.max_abs_delta:.3g} from the weight-only one"
         )
     judgement.finding(engine, "activations", message, metrics=metrics)
+    return specified
