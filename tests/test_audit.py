@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness.checkpoints.reader import INDEX_FILE, SINGLE_FILE
-from harness.checkpoints.recipe import Recipe, apply_settings
+from harness.checkpoints.recipe import Recipe, apply_settings, home_architecture
 from harness.checkpoints.writer import MANIFEST_FILE, TRUTH_DIR, generate
 from harness.commands.cli import main
 from harness.formats import FORMAT_NAMES
@@ -38,7 +38,8 @@ def generated(tmp_path_factory) -> Callable[..., Path]:
         key = (fmt, *settings)
         if key not in made:
             directory = tmp_path_factory.mktemp(fmt) / "ckpt"
-            generate(apply_settings(Recipe(format=fmt, arch="qwen2", seed=1), [*TINY, *settings]), directory)
+            recipe = Recipe(format=fmt, arch=home_architecture(fmt, "qwen2"), seed=1)
+            generate(apply_settings(recipe, [*TINY, *settings]), directory)
             made[key] = directory
         return made[key]
 

@@ -15,7 +15,13 @@ from pathlib import Path
 
 from harness.checkpoints import disagreements
 from harness.checkpoints.architectures import ARCHITECTURES
-from harness.checkpoints.recipe import LAYOUT_CHOICES, LAYOUT_DEFAULTS, PERTURB_DEFAULTS, layout_refusal
+from harness.checkpoints.recipe import (
+    LAYOUT_CHOICES,
+    LAYOUT_DEFAULTS,
+    PERTURB_DEFAULTS,
+    layout_refusal,
+    pairing_refusal,
+)
 from harness.core.errors import HarnessError
 from harness.core.paths import CASES_DIR
 from harness.formats import FORMAT_NAMES, get_format
@@ -92,9 +98,12 @@ class Coverage:
 
     def force(self, cell: Cell) -> dict[str, tuple] | None:
         """The recipe fields `cell` forces (harness.campaign.strategies.recipes' `force`), or None
-        when its family does not apply to its format (a knob the format lacks)."""
+        when its family does not apply to its format (a knob the format lacks) or the format is
+        not written for its architecture (gpt-oss and its MXFP4 layout go together)."""
         family = self.families[cell.family]
         fmt = get_format(cell.format)
+        if pairing_refusal(fmt, ARCHITECTURES[cell.arch]):
+            return None
         force: dict[str, tuple] = {"layout.dtype": (cell.dtype,)}
         for key, default in PERTURB_DEFAULTS.items():
             force[f"perturb.{key}"] = (default,)

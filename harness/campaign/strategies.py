@@ -26,6 +26,7 @@ from harness.checkpoints.recipe import (
     PERTURB_DEFAULTS,
     Recipe,
     layout_refusal,
+    pairing_refusal,
 )
 from harness.core.numerics import ceil_div
 from harness.formats import FORMAT_NAMES, get_format
@@ -314,17 +315,25 @@ def scale_grids(recipe: Recipe) -> dict[str, tuple[int, int]]:
     return grids
 
 
+def _written_archs(name: str, archs: tuple[str, ...]) -> tuple[str, ...]:
+    """The architectures of `archs` the format is written for (gpt_oss and mxfp4 go together)."""
+    return tuple(a for a in archs if not pairing_refusal(get_format(name), ARCHITECTURES[a]))
+
+
 def fit_recipe(recipe: Recipe) -> None:
     """Give what was drawn what it needs: a disagreement with the index gets two shards; one the
     format cannot carry (a quantization_status outside compressed-tensors) is dropped, as are
-    shared fused-part scales where the format's scale blocks span rows of two parts and KV-scale
-    namings the format's producers do not write."""
+    shared fused-part scales where the format's scale blocks span rows of two parts, KV-scale
+    namings the format's producers do not write, and what experts packed on disk cannot vary."""
     fmt = get_format(recipe.format)
-    for key in ("fused_scales", "kv_scales"):
+    arch = ARCHITECTURES[recipe.arch]
+    for key in ("fused_scales", "kv_scales", "quantize_lm_head", "quantize_embeddings"):
         value = recipe.layout.get(key, LAYOUT_DEFAULTS[key])
-        if layout_refusal(key, value, fmt, ARCHITECTURES[recipe.arch], recipe.knobs):
+        if layout_refusal(key, value, fmt, arch, recipe.knobs):
             recipe.layout[key] = LAYOUT_DEFAULTS[key]
     kind = recipe.perturb.get("disagreement", "none")
+    if kind != "none" and arch.packs_experts:
+        recipe.perturb["disagreement"] = kind = "none"
     if kind == "none":
         return
     config = fmt.quantization_config(fmt.resolve_knobs(recipe.knobs), [])
@@ -346,11 +355,14 @@ def recipes(formats=None, archs=None, force: Mapping[str, tuple] | None = None) 
 @cache  # one strategy object per arguments: Hypothesis validates each new one
 @st.composite
 def _recipes(draw, formats: tuple[str, ...], archs: tuple[str, ...], force: Force) -> Recipe:
-    name = draw(st.sampled_from(formats))
+    written = {f: _written_archs(f, archs) for f in formats}
+    name = draw(st.sampled_from(tuple(f for f in formats if written[f]) or formats))
     event(f"format: {name}")
     knobs = draw(format_knobs(name, force))
     attention = draw(st.sampled_from(dict(force).get("sizes.attention", ("any",))))
-    arch, config = draw(architectures(archs, size_edges(name, knobs), column_multiple(name), attention))
+    arch, config = draw(
+        architectures(written[name] or archs, size_edges(name, knobs), column_multiple(name), attention)
+    )
     recipe = Recipe(
         format=name,
         arch=arch,

@@ -10,14 +10,16 @@ import torch
 
 from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.manifest import read_manifest, read_truth
-from harness.checkpoints.recipe import Recipe
+from harness.checkpoints.recipe import Recipe, pairing_refusal
 from harness.checkpoints.writer import generate
 from harness.core.errors import CheckpointError
-from harness.formats import FORMAT_NAMES
+from harness.formats import FORMAT_NAMES, get_format
 from harness.oracle.reference import dequantize_checkpoint
 
 # one block plus a partial block, and two plus a partial: no dimension is a multiple of 128
 ODD_SIZES = {"hidden_size": 144, "intermediate_size": 272, "num_hidden_layers": 2}
+#: experts packed as blocks of 32 columns hold whole blocks only: the oddest sizes they can (5 and 3 blocks)
+ODD_BLOCK_SIZES = {"hidden_size": 160, "intermediate_size": 96, "num_hidden_layers": 2}
 
 
 @dataclass
@@ -59,7 +61,10 @@ def sweep(out: Path, seed: int = 0) -> list[tuple[str, str, Verdict]]:
     results = []
     for fmt in FORMAT_NAMES:
         for arch in ARCHITECTURES:
+            if pairing_refusal(get_format(fmt), ARCHITECTURES[arch]):
+                continue  # gpt-oss ships in its own format only, and that format only for it
             directory = out / f"{fmt}-{arch}"
-            generate(Recipe(format=fmt, arch=arch, seed=seed, config=dict(ODD_SIZES)), directory)
+            sizes = ODD_BLOCK_SIZES if ARCHITECTURES[arch].packs_experts else ODD_SIZES
+            generate(Recipe(format=fmt, arch=arch, seed=seed, config=dict(sizes)), directory)
             results.append((fmt, arch, judge_reference(directory)))
     return results

@@ -62,6 +62,11 @@ class MoE:
     shared_gate: bool = False  # Qwen2-MoE's Linear(hidden, 1) that gates the shared expert
     score_bias: bool = False  # DeepSeek-V3's router `e_score_correction_bias` (float32)
     dense_first_key: str = ""  # config field: how many first layers keep a dense MLP
+    #: gpt-oss: an expert's gate and up are one `gate_up_proj` (rows interleaved gate, up, gate,
+    #: ...), every expert projection biased, the router `router` with a bias; stored packed on
+    #: disk, one 3-D tensor per projection (harness.checkpoints.packed_experts)
+    fused_gate_up: bool = False
+    router: str = "gate"
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,12 @@ class Architecture:
     moe: MoE | None = None
     qkv_bias: bool = False  # q/k/v always biased (Qwen2, Qwen2-MoE)
     qk_norm: bool = False  # per-head RMSNorm of q and k (Qwen3)
+    #: False: producers leave attention unquantized (gpt-oss's release lists it in
+    #: `modules_to_not_convert`); its projections are then `plain` Linears
+    quantized_attention: bool = True
+    sinks: bool = False  # gpt-oss: a learned per-head attention sink logit, `self_attn.sinks`
+    #: the formats this architecture is written in (empty: every format); gpt-oss ships in its own
+    only_formats: tuple[str, ...] = ()
 
     def settings(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
         values = {**TINY_DEFAULTS, **self.extra_defaults}
@@ -104,6 +115,11 @@ class Architecture:
             raise ValueError("num_experts_per_tok must not exceed the number of experts")
         return values
 
+    @property
+    def packs_experts(self) -> bool:
+        """True when the checkpoint stores each projection's experts as one tensor (gpt-oss)."""
+        return bool(self.moe and self.moe.fused_gate_up)
+
     def positive_keys(self) -> tuple[str, ...]:
         """Integer fields that must be at least 1 (others, e.g. first_k_dense_replace, may be 0)."""
         if not self.moe:
@@ -116,7 +132,6 @@ class Architecture:
             "architectures": [self.class_name],
             "model_type": self.model_type,
             **settings,
-            **self.fixed,
             "hidden_act": "silu",
             "rms_norm_eps": 1e-6,
             "rope_theta": 10000.0,
@@ -126,9 +141,13 @@ class Architecture:
             "pad_token_id": 0,
             "use_cache": True,
             "dtype": dtype,
+            **self.fixed,
         }
         if self.attention == "mla":
             config["head_dim"] = settings["qk_rope_head_dim"]  # what DeepseekV3Config derives
+        if self.sinks:  # gpt-oss alternates sliding-window and full attention, starting sliding
+            layers = settings["num_hidden_layers"]
+            config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         return config
 
     # -- the tensors -------------------------------------------------------------------------
@@ -181,6 +200,9 @@ class Architecture:
         shapes = {}
         for expert in range(settings[moe.experts_key]):
             prefix = f"{moe.block}.experts.{expert}"
+            if moe.fused_gate_up:
+                shapes |= {f"{prefix}.gate_up_proj": (2 * inter, hidden), f"{prefix}.down_proj": (hidden, inter)}
+                continue
             shapes |= {
                 f"{prefix}.{gate}": (inter, hidden),
                 f"{prefix}.{up}": (inter, hidden),
@@ -205,6 +227,8 @@ class Architecture:
             biased |= set(self.attention_shapes(settings))
         if settings.get("mlp_bias"):
             biased |= {p for p in self.dense_mlp_shapes(settings)}
+        if self.moe and self.moe.fused_gate_up:  # every expert projection (gpt-oss)
+            biased |= {p for p in self.mlp_shapes(settings, settings["num_hidden_layers"] - 1) if ".experts." in p}
         return biased
 
     def router_shapes(self, settings: Mapping[str, Any], layer: int) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -213,7 +237,9 @@ class Architecture:
             return {}
         moe, hidden = self.moe, settings["hidden_size"]
         experts = settings[moe.experts_key]
-        tensors = {f"{moe.block}.gate.weight": ((experts, hidden), "router")}
+        tensors = {f"{moe.block}.{moe.router}.weight": ((experts, hidden), "router")}
+        if moe.fused_gate_up:
+            tensors[f"{moe.block}.{moe.router}.bias"] = ((experts,), "bias")
         if moe.score_bias:
             tensors[f"{moe.block}.gate.e_score_correction_bias"] = ((experts,), "router_bias")
         if moe.shared_gate:
@@ -233,12 +259,16 @@ class Architecture:
                 "self_attn.q_a_layernorm.weight": (settings["q_lora_rank"],),
                 "self_attn.kv_a_layernorm.weight": (settings["kv_lora_rank"],),
             }
+        if self.sinks:  # one logit per head, drawn like a norm's weight (around 1)
+            norms["self_attn.sinks"] = (settings["num_attention_heads"],)
         return norms
 
     def ignored_modules(self, settings: Mapping[str, Any]) -> list[str]:
         """Modules producers leave unquantized, as listed in the ignore list: lm_head and routers."""
         ignored = ["lm_head"]
         for layer in range(settings["num_hidden_layers"]):
+            if not self.quantized_attention:
+                ignored.append(f"model.layers.{layer}.self_attn")
             for name, (_, role) in self.router_shapes(settings, layer).items():
                 if role == "router":
                     ignored.append(f"model.layers.{layer}.{name.removesuffix('.weight')}")
@@ -248,7 +278,8 @@ class Architecture:
         """Every checkpoint tensor of the float model: name -> (shape, role).
 
         Roles: `linear` (quantizable weight), `bias`, `norm`, `embedding`, `lm_head`, `router`
-        (an unquantized routing Linear) and `router_bias` (stored float32, as DeepSeek-V3 does).
+        (an unquantized routing Linear), `plain` (a Linear its producers leave unquantized) and
+        `router_bias` (stored float32, as DeepSeek-V3 does).
         """
         hidden, vocab = settings["hidden_size"], settings["vocab_size"]
         layout: dict[str, tuple[tuple[int, ...], str]] = {"model.embed_tokens.weight": ((vocab, hidden), "embedding")}
@@ -257,8 +288,10 @@ class Architecture:
             prefix = f"model.layers.{layer}"
             for name, shape in self.norm_shapes(settings).items():
                 layout[f"{prefix}.{name}"] = (shape, "norm")
+            attention = self.attention_shapes(settings)
             for projection, shape in self.projection_shapes(settings, layer).items():
-                layout[f"{prefix}.{projection}.weight"] = (shape, "linear")
+                plain = projection in attention and not self.quantized_attention
+                layout[f"{prefix}.{projection}.weight"] = (shape, "plain" if plain else "linear")
                 if projection in biased:
                     layout[f"{prefix}.{projection}.bias"] = ((shape[0],), "bias")
             for name, spec in self.router_shapes(settings, layer).items():
@@ -351,6 +384,31 @@ ARCHITECTURES = {
             score_bias=True,
             dense_first_key="first_k_dense_replace",
         ),
+    ),
+    "gpt_oss": Architecture(
+        "gpt_oss",
+        "gpt_oss",
+        "GptOssForCausalLM",
+        {"num_local_experts": _EXPERTS, "num_experts_per_tok": 2, "attention_bias": True, "sliding_window": 128},
+        fixed={
+            "rope_theta": 150000.0,  # the release's, with its YaRN scaling
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+            "swiglu_limit": 7.0,
+            "router_aux_loss_coef": 0.9,
+            "output_router_logits": False,
+            "attention_dropout": 0.0,
+        },
+        moe=MoE("mlp", "num_local_experts", "intermediate_size", fused_gate_up=True, router="router"),
+        quantized_attention=False,
+        sinks=True,
+        only_formats=("mxfp4",),
     ),
 }
 

@@ -2,7 +2,9 @@
 
 Producers write one tensor per expert (`…experts.E.gate_proj.weight`); transformers 5 holds a
 sparse layer's experts packed in 3-D (`…mlp.experts.gate_up_proj` [E, 2I, H], gate rows first,
-and `…mlp.experts.down_proj` [E, H, I]) and Mixtral's `block_sparse_moe` under `mlp`. Written
+and `…mlp.experts.down_proj` [E, H, I]) and Mixtral's `block_sparse_moe` under `mlp`; gpt-oss
+holds its experts transposed (`gate_up_proj` [E, H, 2I], `down_proj` [E, I, H]) with their
+biases packed beside (`gate_up_proj_bias` [E, 2I]). Written
 here from the architecture's own layout, not from transformers' conversion code, so the reference
 engine does not borrow the loader it judges. Weights are compared under checkpoint names:
 `to_checkpoint_names` splits what a model holds back into the tensors the checkpoint stores.
@@ -11,6 +13,7 @@ engine does not borrow the loader it judges. Weights are compared under checkpoi
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -40,9 +43,17 @@ def known_layout(config: Mapping) -> Architecture | None:
     return arch
 
 
-def packed_experts(arch: Architecture, settings: Mapping) -> dict[str, tuple[list[str], list[str]]]:
-    """model name of each packed expert tensor -> (checkpoint names concatenated along dim 1 per
-    expert, one list per part)."""
+@dataclass(frozen=True)
+class Packed:
+    """How a model holds one packed experts tensor: per expert, the checkpoint tensors of each
+    part concatenated along dim 1 of the stack (after `transposed`: gpt-oss holds [E, K, N])."""
+
+    parts: tuple[list[str], ...]
+    transposed: bool = False
+
+
+def packed_experts(arch: Architecture, settings: Mapping) -> dict[str, Packed]:
+    """model name of each packed expert tensor -> how it is made of checkpoint tensors."""
     moe = arch.moe
     if moe is None:
         return {}
@@ -54,11 +65,18 @@ def packed_experts(arch: Architecture, settings: Mapping) -> dict[str, tuple[lis
         source = f"model.layers.{layer}.{moe.block}.experts"
         target = f"model.layers.{layer}.mlp.experts"
         experts = range(settings[moe.experts_key])
-        packed[f"{target}.gate_up_proj"] = (
-            [f"{source}.{e}.{gate}.weight" for e in experts],
-            [f"{source}.{e}.{up}.weight" for e in experts],
+        if moe.fused_gate_up:  # gpt-oss: x @ W.T, biases beside (GptOssExperts)
+            for proj in ("gate_up_proj", "down_proj"):
+                packed[f"{target}.{proj}"] = Packed(([f"{source}.{e}.{proj}.weight" for e in experts],), True)
+                packed[f"{target}.{proj}_bias"] = Packed(([f"{source}.{e}.{proj}.bias" for e in experts],))
+            continue
+        packed[f"{target}.gate_up_proj"] = Packed(
+            (
+                [f"{source}.{e}.{gate}.weight" for e in experts],
+                [f"{source}.{e}.{up}.weight" for e in experts],
+            )
         )
-        packed[f"{target}.down_proj"] = ([f"{source}.{e}.{down}.weight" for e in experts],)
+        packed[f"{target}.down_proj"] = Packed(([f"{source}.{e}.{down}.weight" for e in experts],))
     return packed
 
 
@@ -83,11 +101,11 @@ def to_model_state(config: Mapping, state: dict[str, torch.Tensor]) -> dict[str,
     if arch is None:
         return state
     result = dict(state)
-    for target, parts in packed_experts(arch, layout_settings(config)).items():
-        if not all(name in result for part in parts for name in part):
+    for target, packing in packed_experts(arch, layout_settings(config)).items():
+        if not all(name in result for part in packing.parts for name in part):
             continue
-        stacked = [torch.stack([result.pop(name) for name in part]) for part in parts]
-        result[target] = torch.cat(stacked, dim=1)
+        stacked = torch.cat([torch.stack([result.pop(name) for name in part]) for part in packing.parts], dim=1)
+        result[target] = stacked.transpose(1, 2) if packing.transposed else stacked
     return {renamed(arch, name): tensor for name, tensor in result.items()}
 
 
@@ -99,10 +117,12 @@ def to_checkpoint_names(config: Mapping, held: dict[str, torch.Tensor]) -> dict[
     packed = packed_experts(arch, layout_settings(config))
     result = {}
     for name, tensor in held.items():
-        parts = packed.get(name.removesuffix(".weight"))
-        if parts is None:
+        packing = packed.get(name.removesuffix(".weight"))
+        if packing is None:
             result[checkpoint_name(arch, name)] = tensor
             continue
+        parts = packing.parts
+        tensor = tensor.transpose(1, 2) if packing.transposed else tensor
         widths = [tensor.shape[1] // len(parts)] * len(parts)
         for part, piece in zip(parts, torch.split(tensor, widths, dim=1), strict=True):
             for expert, stored in enumerate(part):
@@ -119,6 +139,6 @@ def report_names(config: Mapping, names: list[str]) -> list[str]:
     packed = packed_experts(arch, layout_settings(config))
     result = []
     for name in names:
-        parts = packed.get(name.removesuffix(".weight"))
-        result += [n for part in parts for n in part] if parts else [checkpoint_name(arch, name)]
+        packing = packed.get(name.removesuffix(".weight"))
+        result += [n for part in packing.parts for n in part] if packing else [checkpoint_name(arch, name)]
     return result

@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from harness.checkpoints.architectures import CONFIG_INTEGERS
+from harness.checkpoints.packed_experts import expert_views
 from harness.core.errors import CheckpointError
 
 CONFIG_FILE = "config.json"
@@ -314,6 +315,9 @@ class Checkpoint:
         for name, path in self.weight_map.items():
             if name not in self.headers[path]:
                 raise CheckpointError(path, f"the index places tensor {name!r} here but the shard lacks it")
+        #: experts stored packed (gpt-oss): served one expert at a time under per-expert names
+        self.views = expert_views({n: self.headers[p][n].get("shape", []) for n, p in self.weight_map.items()})
+        self._packed = {view.stored for view in self.views.values()}
 
     def _resolve_weight_map(self) -> dict[str, Path]:
         index_path = self.directory / INDEX_FILE
@@ -353,28 +357,39 @@ class Checkpoint:
         return config
 
     def names(self) -> list[str]:
-        return sorted(self.weight_map)
+        """Every tensor's name, a packed expert tensor's as one name per expert."""
+        return sorted([n for n in self.weight_map if n not in self._packed] + list(self.views))
 
     def storage_dtypes(self) -> dict[str, str]:
         """Tensor name -> its safetensors dtype (e.g. "F8_E4M3"), from the headers alone."""
-        return {name: self.headers[path][name]["dtype"] for name, path in self.weight_map.items()}
+        return {name: self.headers[self.shard_of(name)][self._stored(name)]["dtype"] for name in self.names()}
+
+    def _stored(self, name: str) -> str:
+        view = self.views.get(name)
+        return view.stored if view else name
 
     def shard_of(self, name: str) -> Path:
-        return self.weight_map[name]
+        return self.weight_map[self._stored(name)]
 
     def tensor(self, name: str) -> torch.Tensor:
-        path = self.weight_map[name]
+        path = self.shard_of(name)
         try:
             with safe_open(str(path), framework="pt") as handle:
-                return handle.get_tensor(name)
+                return self._read(handle, name)
         except Exception as error:  # safetensors raises its own error types
             raise CheckpointError(path, f"cannot read tensor {name!r}: {_one_line(error)}") from None
+
+    def _read(self, handle, name: str) -> torch.Tensor:
+        view = self.views.get(name)
+        if view is None:
+            return handle.get_tensor(name)
+        return handle.get_slice(view.stored)[view.expert].reshape(view.shape)  # that expert's bytes only
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """All tensors, shard by shard, each shard opened once."""
         by_shard: dict[Path, list[str]] = {}
-        for name, path in self.weight_map.items():
-            by_shard.setdefault(path, []).append(name)
+        for name in self.names():
+            by_shard.setdefault(self.shard_of(name), []).append(name)
         for path, names in sorted(by_shard.items()):
             try:
                 handle = safe_open(str(path), framework="pt")
@@ -383,7 +398,7 @@ class Checkpoint:
             with handle:
                 for name in sorted(names):
                     try:
-                        tensor = handle.get_tensor(name)
+                        tensor = self._read(handle, name)
                     except Exception as error:
                         raise CheckpointError(path, f"cannot read tensor {name!r}: {_one_line(error)}") from None
                     yield name, tensor

@@ -79,6 +79,9 @@ class Recipe:
         if self.arch not in ARCHITECTURES:
             raise HarnessError(f"unknown architecture '{self.arch}' (known: {', '.join(ARCHITECTURES)})")
         fmt = get_format(self.format)
+        refusal = pairing_refusal(fmt, ARCHITECTURES[self.arch])
+        if refusal:
+            raise HarnessError(refusal)
         try:
             settings = ARCHITECTURES[self.arch].settings(self.config)
             knobs = fmt.resolve_knobs(self.knobs)
@@ -92,16 +95,44 @@ class Recipe:
             raise HarnessError(f"shards must be a positive integer, got {layout['shards']!r}")
         if layout["split_scale"] and layout["shards"] < 2:
             raise HarnessError("split_scale needs shards >= 2")
-        for key in ("fused_scales", "kv_scales"):
+        if ARCHITECTURES[self.arch].packs_experts and perturb["disagreement"] != "none":
+            raise HarnessError(
+                f"disagreement={perturb['disagreement']}: {self.arch} packs every expert of a projection "
+                "into one tensor, so no single module can disagree with the config"
+            )
+        for key in _PACKED_FIXED:
             refusal = layout_refusal(key, layout[key], fmt, ARCHITECTURES[self.arch], knobs)
             if refusal:
                 raise HarnessError(refusal)
         return ResolvedRecipe(self, settings, knobs, layout, perturb)
 
 
+def pairing_refusal(fmt, arch) -> str | None:
+    """Why this format is not written for this architecture, or None: gpt-oss ships only in its
+    own MXFP4 layout (experts packed), and that format exists only for it."""
+    if arch.only_formats and fmt.name not in arch.only_formats:
+        return f"{arch.name} is written only in {', '.join(arch.only_formats)} (its release layout)"
+    owners = [a.name for a in ARCHITECTURES.values() if fmt.name in a.only_formats]
+    if owners and arch.name not in owners:
+        return f"{fmt.name} is the layout of {', '.join(owners)} only (experts packed on disk)"
+    return None
+
+
+def home_architecture(format_name: str, default: str = "llama") -> str:
+    """The architecture a format is written for when it has one (mxfp4: gpt_oss), else `default`."""
+    return next((a.name for a in ARCHITECTURES.values() if format_name in a.only_formats), default)
+
+
+#: layout fields an architecture whose experts are packed on disk cannot vary: its release
+#: quantizes nothing but the experts, declares no KV scales and stores no per-part scales
+_PACKED_FIXED = ("fused_scales", "quantize_lm_head", "quantize_embeddings", "kv_scales")
+
+
 def layout_refusal(key: str, value: Any, fmt, arch, knobs: Mapping) -> str | None:
     """Why a layout field's value cannot be written for this format, architecture and knobs, or
     None when it can. The one rule per field that recipes, campaign cells and drawn examples share."""
+    if arch.packs_experts and key in _PACKED_FIXED and value != LAYOUT_DEFAULTS[key]:
+        return f"{key}={value!r}: {arch.name}'s release layout quantizes its experts only, each with its own scales"
     if key == "fused_scales" and value == "shared" and not shares_scales(fmt, knobs):
         return (
             f"fused_scales=shared needs scales that never span two parts' rows (per tensor, per channel, "

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from harness import __version__
-from harness.checkpoints import disagreements, fusion, kv_scales
+from harness.checkpoints import disagreements, fusion, kv_scales, packed_experts
 from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.disagreements import DISAGREEMENTS
 from harness.checkpoints.reader import INDEX_FILE, SINGLE_FILE
@@ -46,7 +46,7 @@ def float_weights(resolved: ResolvedRecipe) -> dict[str, torch.Tensor]:
     weights = {}
     for name, (shape, role) in arch.tensor_layout(resolved.settings).items():
         normal = torch.randn(shape, generator=generator, dtype=torch.float32)
-        if role in ("linear", "lm_head", "router"):
+        if role in ("linear", "lm_head", "router", "plain"):
             value = normal / math.sqrt(shape[1])
         elif role == "router_bias":  # DeepSeek-V3 stores it float32, whatever the model dtype
             weights[name] = 0.1 * normal
@@ -270,6 +270,9 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
         [m["expectation"] for m in modules.values()] + (["exact-or-refuse"] if checkpoint_notes else [])
     )
 
+    if arch.packs_experts:  # gpt-oss: every projection's experts in one tensor each
+        tensors = packed_experts.pack(tensors)
+        split_pairs = {packed_experts.packed_name(s): packed_experts.packed_name(w) for s, w in split_pairs.items()}
     rename = {name: rename_key(name, prefix) for name in tensors}
     names = [rename[n] for n in tensors]
     split_pairs = {rename[s]: rename[w] for s, w in split_pairs.items()}

@@ -179,8 +179,18 @@ def model_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 #: the parameters and buffers compared: weights, biases, a transformers experts module's packed
-#: 3-D tensors (harness.checkpoints.model_layout) and DeepSeek-V3's router score bias
-COMPARED = ("weight", "bias", "gate_up_proj", "down_proj", "e_score_correction_bias")
+#: 3-D tensors and gpt-oss's packed expert biases (harness.checkpoints.model_layout), DeepSeek-V3's
+#: router score bias and gpt-oss's attention sinks
+COMPARED = (
+    "weight",
+    "bias",
+    "gate_up_proj",
+    "down_proj",
+    "gate_up_proj_bias",
+    "down_proj_bias",
+    "e_score_correction_bias",
+    "sinks",
+)
 
 
 def loaded_config(model) -> dict:

@@ -121,12 +121,13 @@ def probe(fmt: str, construct) -> str | None:
     real loads fail too, and say so as what they are)."""
     from vllm import SamplingParams
 
-    from harness.checkpoints.recipe import Recipe
+    from harness.checkpoints.recipe import Recipe, home_architecture
     from harness.checkpoints.writer import generate
 
     with tempfile.TemporaryDirectory(prefix="harness-vllm-probe-") as scratch:
         directory = Path(scratch) / fmt
-        generate(Recipe(format=fmt, arch="llama", seed=0, config=dict(PROBE_SHAPE), layout={"shards": 1}), directory)
+        arch = home_architecture(fmt)
+        generate(Recipe(format=fmt, arch=arch, seed=0, config=dict(PROBE_SHAPE), layout={"shards": 1}), directory)
         llm = None
         try:
             llm = construct(str(directory))

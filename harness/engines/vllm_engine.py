@@ -587,8 +587,8 @@ def expert_names(config: dict, module: str, group: str, experts: int) -> list[li
         packed = packed_experts(arch, config).get(
             f"model.layers.{layer.group(1)}.mlp.experts.{'gate_up_proj' if group == 'w13' else 'down_proj'}"
         )
-        if packed is not None and all(len(names) == experts for names in packed):
-            return [list(names) for names in packed]
+        if packed is not None and all(len(names) == experts for names in packed.parts):
+            return [list(names) for names in packed.parts]
     base = module.removesuffix(".routed_experts")
     shards = ("w1", "w3") if group == "w13" else ("w2",)
     return [[f"{base}.{e}.{shard}.weight" for e in range(experts)] for shard in shards]

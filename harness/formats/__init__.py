@@ -27,6 +27,7 @@ REGISTRY: dict[str, str] = {
     "modelopt-fp8": "harness.formats.modelopt_fp8:FORMAT",
     "ct-int4": "harness.formats.ct_int4:FORMAT",
     "ct-mxfp4": "harness.formats.ct_mxfp4:FORMAT",
+    "mxfp4": "harness.formats.mxfp4:FORMAT",
 }
 
 FORMAT_NAMES = tuple(REGISTRY)

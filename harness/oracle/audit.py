@@ -19,6 +19,7 @@ mmap), so the peak is the largest module's scales plus a few chunks, whatever th
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 import re
@@ -30,6 +31,7 @@ from pathlib import Path
 import numpy
 import torch
 
+from harness.checkpoints.packed_experts import expert_views
 from harness.checkpoints.reader import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -171,6 +173,7 @@ def audit_checkpoint(directory: str | Path) -> AuditResult:
     tensors = read_layout(directory, result)
     result.tensors = len(tensors)
     result.files = len({s.file for s in tensors.values()})
+    tensors = per_expert(tensors)
     knobs = check_config(qconfig, fmt, result)
     audit_modules(tensors, qconfig, fmt, knobs, result)
     scan_unscaled(tensors, fmt, result)
@@ -178,6 +181,23 @@ def audit_checkpoint(directory: str | Path) -> AuditResult:
 
 
 # -- the index and the shards -------------------------------------------------------------------
+
+
+def per_expert(tensors: dict[str, Stored]) -> dict[str, Stored]:
+    """Experts stored packed (gpt-oss) as one tensor per expert, each its own contiguous byte range
+    of the packed tensor (harness.checkpoints.packed_experts), so every check runs per expert."""
+    whole = {n: s.shape for n, s in tensors.items() if s.shape and s.shape[0] and s.nbytes % s.shape[0] == 0}
+    views = expert_views(whole)  # a tensor whose bytes do not divide by its experts is judged whole
+    if not views:
+        return tensors
+    result = {name: stored for name, stored in tensors.items() if name not in {v.stored for v in views.values()}}
+    for name, view in views.items():
+        stored = tensors[view.stored]
+        size = stored.nbytes // stored.shape[0]
+        result[name] = dataclasses.replace(
+            stored, shape=list(view.shape), start=stored.start + view.expert * size, nbytes=size
+        )
+    return result
 
 
 def read_layout(directory: Path, result: AuditResult) -> dict[str, Stored]:
@@ -320,7 +340,8 @@ def listed(value) -> list:
 
 def matches(name: str, entry: str) -> bool:
     """A module name against an ignore or target entry as the engines read them: `re:` a regular
-    expression (compressed-tensors), wildcards (ModelOpt), else the name or a dotted suffix or
+    expression (compressed-tensors), wildcards (ModelOpt; gpt-oss's `model.layers.*.self_attn`
+    names the modules under it, as transformers reads it), else the name or a dotted suffix or
     prefix of it (transformers' modules_to_not_convert)."""
     if entry.startswith("re:"):
         try:
@@ -328,7 +349,7 @@ def matches(name: str, entry: str) -> bool:
         except re.error:
             return False
     if any(c in entry for c in "*?["):
-        return fnmatch.fnmatchcase(name, entry)
+        return fnmatch.fnmatchcase(name, entry) or fnmatch.fnmatchcase(name, entry + ".*")
     return name == entry or name.endswith("." + entry) or name.startswith(entry + ".")
 
 

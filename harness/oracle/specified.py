@@ -158,9 +158,12 @@ def _move_experts(result: Plan, config: dict) -> str | None:
     if result.scheme is None or arch is None or arch.moe is None:
         return None
     packed = packed_experts(arch, config)
-    for target, (gates, ups) in ((t, p) for t, p in packed.items() if t.endswith(".gate_up_proj")):
+    for target, packing in packed.items():
+        if not target.endswith(".gate_up_proj") or len(packing.parts) != 2:
+            continue  # gpt-oss's fused gate_up: no format of its quantizes activations
+        gates, ups = packing.parts
         base = target.removesuffix(".gate_up_proj")
-        (downs,) = packed[f"{base}.down_proj"]
+        (downs,) = packed[f"{base}.down_proj"].parts
         triples = []
         for names in zip(gates, ups, downs, strict=True):
             modules = [name.removesuffix(".weight") for name in names]

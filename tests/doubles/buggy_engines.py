@@ -337,3 +337,34 @@ class LossySaveEngine(ReferenceEngine):
             self.model.to(dtype)
         config = Path(directory) / "config.json"
         config.write_text(json.dumps({**json.loads(config.read_text()), "dtype": str(dtype).removeprefix("torch.")}))
+
+
+class GateUpBlocksEngine(ReferenceEngine):
+    """Bug class for gpt-oss's packed experts: gate_up read as [gate rows; up rows], the order
+    every other fused gate_up stores, instead of gpt-oss's interleaved gate, up, gate, ..."""
+
+    name = "double-gate-up-blocks"
+
+    def load(self, directory):
+        report = super().load(directory)
+        for name, parameter in self.model.named_parameters():
+            if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.gate_up_proj_bias"):
+                half = parameter.shape[-1] // 2
+                # BUG: stored row j taken as gate j and row half + j as up j, then interleaved
+                source = torch.stack([torch.arange(half), torch.arange(half, 2 * half)], dim=1).flatten()
+                parameter.data.copy_(parameter.data[..., source])
+        return report
+
+
+class E8M0OffByOneEngine(ReferenceEngine):
+    """Bug class for E8M0 scales: the exponent bias taken as 128 (2**7) instead of 127, every MXFP4
+    expert weight half of what the checkpoint says (silent: the model still runs)."""
+
+    name = "double-e8m0-off-by-one"
+
+    def load(self, directory):
+        report = super().load(directory)
+        for name, parameter in self.model.named_parameters():
+            if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+                parameter.data.mul_(0.5)
+        return report
