@@ -156,3 +156,81 @@ def test_vllm_fp8_block_qkv_split_inside_blocks_is_caught(tmp_path):
         .details[0]
         .startswith("v_proj weight differs from the reference at checkpoint rows 0-31, 128-159")
     )
+
+
+# -- routed experts (one FusedMoE per layer: w13 = gate and up, w2 = down) ----------------------
+
+
+@pytest.fixture(scope="module")
+def mixtral_channel_checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tp-moe") / "ct-fp8-channel-mixtral"
+    recipe = apply_settings(
+        Recipe(format="ct-fp8-channel", arch="mixtral", seed=3),
+        ["hidden_size=256", "intermediate_size=256", "num_key_value_heads=4", "num_hidden_layers=1"],
+    )
+    generate(recipe, directory)
+    return directory
+
+
+def test_layout_gives_each_expert_a_w13_split_by_rows_and_a_w2_split_by_columns(mixtral_channel_checkpoint):
+    truth = load_truth(mixtral_channel_checkpoint, 0)
+    linears = {linear.name: linear for linear in decoder_linears(truth.config)}
+    assert [n for n in linears if n.startswith("experts.")] == [
+        f"experts.{e}.{g}" for e in range(3) for g in ("w13", "w2")
+    ]
+    w13, w2 = linears["experts.2.w13"], linears["experts.2.w2"]
+    assert [p.name for p in w13.parts] == ["experts.2.w1", "experts.2.w3"]  # Mixtral's gate, up
+    assert w13.part_module(0, w13.parts[1]) == "model.layers.0.block_sparse_moe.experts.2.w3"
+    assert owned_slice(w13, w13.parts[1], 4, 3, truth.config) == owned_slice(w13, w13.parts[0], 4, 3, truth.config)
+    assert owned_slice(w13, w13.parts[1], 4, 3, truth.config).start == 192  # rows 192-255 of up
+    down = owned_slice(w2, w2.parts[0], 2, 1, truth.config)
+    assert (down.axis, down.start, down.stop) == (1, 128, 256)
+
+
+def test_experts_sharded_correctly_are_exact_and_a_wrong_scale_rank_is_caught(mixtral_channel_checkpoint):
+    truth = load_truth(mixtral_channel_checkpoint, 0)
+    right = judge(shard_as_a_correct_loader(truth, 2), truth)
+    assert {v.status for v in right} == {EXACT}
+    wrong = {(v.rank, v.module): v for v in judge(shard_as_a_correct_loader(truth, 2, lambda rank: 0), truth)}
+    caught = wrong[1, "experts.1.w13"]
+    assert caught.status == FINDING
+    assert any(
+        d.startswith("experts.1.w1 weight differs from the reference at checkpoint rows 128-") for d in caught.details
+    )
+    assert wrong[0, "experts.1.w13"].status == EXACT and wrong[1, "experts.1.w2"].status == EXACT
+
+
+@needs_vllm
+def test_vllm_experts_are_exact_at_tp_2_and_4(mixtral_channel_checkpoint):
+    """vLLM's FusedMoE under a mocked rank, fed each expert by its own weight_loader."""
+    result = check_tensor_parallel(mixtral_channel_checkpoint, [2, 4])
+    assert [(o.tp, o.status) for o in result.outcomes] == [(2, EXACT), (4, EXACT)], [
+        line for o in result.outcomes for line in o.reasons + o.findings
+    ]
+    experts = [v for v in result.verdicts if v.module.startswith("experts.")]
+    assert len(experts) == (2 + 4) * 3 * 2
+
+
+@needs_vllm
+def test_vllm_nvfp4_expert_down_proj_split_inside_groups_is_caught(tmp_path):
+    """Measured upstream behaviour (docs/tensor-parallel.md): a ModelOpt NVFP4 expert of width 160
+    at tp 4 gives each rank 40 of w2's columns, cutting the 16-column groups; the FusedMoE loader
+    neither refuses it (as vLLM's dense ModelOpt layer does) nor loads the groups the columns need."""
+    recipe = apply_settings(
+        Recipe(format="modelopt-nvfp4", arch="qwen3_moe", seed=1),
+        [
+            "hidden_size=256",
+            "num_attention_heads=4",
+            "num_key_value_heads=4",
+            "head_dim=64",
+            "moe_intermediate_size=160",
+            "num_hidden_layers=1",
+        ],
+    )
+    generate(recipe, tmp_path / "ckpt")
+    result = check_tensor_parallel(tmp_path / "ckpt", [2, 4])
+    assert [(o.tp, o.status) for o in result.outcomes] == [(2, EXACT), (4, FINDING)]
+    wrong = {(v.rank, v.module) for v in result.verdicts if v.tp == 4 and v.status == FINDING}
+    assert wrong == {(rank, f"experts.{e}.w2") for rank in range(4) for e in range(3)}
+    detail = next(v for v in result.verdicts if v.tp == 4 and v.rank == 1 and v.module == "experts.0.w2").details
+    assert any("the rank's columns 40-79 cut entries of 16 columns" in d for d in detail), detail

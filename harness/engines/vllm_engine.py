@@ -33,7 +33,7 @@ from harness.checkpoints.model_layout import packed_experts
 from harness.core.naming import canonical_name
 from harness.engines.base import Engine, EngineUnsupported, LoadReport
 from harness.engines.environments import engine_python
-from harness.engines.hf_common import captured_warnings
+from harness.engines.hf_common import LEAD, captured_warnings
 from harness.engines.vllm_capability import missing_kernel
 from harness.engines.vllm_capability import unsupported_reason as probed_unsupported_reason
 
@@ -440,9 +440,9 @@ class VllmEngine(Engine):
                     wanted.setdefault(module, []).append((canonical_name(f"{parent}.{part}"), start, rows))
                 start += rows
         fused = {name for parts in wanted.values() for name, _, _ in parts}
-        for name in (
-            {n for n in inputs if "#" not in n} - fused
-        ):  # (vLLM's layers take [tokens, K]: no lead)  # an unfused Linear: vLLM names it as the checkpoint does
+        # an unfused Linear: vLLM names it as the checkpoint does (its layers take [tokens, K]: the
+        # shapes the model's forward gives, `hf_common.LEAD` entries, do not apply)
+        for name in {n for n in inputs if not n.endswith(LEAD)} - fused:
             wanted.setdefault(name, []).append((name, 0, None))
 
         def run(model):

@@ -154,6 +154,9 @@ def dequantize_held(shard: Shard, truth: Truth) -> dict[str, torch.Tensor]:
     """Per part, the float64 weight the rank computes with: the fused held tensors through the
     format's reference, as vLLM's kernel reads them (per-part scalars part by part)."""
     fmt = truth.fmt
+    knobs = truth.knobs
+    if shard.block and "block_rows" in knobs:  # the grid the rank holds its scales on (vLLM may refine it)
+        knobs = {**knobs, "block_rows": shard.block[0], "block_cols": shard.block[1]}
     quantized = {s: t for s, t in shard.held.items() if s in fmt.suffixes}
     if fmt.suffixes[0] not in quantized:  # a Linear the checkpoint leaves unquantized
         plain = shard.held["weight"].to(torch.float64)
@@ -161,7 +164,7 @@ def dequantize_held(shard: Shard, truth: Truth) -> dict[str, torch.Tensor]:
     layout = part_rows(shard, quantized[fmt.suffixes[0]].shape[0])
     per_part = len(layout) > 1 and any(t.dim() == 1 and t.numel() == len(layout) for t in quantized.values())
     if not per_part:
-        whole = fmt.dequantize(quantized, truth.knobs)
+        whole = fmt.dequantize(quantized, knobs)
         return {part.name: whole[start : start + rows] for part, start, rows in layout}
     result = {}
     for index, (part, start, rows) in enumerate(layout):
@@ -169,7 +172,7 @@ def dequantize_held(shard: Shard, truth: Truth) -> dict[str, torch.Tensor]:
             s: t[index : index + 1] if t.dim() == 1 and t.numel() == len(layout) else t[start : start + rows]
             for s, t in quantized.items()
         }
-        result[part.name] = fmt.dequantize(piece, truth.knobs)
+        result[part.name] = fmt.dequantize(piece, knobs)
     return result
 
 

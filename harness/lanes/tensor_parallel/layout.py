@@ -8,8 +8,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: architectures whose decoder layer this lane knows (vLLM's LlamaForCausalLM / Qwen2ForCausalLM)
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+#: architectures whose decoder layer this lane knows: vLLM's Llama and Qwen2, and its Mixtral,
+#: Qwen2-MoE and Qwen3-MoE, whose routed experts live in one FusedMoE (w13: gate and up, w2: down)
+DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+#: MoE architecture -> (where its experts live, checkpoint names of gate, up, down)
+MOE = {
+    "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2"), "num_local_experts", "intermediate_size"),
+    "Qwen2MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", "moe_intermediate_size"),
+    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", "moe_intermediate_size"),
+}
+ARCHITECTURES = DENSE + tuple(MOE)
+#: qkv biased whatever the config says (vLLM's Qwen2 and Qwen2-MoE)
+QKV_BIASED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,7 @@ class FusedLinear:
     input_size: int
     bias: bool
     attention: Attention | None = None  # heads, kv heads, head_dim: qkv only
+    expert: int | None = None  # a routed expert's w13 or w2, held as its slice of the FusedMoE
 
     def module(self, layer: int) -> str:
         return f"model.layers.{layer}.{self.parent}.{self.name}"
@@ -58,17 +69,19 @@ def attention_of(config: dict) -> Attention:
 
 
 def decoder_linears(config: dict) -> tuple[FusedLinear, ...]:
-    """The four parallel Linears of one decoder layer, as vLLM's Llama and Qwen2 build them."""
+    """The parallel Linears of one decoder layer, as vLLM's Llama, Qwen2, Mixtral, Qwen2-MoE and
+    Qwen3-MoE build them: attention, then the dense MLP, or a sparse layer's shared expert and
+    each routed expert's w13 and w2 (every layer of these MoE models is sparse)."""
     architecture = (config.get("architectures") or ["?"])[0]
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture {architecture} (known: {', '.join(ARCHITECTURES)})")
-    qwen2 = architecture == "Qwen2ForCausalLM"
+    qwen2 = architecture in QKV_BIASED
     attention = attention_of(config)
-    hidden, intermediate = config["hidden_size"], config["intermediate_size"]
+    hidden = config["hidden_size"]
     qkv_bias = True if qwen2 else bool(config.get("attention_bias"))
-    mlp_bias = False if qwen2 else bool(config.get("mlp_bias"))
+    mlp_bias = False if qwen2 or architecture in MOE else bool(config.get("mlp_bias"))
     q_rows, kv_rows = attention.heads * attention.head_dim, attention.kv_heads * attention.head_dim
-    return (
+    attention_linears = (
         FusedLinear(
             "qkv_proj",
             "self_attn",
@@ -79,15 +92,44 @@ def decoder_linears(config: dict) -> tuple[FusedLinear, ...]:
             attention,
         ),
         FusedLinear("o_proj", "self_attn", "row", (Part("o_proj", None, hidden),), q_rows, qkv_bias and not qwen2),
+    )
+    if architecture not in MOE:
+        return attention_linears + dense_mlp("mlp", hidden, config["intermediate_size"], mlp_bias)
+    block, (gate, up, down), count_key, width_key = MOE[architecture]
+    shared = config.get("shared_expert_intermediate_size") if architecture == "Qwen2MoeForCausalLM" else 0
+    linears = attention_linears + (dense_mlp("mlp.shared_expert", hidden, shared, False) if shared else ())
+    width = config[width_key]
+    for expert in range(config[count_key]):
+        name = f"experts.{expert}"
+        linears += (
+            FusedLinear(
+                f"{name}.w13",
+                block,
+                "merged",
+                (Part(f"{name}.{gate}", "w1", width), Part(f"{name}.{up}", "w3", width)),
+                hidden,
+                False,
+                expert=expert,
+            ),
+            FusedLinear(
+                f"{name}.w2", block, "row", (Part(f"{name}.{down}", "w2", hidden),), width, False, expert=expert
+            ),
+        )
+    return linears
+
+
+def dense_mlp(parent: str, hidden: int, intermediate: int, bias: bool) -> tuple[FusedLinear, ...]:
+    """gate/up as one MergedColumnParallelLinear, down as a RowParallelLinear."""
+    return (
         FusedLinear(
             "gate_up_proj",
-            "mlp",
+            parent,
             "merged",
             (Part("gate_proj", 0, intermediate), Part("up_proj", 1, intermediate)),
             hidden,
-            mlp_bias,
+            bias,
         ),
-        FusedLinear("down_proj", "mlp", "row", (Part("down_proj", None, hidden),), intermediate, mlp_bias),
+        FusedLinear("down_proj", parent, "row", (Part("down_proj", None, hidden),), intermediate, bias),
     )
 
 
