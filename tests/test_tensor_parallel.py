@@ -215,7 +215,8 @@ def test_vllm_experts_are_exact_at_tp_2_and_4(mixtral_channel_checkpoint):
 def test_vllm_nvfp4_expert_down_proj_split_inside_groups_is_caught(tmp_path):
     """Measured upstream behaviour (docs/tensor-parallel.md): a ModelOpt NVFP4 expert of width 160
     at tp 4 gives each rank 40 of w2's columns, cutting the 16-column groups; the FusedMoE loader
-    neither refuses it (as vLLM's dense ModelOpt layer does) nor loads the groups the columns need."""
+    neither refuses it (as vLLM's dense ModelOpt layer does) nor loads the groups the columns need.
+    Upstream: https://github.com/vllm-project/vllm/issues/49949 (fix PR #49951)."""
     recipe = apply_settings(
         Recipe(format="modelopt-nvfp4", arch="qwen3_moe", seed=1),
         [
