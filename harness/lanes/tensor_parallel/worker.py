@@ -126,29 +126,17 @@ class TensorParallelShards(Engine):
         """Every routed expert of the layer through one FusedMoE, as vLLM's MoE models build it, fed
         each expert's tensors by its own `weight_loader` with the expert id and shard (w1, w3, w2);
         one entry per expert and w13/w2, holding that expert's slice of each stacked parameter."""
-        from vllm.distributed import parallel_state
-
         entries = [{"tp": tp, "rank": rank, "layer": layer, "module": linear.name} for linear in experts]
-        previous = {name: getattr(parallel_state, name, None) for name in ("_TP", "_DP", "_PCP", "_EP")}
-        parallel_state._TP = FakeGroup(rank, tp)
-        for name in ("_DP", "_PCP", "_EP"):  # data, context and expert parallelism: one of each
-            setattr(parallel_state, name, previous[name] or FakeGroup(0, 1))
-        try:
+        with mocked_rank(rank, tp):
             try:
                 module = build_experts(experts, config, layer, tp, quant_config, dtype)
             except Exception as error:  # vLLM's own refusal: its reason is the measurement
                 return [entry | {"refused": {"stage": "construct", "error": one_line(error)}} for entry in entries]
-            passes = []
-            for sentinel in SENTINELS:
-                fill(module, sentinel)
-                try:
-                    feed_experts(module, experts, layer, checkpoint)
-                except LoadFailure as error:
-                    return [entry | {"refused": {"stage": "weight_loader", "error": str(error)}} for entry in entries]
-                passes.append({name.rpartition(".")[2]: p.detach().clone() for name, p in module.named_parameters()})
-        finally:
-            for name, group in previous.items():
-                setattr(parallel_state, name, group)
+            try:
+                passes = load_twice(module, lambda: feed_experts(module, experts, layer, checkpoint))
+            except LoadFailure as error:
+                return [entry | {"refused": {"stage": "weight_loader", "error": str(error)}} for entry in entries]
+        passes = [{name.rpartition(".")[2]: tensor for name, tensor in held.items()} for held in passes]
         method = getattr(module, "routed_experts", module).quant_method
         # the grid the scales are held on: vLLM refines the checkpoint's block where a rank's share
         # is not a whole number of blocks ("the loader upsamples the checkpoint scales")
@@ -181,12 +169,8 @@ class TensorParallelShards(Engine):
         return entries
 
     def load_rank(self, checkpoint, linear, layer: int, tp: int, rank: int, quant_config, dtype) -> dict:
-        from vllm.distributed import parallel_state
-
         entry = {"tp": tp, "rank": rank, "layer": layer, "module": linear.name}
-        previous = parallel_state._TP
-        parallel_state._TP = FakeGroup(rank, tp)
-        try:
+        with mocked_rank(rank, tp):
             try:
                 module = build(linear, layer, quant_config, dtype)
             except Exception as error:  # vLLM's own refusal: its reason is the measurement
@@ -195,16 +179,10 @@ class TensorParallelShards(Engine):
             entry["block"] = (
                 [int(b) for b in module.weight_block_size] if getattr(module, "weight_block_size", None) else None
             )
-            passes = []
-            for sentinel in SENTINELS:
-                fill(module, sentinel)
-                try:
-                    feed(module, linear, layer, checkpoint)
-                except LoadFailure as error:
-                    return entry | {"refused": {"stage": "weight_loader", "error": str(error)}}
-                passes.append({name: p.detach().clone() for name, p in module.named_parameters()})
-        finally:
-            parallel_state._TP = previous
+            try:
+                passes = load_twice(module, lambda: feed(module, linear, layer, checkpoint))
+            except LoadFailure as error:
+                return entry | {"refused": {"stage": "weight_loader", "error": str(error)}}
         entry["params"] = {}
         for name, tensor in passes[-1].items():
             unwritten = never_written(passes[0][name], tensor)
@@ -221,6 +199,35 @@ class TensorParallelShards(Engine):
 
     def unload(self):
         self.held = {}
+
+
+@contextmanager
+def mocked_rank(rank: int, tp: int):
+    """vLLM's tensor-parallel group answering as rank `rank` of `tp` (data, context and expert
+    parallelism one each, where nothing set them), restored afterwards."""
+    from vllm.distributed import parallel_state
+
+    names = ("_TP", "_DP", "_PCP", "_EP")
+    previous = {name: getattr(parallel_state, name, None) for name in names}
+    parallel_state._TP = FakeGroup(rank, tp)
+    for name in names[1:]:
+        setattr(parallel_state, name, previous[name] or FakeGroup(0, 1))
+    try:
+        yield
+    finally:
+        for name, group in previous.items():
+            setattr(parallel_state, name, group)
+
+
+def load_twice(module, load) -> list[dict[str, torch.Tensor]]:
+    """The module's parameters after `load()` into storage filled with each sentinel byte in turn
+    (a LoadFailure propagates)."""
+    passes = []
+    for sentinel in SENTINELS:
+        fill(module, sentinel)
+        load()
+        passes.append({name: p.detach().clone() for name, p in module.named_parameters()})
+    return passes
 
 
 def one_line(error: BaseException) -> str:
