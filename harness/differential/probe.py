@@ -15,7 +15,8 @@ every output element in the model dtype (both sides round once), plus float32 ac
 another order (in_features * 2**-23 * |W| |Q(x)|) and its flushing subnormal products to zero
 (in_features * 2**-126 each), as a norm relative to the expected output, row by row; with a static
 scale, plus that scale's relative rounding to the model dtype (engines hold it there: every
-quantized value moves by that factor).
+quantized value moves by that factor); an engine that also dequantizes its input in the model
+dtype (each value rounded on its own, with the held scale) is judged against exactly that input.
 A module whose weights are already a finding is not probed (its outputs are that finding's
 consequence)."""
 
@@ -90,12 +91,20 @@ def _within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> bool:
 
 
 def judge_module(
-    name: str, got: torch.Tensor, specified, weights_only, bound: torch.Tensor, inverted: tuple | None = None
+    name: str,
+    got: torch.Tensor,
+    specified,
+    weights_only,
+    bound: torch.Tensor,
+    inverted: tuple | None = None,
+    held_scale: tuple | None = None,
 ) -> ModuleVerdict:
     """`bound`: per row; `inverted`: (output, bound) the module computes with its static scale in
-    the other convention. The distances reported are the largest over the rows."""
+    the other convention; `held_scale`: (output, bound) with the static scale and each dequantized
+    input value rounded to the model dtype, the other way to compute as specified. The distances
+    reported are the largest over the rows."""
     apart = _relative(specified, weights_only)
-    if _within(got, specified, bound):
+    if _within(got, specified, bound) or (held_scale is not None and _within(got, *held_scale)):
         verdict = "as specified"
     elif _within(got, weights_only, bound) and bool((apart > 2 * bound).all()):
         verdict = "not applied"
@@ -148,13 +157,19 @@ def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: d
         if not all(torch.isfinite(t).all() for t in expected[:2]) or bool((expected[2] >= 0.5).any()):
             overflow += 1  # outside the model dtype's range (x1000 weights in float16; subnormal weights)
             continue
+        held_scale = None
+        if f"{name}.quantized_held" in probe:  # a static scale held, and the input dequantized, in the model dtype
+            alternative = expected_outputs(
+                rows, probe[f"{name}.quantized_held"], held[f"{name}.weight"], held.get(f"{name}.bias"), rows.dtype
+            )
+            held_scale = (alternative[0], alternative[2]) if torch.isfinite(alternative[0]).all() else None
         inverted = None
         if f"{name}.inverted" in probe:  # a static scale: what reading it in the other convention computes
             other = expected_outputs(
                 rows, probe[f"{name}.inverted"], held[f"{name}.weight"], held.get(f"{name}.bias"), rows.dtype
             )
             inverted = (other[0], other[2]) if torch.isfinite(other[0]).all() else None
-        verdicts.append(judge_module(name, outputs[name], *expected, inverted=inverted))
+        verdicts.append(judge_module(name, outputs[name], *expected, inverted=inverted, held_scale=held_scale))
     fine = sum(v.verdict == "as specified" for v in verdicts)
     absent = len(judged) - len(verdicts) - overflow
     outcome.activation_probe = (

@@ -77,7 +77,8 @@ class ReferenceEngine(HFModelEngine):
         """The activation probe's inputs (harness.differential.probe): for each quantized Linear of
         the plan, `NAME.input` (purpose-built rows, harness.oracle.probe_inputs) and `NAME.quantized`,
         those rows as the checkpoint's scheme quantizes them (model dtype); with a static scale s, also
-        `NAME.inverted`: the same rows quantized with 1 / s (the scale read in the other convention)."""
+        `NAME.inverted`: the same rows quantized with 1 / s (the scale read in the other convention);
+        `NAME.quantized_held`: quantized with s as the model dtype holds it."""
         import torch
 
         from harness.engines.hf_common import LEAD
@@ -102,6 +103,9 @@ class ReferenceEngine(HFModelEngine):
                 exact = stored.to(torch.float64).reshape(())
                 held = stored.to(weight.dtype).to(torch.float64).reshape(())
                 probe[f"{name}.scale_rounding"] = ((held - exact).abs() / exact.abs()).reshape(1)
+                # and one that dequantizes with that held scale in the model dtype rounds each value
+                # on its own (compressed-tensors' fake quantization): that input, exactly
+                probe[f"{name}.quantized_held"] = quantize_activations(rows_in, plan.scheme, stored.to(weight.dtype))
             if plan.scheme.static:
                 inverted = quantize_activations(rows_in, plan.scheme, 1.0 / stored.to(torch.float64))
                 if torch.isfinite(inverted).all():
