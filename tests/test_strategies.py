@@ -10,6 +10,7 @@ from harness.campaign.strategies import (
     BLOCK_EDGES,
     DIMENSION_CLASSES,
     ENGINE_HEAD_DIMS,
+    GROUPED_MM_MULTIPLE,
     HEAD_COUNTS,
     MAX_LAYERS,
     MAX_SHARDS,
@@ -110,6 +111,26 @@ def test_attention_widths_with_a_head_size_vllm_runs(attention):
             a[1]["head_dim"] in ENGINE_HEAD_DIMS
             and a[1]["num_attention_heads"] * a[1]["head_dim"] != a[1]["hidden_size"]
         ),
+    )
+
+
+MOE_ARCHS = tuple(name for name, arch in ARCHITECTURES.items() if arch.moe)
+
+
+def contraction_sizes(arch_config):
+    """Every size some MoE matmul contracts over: hidden, the dense and every expert width."""
+    name, config = arch_config
+    return [v for k, v in config.items() if k == "hidden_size" or k.endswith("intermediate_size")]
+
+
+@pytest.mark.parametrize("runnable", [False, True])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_sizes_transformers_runs_and_sizes_it_refuses(arch, runnable):
+    """Whole 16-byte rows (transformers' grouped_mm runs the experts, so the forward is judged)
+    and other widths (its known refusal) are both drawn for every MoE architecture."""
+    reach(
+        architectures((arch,)),
+        lambda a: all(s % GROUPED_MM_MULTIPLE == 0 for s in contraction_sizes(a)) is runnable,
     )
 
 

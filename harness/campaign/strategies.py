@@ -9,6 +9,7 @@ here. tests/test_strategies.py proves that every variant below is reachable.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from functools import cache
 from typing import Any
@@ -47,6 +48,13 @@ DIVIDED_GRIDS = (2, 3)
 #: head sizes vLLM's CPU attention runs (others it reports unsupported): an untied attention width
 #: draws them half of the time so that vLLM loads the checkpoint at all
 ENGINE_HEAD_DIMS = (32, 64)
+#: elements per contraction row that make it a whole number of 16 bytes in every model dtype
+#: (float32: 4, float16/bfloat16: 8): transformers 5 runs packed MoE experts with torch's
+#: grouped_mm, whose CPU kernel refuses any other row stride (known issue
+#: transformers-moe-grouped-mm-odd-width-cpu); half of an MoE architecture's draws, a cell's
+#: simplest first, keep to it so that the forward runs and what comes after the load (logits,
+#: activations, relations) is judged
+GROUPED_MM_MULTIPLE = 8
 MAX_LAYERS = 2
 MAX_SHARDS = 3
 HEAD_COUNTS = ((1, 1), (2, 1), (2, 2), (4, 2))  # (attention heads, key-value heads)
@@ -182,6 +190,11 @@ def architectures(
 @st.composite
 def _architectures(draw, archs: tuple[str, ...], block: tuple[int, int], column_multiple: int, attention: str):
     name = draw(st.sampled_from(archs))
+    aligned = all(edge % GROUPED_MM_MULTIPLE == 0 for edge in block)  # `dimensions` needs it to divide the block
+    # whole rows come first: they are what a cell's simplest example (and a shrunk one) gets
+    if ARCHITECTURES[name].moe and aligned and not draw(st.booleans()):
+        column_multiple = math.lcm(column_multiple, GROUPED_MM_MULTIPLE)
+        event("MoE sizes: whole 16-byte rows (transformers' grouped_mm runs them)")
     config = draw(model_sizes(block, column_multiple, attention))
     config["num_hidden_layers"] = draw(st.integers(1, MAX_LAYERS))
     config["tie_word_embeddings"] = draw(st.booleans())
