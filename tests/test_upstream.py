@@ -24,18 +24,20 @@ from harness.commands.cli import main
 from harness.core.errors import HarnessError
 from harness.core.naming import canonical_name
 from harness.differential.known_issues import KnownIssues
+from harness.differential.relations import RELATION_NAMES
 from harness.engines import ENGINES
 from harness.engines.environments import engine_python
 from harness.formats.base import FormatError
 from harness.lanes.upstream import from_issue, render_script
-from harness.lanes.upstream.script import unexpressible
+from harness.lanes.upstream.script import unscriptable
 from harness.oracle.reference import format_and_knobs, group_modules
 from tests.cli import run_cli
 
-#: the known issues a standalone script can express (dense llama/qwen2, the script formats); the
-#: others' `upstream` is a one-line refusal (test_unexpressible_reproducers_are_refused_in_one_line)
-ISSUES = [issue for issue in KnownIssues.load().issues if unexpressible(from_issue(issue).recipe) is None]
-UNEXPRESSIBLE = [issue for issue in KnownIssues.load().issues if unexpressible(from_issue(issue).recipe)]
+#: the known issues a standalone script can express (dense llama/qwen2, the script formats, the
+#: relations it checks); the others' `upstream` is a one-line refusal
+#: (test_unexpressible_reproducers_are_refused_in_one_line)
+ISSUES = [issue for issue in KnownIssues.load().issues if unscriptable(from_issue(issue)) is None]
+UNEXPRESSIBLE = [issue for issue in KnownIssues.load().issues if unscriptable(from_issue(issue))]
 IDS = [issue.id for issue in ISSUES]
 #: the scripts CI runs (one per engine and template family); all of them run in the nightly lane.
 #: Every issue's reproducer is also replayed through the harness in CI (tests/differential/test_known_issues.py).
@@ -43,6 +45,7 @@ CI_SCRIPTS = {
     "transformers-fp8-block-grid-inferred-from-shape",
     "ct-nvfp4-global-scale-convention-unchecked",
     "vllm-qwen2-ignores-head-dim",
+    "transformers-ct-fp8-float32-scales-rounded-to-bfloat16",  # a relation: a second load path
 }
 RUN_SCRIPTS = [
     pytest.param(issue, id=issue.id, marks=() if issue.id in CI_SCRIPTS else pytest.mark.nightly) for issue in ISSUES
@@ -251,6 +254,24 @@ def test_script_says_fixed_when_the_engine_loads_right(tmp_path):
     done, _ = run_standalone(render_script(reproducer).text, "transformers", tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "verdict: fixed" in done.stdout
+
+
+@pytest.mark.slow
+def test_relation_script_says_fixed_when_the_two_load_paths_agree(tmp_path):
+    """The dequantize relation's script with scales stored in the model dtype (the default path holds them exactly):
+    both paths hold the same weights, and the script exits 0."""
+    reproducer = from_issue(KnownIssues.load().by_id("transformers-ct-fp8-float32-scales-rounded-to-bfloat16"))
+    assert reproducer.relation == "dequantize"
+    reproducer.recipe.knobs["scale_dtype"] = "model"
+    done, _ = run_standalone(render_script(reproducer).text, "transformers", tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "verdict: fixed" in done.stdout
+
+
+@pytest.mark.parametrize("issue", [i for i in ISSUES if "relation" in i.kinds], ids=lambda i: i.id)
+def test_relation_issues_name_the_relation_their_script_checks(issue):
+    values = parameters(script_text(issue.id))
+    assert values["RELATION"] in RELATION_NAMES and issue.message.removeprefix("^").startswith(values["RELATION"])
 
 
 # ---------------------------------------------------------------- the command

@@ -16,6 +16,7 @@ from pathlib import Path
 from harness.checkpoints.writer import generate
 from harness.core.errors import HarnessError
 from harness.core.tolerances import load_tolerances
+from harness.differential.relations import RELATIONS
 from harness.engines import ENGINES
 from harness.engines.vllm_capability import MISSING_KERNEL
 from harness.lanes.upstream.source import Reproducer
@@ -62,10 +63,11 @@ class Script:
     package: str  # the engine's importable package
 
 
-def pieces(format_name: str, engine: str) -> list[str]:
+def pieces(format_name: str, engine: str, relation: str | None = None) -> list[str]:
     if format_name not in FORMAT_PIECES:
         raise HarnessError(f"no standalone reproducer for format '{format_name}' (known: {', '.join(FORMAT_PIECES)})")
-    return ["common", FORMAT_PIECES[format_name], "checkpoint", *ENGINE_PIECES[engine], "main"]
+    checked = [f"relation_{engine.replace('-', '_')}"] if relation else []
+    return ["common", FORMAT_PIECES[format_name], "checkpoint", *ENGINE_PIECES[engine], *checked, "main"]
 
 
 @dataclass
@@ -180,7 +182,8 @@ def docstring(reproducer: Reproducer, values: dict, package: str) -> str:
         "",
         *textwrap.wrap(
             "Builds the checkpoint (config.json and quantized safetensors, computed here with torch) in a "
-            f"temporary directory, loads it with {ENGINE_APIS[reproducer.engine]}, and {CHECKS[reproducer.engine]}. "
+            f"temporary directory, loads it with {ENGINE_APIS[reproducer.engine]}, and {CHECKS[reproducer.engine]}"
+            f"{f', then loads it a second way ({reproducer.relation}) and compares' if reproducer.relation else ''}. "
             f"Needs only torch, safetensors and {package}. Run: python reproduce.py",
             96,
         ),
@@ -227,6 +230,24 @@ def perturbation_notes(manifest: dict) -> list[str]:
 #: what the standalone scripts' own writer (parts/checkpoint.py) can express
 SCRIPT_ARCHS = ("llama", "qwen2")
 SCRIPT_LAYOUT = ("dtype", "key_prefix", "shards", "split_scale", "activation_amax")
+#: the relations a script holds an engine to (parts/relation_transformers.py), by engine
+SCRIPT_RELATIONS = {"transformers": ("round-trip", "dequantize", "offload")}
+#: finding kinds a script's judgement (the weights, the load, one forward) cannot see
+UNSCRIPTED_KINDS = {"activations": "activation quantization (the scripts judge weights and loads, not activations)"}
+
+
+def unscriptable(reproducer: Reproducer) -> str | None:
+    """Why no standalone script can reproduce this, or None when one can: its checkpoint
+    (`unexpressible`), a finding kind the scripts do not judge, a relation they do not check."""
+    why = unexpressible(reproducer.recipe)
+    if why:
+        return why
+    for kind in reproducer.kinds:
+        if kind in UNSCRIPTED_KINDS:
+            return UNSCRIPTED_KINDS[kind]
+    if "relation" in reproducer.kinds and reproducer.relation not in SCRIPT_RELATIONS.get(reproducer.engine, ()):
+        return f"relation {reproducer.relation or '(unnamed)'} with {reproducer.engine}"
+    return None
 
 
 def unexpressible(recipe) -> str | None:
@@ -245,7 +266,7 @@ def unexpressible(recipe) -> str | None:
 
 
 def render_script(reproducer: Reproducer) -> Script:
-    why = unexpressible(reproducer.recipe)
+    why = unscriptable(reproducer)
     if why:
         raise HarnessError(
             f"{reproducer.id}: no standalone reproducer for its {why} yet; "
@@ -254,7 +275,7 @@ def render_script(reproducer: Reproducer) -> Script:
     resolved = reproducer.recipe.resolved()
     config, manifest = checkpoint_facts(reproducer)
     format_name, dtype = reproducer.recipe.format, resolved.layout["dtype"]
-    names = pieces(format_name, reproducer.engine)
+    names = pieces(format_name, reproducer.engine, reproducer.relation)
     parsed = {name: read_piece(name) for name in names}
     tolerance = load_tolerances(format_name, dtype)
     definition = definition_of(format_name, resolved.knobs)
@@ -265,6 +286,8 @@ def render_script(reproducer: Reproducer) -> Script:
         perturbation_notes(manifest) if manifest["expectation"] != "exact" else [],
         f"|held - W| <= {tolerance.weight_rel:g} |W| + {tolerance.weight_abs:.3g}, W rounded once to {dtype}",
     )
+    if reproducer.relation:
+        expected += f"; and {RELATIONS[reproducer.relation].holds}"
     layout = reproducer.recipe.layout
     values = {
         "ISSUE": reproducer.id,
@@ -286,6 +309,7 @@ def render_script(reproducer: Reproducer) -> Script:
         "REPORTED_ERROR": reproducer.reported_error,
         "WEIGHT_TOLERANCE": {"rel": tolerance.weight_rel, "abs": tolerance.weight_abs},
         "CANNOT_RUN_HERE": MISSING_KERNEL.pattern if reproducer.engine == "vllm" else None,
+        "RELATION": reproducer.relation,
     }
     package = ENGINES[reproducer.engine].package
     stdlib, third = imports_of([piece.header for piece in parsed.values()])

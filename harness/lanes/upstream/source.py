@@ -30,6 +30,18 @@ class Reproducer:
     kinds: list[str] = field(default_factory=list)
     #: a report's finding: its message, as the harness wrote it
     finding: str = ""
+    #: a relation finding's relation (harness.differential.relations): the second load path the
+    #: script holds to the first, None for the others
+    relation: str | None = None
+
+
+def relation_named(message: str) -> str | None:
+    """The relation a relation finding's message, or a known issue's regex for it, begins with
+    ("round-trip: ...", "^dequantize: ...")."""
+    from harness.differential.relations import RELATION_NAMES
+
+    name = message.removeprefix("^").partition(":")[0]
+    return name if name in RELATION_NAMES else None
 
 
 def require_engine(engine: str, where: str) -> None:
@@ -51,6 +63,7 @@ def from_issue(issue: KnownIssue) -> Reproducer:
         reported_error=issue.message if "load-error" in issue.kinds else None,
         upstream=issue.upstream,
         kinds=list(issue.kinds),
+        relation=relation_named(issue.message) if "relation" in issue.kinds else None,
     )
 
 
@@ -93,6 +106,7 @@ def from_finding(report: Path, number: int, known: KnownIssues | None = None) ->
         reported_error=reported,
         upstream=upstream,
         kinds=[finding.get("kind", "")],
+        relation=relation_named(finding.get("message", "")) if finding.get("kind") == "relation" else None,
         finding=f"{finding.get('engine')} {finding.get('engine_version', '')} {finding.get('kind')}: "
         f"{finding.get('message', '')}",
     )

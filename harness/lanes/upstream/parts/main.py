@@ -40,8 +40,10 @@ from harness.lanes.upstream.parts.parameters import (
     EXPECTED,
     FORMAT,
     ISSUE,
+    RELATION,
     REPORTED_ERROR,
 )
+from harness.lanes.upstream.parts.relation_transformers import relation_problems  # only where RELATION is set
 
 # ---- reproduce.py ----
 
@@ -126,6 +128,8 @@ def reproduce() -> tuple[int, list[str]]:
             held, problems, notes = check_loaded(loaded)
         if held is not None and EXPECTATION != "refuse":
             problems += weight_problems(held, expected, scale_block)
+        if RELATION is not None and EXPECTATION != "refuse":
+            problems += relation_problems(scratch, loaded)
         code, lines = judge_loaded(problems, notes)
         return code, header + lines
 

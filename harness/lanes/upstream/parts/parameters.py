@@ -46,3 +46,5 @@ REPORTED_ERROR = None
 WEIGHT_TOLERANCE = {"rel": 0.0078125, "abs": 0.0}
 #: the engine's words for "no kernel for this on this machine": exit 2, not a verdict
 CANNOT_RUN_HERE = None
+#: the second load path held to the first bit for bit (round-trip, dequantize, offload), or None
+RELATION = None
