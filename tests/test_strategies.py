@@ -25,9 +25,11 @@ from harness.campaign.strategies import (
     perturbations,
     recipes,
     scale_grids,
+    whole_blocks_loadable,
 )
 from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.recipe import LAYOUT_CHOICES, PERTURB_CHOICES, PERTURB_DEFAULTS, VLM_PREFIX
+from harness.checkpoints.writer import generate
 from harness.formats import FORMAT_NAMES, get_format
 
 #: no shrinking: a found example only has to exist, and shrinking recipes is the slow part
@@ -132,6 +134,25 @@ def test_moe_sizes_transformers_runs_and_sizes_it_refuses(arch, runnable):
         architectures((arch,)),
         lambda a: all(s % GROUPED_MM_MULTIPLE == 0 for s in contraction_sizes(a)) is runnable,
     )
+
+
+LOADABLE_WHOLE_BLOCKS = tuple(n for n in FORMAT_NAMES if whole_blocks_loadable(n))
+
+
+@pytest.mark.parametrize("whole", [False, True])
+@pytest.mark.parametrize("name", LOADABLE_WHOLE_BLOCKS)
+def test_formats_whose_partial_blocks_engines_refuse_also_draw_whole_blocks(name, whole, tmp_path):
+    """ct-int4 writes a partial last group that compressed-tensors refuses (exact-or-refuse): its
+    draws also keep every K a whole number of groups, checkpoints a correct engine loads exactly."""
+    recipe = reach(
+        recipes(formats=(name,)),
+        lambda r: all(k % r.knobs["group_size"] == 0 for _, k in shapes_of(r)) is whole,
+    )
+    assert (generate(recipe, tmp_path / "checkpoint")["expectation"] == "exact") is whole
+
+
+def test_int4_is_the_format_whose_partial_groups_engines_may_refuse():
+    assert LOADABLE_WHOLE_BLOCKS == ("ct-int4",)
 
 
 @given(data=st.data())

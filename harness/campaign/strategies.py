@@ -152,14 +152,16 @@ def model_sizes(
     intermediate = draw(dimensions(rows, column_multiple))
     heads, kv_heads = draw(st.sampled_from(tuple(h for h in HEAD_COUNTS if hidden % h[0] == 0)))
     width_multiple = max(2 * heads, column_multiple)  # powers of two: this is their lcm
+    # head sizes vLLM runs, whose width (o_proj's K) is a multiple too, other than hidden_size
+    dims = [d for d in ENGINE_HEAD_DIMS if heads * d != hidden and heads * d % column_multiple == 0]
     # a head size vLLM runs comes first: it is what a cell's simplest example and a shrunk one get
     ways = ("engine-head-dim", "tied", "free") if attention != "untied" else ("engine-head-dim", "free")
     how = draw(st.sampled_from(ways))
     if how == "tied" and hidden % width_multiple == 0:
         width = hidden
         event("attention width tied to hidden_size")
-    elif how == "engine-head-dim" and any(heads * d != hidden for d in ENGINE_HEAD_DIMS):
-        width = heads * draw(st.sampled_from(tuple(d for d in ENGINE_HEAD_DIMS if heads * d != hidden)))
+    elif how == "engine-head-dim" and dims:
+        width = heads * draw(st.sampled_from(dims))
     else:
         width = draw(dimensions(cols, width_multiple))
         if attention == "untied" and width == hidden:
@@ -245,19 +247,35 @@ def size_edges(name: str, knobs: Mapping[str, Any]) -> tuple[int, int]:
 
 
 @cache
-def column_multiple(name: str) -> int:
-    """1 if the format quantizes a K with a partial last block, else its block width: asked of
-    the format itself by quantizing one row of block width + 1 (NVFP4 refuses a partial group)."""
+def partial_block(name: str) -> tuple[int, str]:
+    """(the format's block width, what it makes of a K with a partial last block: "refused", or
+    the expectation it writes): asked of the format itself by quantizing one row of block width + 1
+    with its default knobs; (1, "exact") for a format without column blocks."""
     fmt = get_format(name)
     knobs = fmt.resolve_knobs({})
     cols = fmt.scale_block(knobs, (1, 2**20))[1]
     if cols >= 2**20:
-        return 1
+        return 1, "exact"
     try:
-        fmt.quantize(torch.ones(1, cols + 1), knobs, model_dtype=torch.float32, activation_amax=1.0)
+        quantized = fmt.quantize(torch.ones(1, cols + 1), knobs, model_dtype=torch.float32, activation_amax=1.0)
     except FormatError:
-        return cols
-    return 1
+        return cols, "refused"
+    return cols, quantized.expectation
+
+
+def column_multiple(name: str) -> int:
+    """1 if the format quantizes a K with a partial last block, else its block width (NVFP4
+    refuses a partial group)."""
+    cols, partial = partial_block(name)
+    return cols if partial == "refused" else 1
+
+
+def whole_blocks_loadable(name: str) -> bool:
+    """True when the format writes a partial last block that a correct engine may refuse
+    (compressed-tensors int4 groups: "exact-or-refuse"): half of its draws, a cell's simplest
+    first, keep every K a whole number of blocks, so that engines load them and what follows the
+    load is judged (every draw of a free K, engines refuse)."""
+    return partial_block(name)[1] == "exact-or-refuse"
 
 
 @cache  # one strategy object per arguments: Hypothesis validates each new one
@@ -373,9 +391,12 @@ def _recipes(draw, formats: tuple[str, ...], archs: tuple[str, ...], force: Forc
     event(f"format: {name}")
     knobs = draw(format_knobs(name, force))
     attention = draw(st.sampled_from(dict(force).get("sizes.attention", ("any",))))
-    arch, config = draw(
-        architectures(written[name] or archs, size_edges(name, knobs), column_multiple(name), attention)
-    )
+    edges, multiple = size_edges(name, knobs), column_multiple(name)
+    if whole_blocks_loadable(name) and not draw(st.booleans()):  # whole blocks come first
+        multiple = edges[1]
+        edges = (edges[0] if edges[0] % multiple == 0 else multiple, edges[1])
+        event(f"{name}: every K a whole number of blocks (engines load it)")
+    arch, config = draw(architectures(written[name] or archs, edges, multiple, attention))
     recipe = Recipe(
         format=name,
         arch=arch,
