@@ -5,8 +5,10 @@ intermediate sizes need not be multiples of anything, which is where block grids
 
 Each architecture writes the tensor names its producers write on disk: dense llama/qwen2;
 Phi-3 with `qkv_proj` and `gate_up_proj` fused on disk; Mixtral (`block_sparse_moe.experts.E.w1/w2/w3`),
-Qwen2-MoE (a shared expert and its gate), Qwen3-MoE (q/k norms) and DeepSeek-V3 (MLA attention,
-dense first layers, shared experts, `e_score_correction_bias`) with one tensor per expert. The
+Qwen2-MoE (a shared expert and its gate), Qwen3-MoE (q/k norms), DeepSeek-V3 (MLA attention,
+dense first layers, shared experts, `e_score_correction_bias`) and Llama-4 text (`feed_forward`,
+sparse every `interleave_moe_layer_step`-th layer, a shared expert, `router`) with one tensor per
+expert, as llm-compressor writes them. The
 routers are plain Linears that producers leave unquantized (`ignored_modules`). How a transformers
 model holds these tensors (experts packed 3-D) is `harness.checkpoints.model_layout`'s job.
 """
@@ -67,6 +69,14 @@ class MoE:
     #: disk, one 3-D tensor per projection (harness.checkpoints.packed_experts)
     fused_gate_up: bool = False
     router: str = "gate"
+    #: where a transformers model holds the block (Mixtral's block_sparse_moe lives under `mlp`)
+    held_under: str = "mlp"
+    #: the model holds packed experts as [E, K, N] (x @ W, Llama-4's torch.bmm), not [E, N, K]
+    held_transposed: bool = False
+    #: config field: every how-many-th layer is sparse (Llama-4's interleave_moe_layer_step)
+    sparse_step_key: str = ""
+    #: config field sizing the dense layers' MLP where it differs from intermediate_size
+    dense_size_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,8 @@ class Architecture:
     sinks: bool = False  # gpt-oss: a learned per-head attention sink logit, `self_attn.sinks`
     #: the formats this architecture is written in (empty: every format); gpt-oss ships in its own
     only_formats: tuple[str, ...] = ()
+    #: the dense MLP's module name (Llama-4: `feed_forward`)
+    mlp_name: str = "mlp"
 
     def settings(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
         values = {**TINY_DEFAULTS, **self.extra_defaults}
@@ -125,7 +137,8 @@ class Architecture:
         if not self.moe:
             return ()
         keys = (self.moe.experts_key, self.moe.intermediate_key, "num_experts_per_tok")
-        return keys + ((self.moe.shared_size_key,) if self.moe.shared_size_key else ())
+        optional = (self.moe.shared_size_key, self.moe.sparse_step_key, self.moe.dense_size_key)
+        return keys + tuple(key for key in optional if key)
 
     def config_json(self, settings: Mapping[str, Any], dtype: str) -> dict[str, Any]:
         config = {
@@ -177,8 +190,11 @@ class Architecture:
             "self_attn.o_proj": (hidden, heads * head),
         }
 
-    def dense_mlp_shapes(self, settings: Mapping[str, Any], prefix: str = "mlp", size: int | None = None):
+    def dense_mlp_shapes(self, settings: Mapping[str, Any], prefix: str | None = None, size: int | None = None):
+        if size is None:
+            size = settings[self.moe.dense_size_key] if self.moe and self.moe.dense_size_key else None
         hidden, inter = settings["hidden_size"], settings["intermediate_size"] if size is None else size
+        prefix = self.mlp_name if prefix is None else prefix
         if self.mlp == "fused":
             return {f"{prefix}.gate_up_proj": (2 * inter, hidden), f"{prefix}.down_proj": (hidden, inter)}
         return {
@@ -188,7 +204,11 @@ class Architecture:
         }
 
     def is_sparse(self, settings: Mapping[str, Any], layer: int) -> bool:
-        return bool(self.moe) and layer >= (settings[self.moe.dense_first_key] if self.moe.dense_first_key else 0)
+        if not self.moe:
+            return False
+        if self.moe.sparse_step_key:  # Llama-4: layers step-1, 2*step-1, ... (Llama4TextConfig.moe_layers)
+            return (layer + 1) % settings[self.moe.sparse_step_key] == 0
+        return layer >= (settings[self.moe.dense_first_key] if self.moe.dense_first_key else 0)
 
     def mlp_shapes(self, settings: Mapping[str, Any], layer: int) -> dict[str, tuple[int, int]]:
         """[out, in] of each MLP Linear of decoder layer `layer` (experts one by one)."""
@@ -410,7 +430,47 @@ ARCHITECTURES = {
         sinks=True,
         only_formats=("mxfp4",),
     ),
+    "llama4": Architecture(
+        "llama4",
+        "llama4_text",
+        "Llama4ForCausalLM",
+        {
+            "num_local_experts": _EXPERTS,
+            "num_experts_per_tok": 1,
+            "intermediate_size_mlp": 112,
+            "interleave_moe_layer_step": 1,  # Scout's: every layer sparse (Maverick's is 2)
+        },
+        fixed={
+            "use_qk_norm": True,
+            "attention_bias": False,
+            "router_aux_loss_coef": 0.001,
+            "output_router_logits": False,
+            "attention_chunk_size": 8192,
+            "attn_temperature_tuning": True,
+            "no_rope_layer_interval": 4,
+        },
+        moe=MoE(
+            "feed_forward",
+            "num_local_experts",
+            "intermediate_size",
+            shared="shared_expert",
+            shared_size_key="intermediate_size",
+            router="router",
+            held_under="feed_forward",
+            held_transposed=True,
+            sparse_step_key="interleave_moe_layer_step",
+            dense_size_key="intermediate_size_mlp",
+        ),
+        mlp_name="feed_forward",
+    ),
 }
+
+
+def architecture_name(model_type: str | None) -> str | None:
+    """The registered architecture's name for a checkpoint's `model_type` (Llama-4's text model is
+    `llama4_text`, registered as `llama4`); the model_type itself for any other."""
+    arch = architecture_for(model_type or "")
+    return arch.name if arch else model_type
 
 
 def architecture_for(model_type: str) -> Architecture | None:

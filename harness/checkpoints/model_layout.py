@@ -2,7 +2,8 @@
 
 Producers write one tensor per expert (`…experts.E.gate_proj.weight`); transformers 5 holds a
 sparse layer's experts packed in 3-D (`…mlp.experts.gate_up_proj` [E, 2I, H], gate rows first,
-and `…mlp.experts.down_proj` [E, H, I]) and Mixtral's `block_sparse_moe` under `mlp`; gpt-oss
+and `…mlp.experts.down_proj` [E, H, I]) and Mixtral's `block_sparse_moe` under `mlp`; Llama-4
+holds them transposed under `feed_forward` (`gate_up_proj` [E, H, 2I], gate columns first); gpt-oss
 holds its experts transposed (`gate_up_proj` [E, H, 2I], `down_proj` [E, I, H]) with their
 biases packed beside (`gate_up_proj_bias` [E, 2I]). Written
 here from the architecture's own layout, not from transformers' conversion code, so the reference
@@ -63,34 +64,36 @@ def packed_experts(arch: Architecture, settings: Mapping) -> dict[str, Packed]:
         if not arch.is_sparse(settings, layer):
             continue
         source = f"model.layers.{layer}.{moe.block}.experts"
-        target = f"model.layers.{layer}.mlp.experts"
+        target = f"model.layers.{layer}.{moe.held_under}.experts"
         experts = range(settings[moe.experts_key])
         if moe.fused_gate_up:  # gpt-oss: x @ W.T, biases beside (GptOssExperts)
             for proj in ("gate_up_proj", "down_proj"):
                 packed[f"{target}.{proj}"] = Packed(([f"{source}.{e}.{proj}.weight" for e in experts],), True)
                 packed[f"{target}.{proj}_bias"] = Packed(([f"{source}.{e}.{proj}.bias" for e in experts],))
             continue
+        transposed = moe.held_transposed
         packed[f"{target}.gate_up_proj"] = Packed(
             (
                 [f"{source}.{e}.{gate}.weight" for e in experts],
                 [f"{source}.{e}.{up}.weight" for e in experts],
-            )
+            ),
+            transposed,
         )
-        packed[f"{target}.down_proj"] = Packed(([f"{source}.{e}.{down}.weight" for e in experts],))
+        packed[f"{target}.down_proj"] = Packed(([f"{source}.{e}.{down}.weight" for e in experts],), transposed)
     return packed
 
 
 def renamed(arch: Architecture, name: str) -> str:
     """A checkpoint name as the model calls it (Mixtral's block_sparse_moe lives under mlp)."""
-    if arch.moe and arch.moe.block != "mlp":
-        return name.replace(f".{arch.moe.block}.", ".mlp.")
+    if arch.moe and arch.moe.block != arch.moe.held_under:
+        return name.replace(f".{arch.moe.block}.", f".{arch.moe.held_under}.")
     return name
 
 
 def checkpoint_name(arch: Architecture, name: str) -> str:
     """The inverse of `renamed`: a model name as the checkpoint stores it."""
-    if arch.moe and arch.moe.block != "mlp":
-        return name.replace(".mlp.", f".{arch.moe.block}.")
+    if arch.moe and arch.moe.block != arch.moe.held_under:
+        return name.replace(f".{arch.moe.held_under}.", f".{arch.moe.block}.")
     return name
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from harness.checkpoints.architectures import architecture_name
 from harness.checkpoints.manifest import read_manifest, read_truth
 from harness.checkpoints.reader import (
     CONFIG_FILE,
@@ -201,7 +202,7 @@ class Judgement:
             kind=kind,
             format=self.fmt.name,
             message=message,
-            arch=self.config.get("model_type"),
+            arch=architecture_name(self.config.get("model_type")),
             dtype=self.dtype,
             checkpoint=str(self.directory),
             **extra,
@@ -453,7 +454,9 @@ def _judge_report(engine: str, report: dict, finding, unused: set[str] = frozens
         examples = ", ".join(
             f"{what} {keys[0]}" for what, keys in (("missing", missing), ("unexpected", unexpected)) if keys
         )
-        return f"{len(missing)} missing, {len(unexpected)} unexpected key(s): e.g. {examples}"
+        both = set(missing) & set(unexpected)  # the engine holds them in a layout it did not convert to
+        clash = f"; {len(both)} both (held in another layout the checkpoint's tensors were not converted to)"
+        return f"{len(missing)} missing, {len(unexpected)} unexpected key(s): e.g. {examples}" + (clash if both else "")
 
     missing = report.get("missing", [])
     orphans = {name.rpartition(".")[0] for name in unused}  # an engine may rename the orphan's suffix

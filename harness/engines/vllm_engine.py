@@ -316,7 +316,7 @@ class VllmEngine(Engine):
             for key, tensor in weights.items():
                 full = key if "." in key else f"{module}.{key}" if module else key
                 result[canonical_name(full)] = tensor.to(torch.float32)
-        return result
+        return unpermuted_rotary(self.config, result)
 
     def expert_weights(self, module: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A FusedMoE layer's stacked tensors, cut per expert and part, under checkpoint names."""
@@ -585,13 +585,36 @@ def expert_names(config: dict, module: str, group: str, experts: int) -> list[li
     layer = re.search(r"(?:^|\.)layers\.(\d+)\.", module)
     if arch is not None and layer is not None:
         packed = packed_experts(arch, config).get(
-            f"model.layers.{layer.group(1)}.mlp.experts.{'gate_up_proj' if group == 'w13' else 'down_proj'}"
+            f"model.layers.{layer.group(1)}.{arch.moe.held_under}.experts."
+            f"{'gate_up_proj' if group == 'w13' else 'down_proj'}"
         )
         if packed is not None and all(len(names) == experts for names in packed.parts):
             return [list(names) for names in packed.parts]
     base = module.removesuffix(".routed_experts")
     shards = ("w1", "w3") if group == "w13" else ("w2",)
     return [[f"{base}.{e}.{shard}.weight" for e in range(experts)] for shard in shards]
+
+
+#: model types whose vLLM loader permutes q_proj and k_proj rows (with their per-row scales) for its
+#: rotary embedding (Llama4ForCausalLM.permute_qk_weight_for_rotary: each head's rows (d/2, 2) ->
+#: (2, d/2)): the held weights are compared after undoing it
+ROTARY_PERMUTED = ("llama4_text",)
+
+
+def unpermuted_rotary(config: dict, held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`held` with the q/k rows vLLM permuted for its rotary embedding put back in checkpoint order."""
+    if config.get("model_type") not in ROTARY_PERMUTED:
+        return held
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    result = dict(held)
+    for name, tensor in held.items():
+        projection = name.removesuffix(".weight").rpartition(".")[2]
+        if not name.endswith(".weight") or projection not in heads or tensor.dim() != 2:
+            continue
+        rows, cols = tensor.shape
+        count = heads[projection]
+        result[name] = tensor.reshape(count, 2, rows // count // 2, cols).transpose(1, 2).reshape(rows, cols)
+    return result
 
 
 def split_parts(name: str, tensors: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:

@@ -6,7 +6,11 @@ with their own static scale, down sees the activated product quantized with its 
 
 The experts' computation around that is the model class's eager one (Mixtral, Qwen2-MoE,
 Qwen3-MoE and DeepSeek-V3 share it): the tokens routed to expert e, act(gate) * up, down, times the
-routing weight, summed per token. A forward hook replaces the module's output with this one.
+routing weight, summed per token. Llama-4's (Llama4TextExperts, called with the hidden states alone)
+differs: every expert runs every token, already scaled by its routing score ([E * tokens, H] in,
+the block of expert e first), with x @ W (`gate_up_proj` [E, H, 2I], gate columns first; `down_proj`
+[E, I, H]); the sum over experts is the caller's. A forward hook replaces the module's output with
+this one.
 """
 
 from __future__ import annotations
@@ -40,6 +44,20 @@ def _forward(module, scheme: ActivationScheme, scales: ExpertScales, hidden, top
     return result
 
 
+def _forward_every_token(module, scheme: ActivationScheme, scales: ExpertScales, hidden):
+    """Llama-4's experts: expert e's block of the routing-scaled tokens through its own Linears."""
+    blocks = hidden.view(module.gate_up_proj.shape[0], -1, hidden.shape[-1])
+    width = module.gate_up_proj.shape[2] // 2
+    outputs = []
+    for expert, (gate_scale, up_scale, down_scale) in enumerate(scales):
+        tokens, weights = blocks[expert], module.gate_up_proj[expert]
+        gate = quantize_activations(tokens, scheme, gate_scale) @ weights[:, :width]
+        up = quantize_activations(tokens, scheme, up_scale) @ weights[:, width:]
+        inner = quantize_activations(up * module.act_fn(gate), scheme, down_scale)
+        outputs.append(inner @ module.down_proj[expert])
+    return torch.stack(outputs).view(-1, hidden.shape[-1])
+
+
 def install(model: torch.nn.Module, experts: Mapping[str, ExpertScales], scheme: ActivationScheme) -> list:
     """Give each named experts module (name -> per-expert scales) the forward above; the handles."""
     modules = dict(model.named_modules())
@@ -53,6 +71,8 @@ def install(model: torch.nn.Module, experts: Mapping[str, ExpertScales], scheme:
 
         def hook(module, args, kwargs, output, scales=scales):
             values = list(args) + [kwargs[k] for k in ("hidden_states", "top_k_index", "top_k_weights") if k in kwargs]
+            if len(values) == 1:  # Llama-4: the hidden states alone
+                return _forward_every_token(module, scheme, scales, values[0])
             return _forward(module, scheme, scales, *values[:3])
 
         handles.append(module.register_forward_hook(hook, with_kwargs=True))
