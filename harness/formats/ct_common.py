@@ -45,3 +45,15 @@ def single_group(config: Mapping, format_name: str) -> dict | None:
     if not isinstance(group, dict) or (group.get("format") or config.get("format")) != format_name:
         return None
     return group
+
+
+def partial_last_group(result, cols: int, group: int, what: str):
+    """`result` (a QuantizedWeight) marked exact-or-refuse where K leaves a partial last group of
+    `what`, which compressed-tensors 0.20 cannot quantize or dequantize; `result` itself."""
+    if cols % group:
+        result.expectation = "exact-or-refuse"
+        result.notes.append(
+            f"K={cols} is not a multiple of {what} {group}: the last group is partial, which "
+            "compressed-tensors 0.20 cannot quantize or dequantize (it raises)"
+        )
+    return result

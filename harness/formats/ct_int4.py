@@ -31,7 +31,7 @@ from harness.formats.base import (
     require_shape,
     require_tensor,
 )
-from harness.formats.ct_common import single_group, single_group_config
+from harness.formats.ct_common import partial_last_group, single_group, single_group_config
 from harness.formats.fp8_block import block_amax, expand_block_grid
 
 FORMAT_NAME = "pack-quantized"
@@ -144,13 +144,7 @@ class CtInt4(QuantFormat):
         }
         column_group = torch.arange(cols) // block[1]
         result = QuantizedWeight(tensors, truth=codes.to(torch.float64) * scale.to(torch.float64)[:, column_group])
-        if cols % block[1]:
-            result.expectation = "exact-or-refuse"
-            result.notes.append(
-                f"K={cols} is not a multiple of group_size {block[1]}: the last group is partial, which "
-                "compressed-tensors 0.20 cannot quantize or dequantize (it raises)"
-            )
-        return result
+        return partial_last_group(result, cols, block[1], "group_size")
 
     def dequantize(self, tensors, knobs):
         packed = require_tensor(tensors, "weight_packed")

@@ -33,7 +33,7 @@ from harness.formats.base import (
     require_shape,
     require_tensor,
 )
-from harness.formats.ct_common import single_group, single_group_config
+from harness.formats.ct_common import partial_last_group, single_group, single_group_config
 from harness.formats.fp8_block import block_amax, expand_block_grid
 from harness.formats.nvfp4_common import E2M1_MAGNITUDES
 
@@ -154,13 +154,7 @@ class CtMxfp4(QuantFormat):
         values = torch.where((codes & 8) != 0, -magnitude, magnitude)
         powers = torch.exp2(stored.to(torch.float64) - E8M0_BIAS)[:, torch.arange(cols) // GROUP]
         result = QuantizedWeight({"weight_packed": pack_e2m1(codes), "weight_scale": stored}, truth=values * powers)
-        if cols % GROUP:
-            result.expectation = "exact-or-refuse"
-            result.notes.append(
-                f"K={cols} is not a multiple of the MXFP4 group size {GROUP}: the last group is partial, which "
-                "compressed-tensors 0.20 cannot quantize or dequantize (it raises)"
-            )
-        return result
+        return partial_last_group(result, cols, GROUP, "the MXFP4 group size")
 
     def dequantize(self, tensors, knobs):
         packed = require_tensor(tensors, "weight_packed")
