@@ -228,7 +228,9 @@ def perturbation_notes(manifest: dict) -> list[str]:
 
 
 #: what the standalone scripts' own writer (parts/checkpoint.py) can express
-SCRIPT_ARCHS = ("llama", "qwen2")
+SCRIPT_ARCHS = ("llama", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe")
+#: the MoE ones, whose per-expert judgement the transformers piece alone reads back (packed experts)
+SCRIPT_MOE_ENGINES = {"mixtral": ("transformers",), "qwen2_moe": ("transformers",), "qwen3_moe": ("transformers",)}
 SCRIPT_LAYOUT = ("dtype", "key_prefix", "shards", "split_scale", "activation_amax")
 #: the relations a script holds an engine to (parts/relation_transformers.py), by engine
 SCRIPT_RELATIONS = {"transformers": ("round-trip", "dequantize", "offload")}
@@ -242,6 +244,8 @@ def unscriptable(reproducer: Reproducer) -> str | None:
     why = unexpressible(reproducer.recipe)
     if why:
         return why
+    if reproducer.engine not in SCRIPT_MOE_ENGINES.get(reproducer.recipe.arch, (reproducer.engine,)):
+        return f"architecture '{reproducer.recipe.arch}' with {reproducer.engine}"
     for kind in reproducer.kinds:
         if kind in UNSCRIPTED_KINDS:
             return UNSCRIPTED_KINDS[kind]
@@ -257,7 +261,7 @@ def unexpressible(recipe) -> str | None:
     if recipe.format not in FORMAT_PIECES:
         return f"format '{recipe.format}'"
     if recipe.arch not in SCRIPT_ARCHS:
-        return f"architecture '{recipe.arch}' (the scripts write {' and '.join(SCRIPT_ARCHS)})"
+        return f"architecture '{recipe.arch}' (the scripts write {', '.join(SCRIPT_ARCHS)})"
     layout = [k for k, v in recipe.layout.items() if k not in SCRIPT_LAYOUT and v != LAYOUT_DEFAULTS.get(k)]
     perturb = [k for k in ("disagreement",) if recipe.perturb.get(k, PERTURB_DEFAULTS[k]) != PERTURB_DEFAULTS[k]]
     if layout or perturb:

@@ -31,7 +31,12 @@ def check_loaded(loaded):
         for key in ("missing_keys", "unexpected_keys", "mismatched_keys")
         if info.get(key)
     ]
-    problems = []
+    # a scale the engine reports unexpected is a scale it dropped (its weight may still look right)
+    problems = [
+        f"scale tensor dropped as unexpected: {key}"
+        for key in sorted(map(str, info.get("unexpected_keys") or ()))
+        if "scale" in key.rpartition(".")[2]
+    ][:8]
     try:
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([PROMPT])).logits
