@@ -45,7 +45,7 @@ CI_SCRIPTS = {
     "transformers-fp8-block-grid-inferred-from-shape",
     "ct-nvfp4-global-scale-convention-unchecked",
     "vllm-qwen2-ignores-head-dim",
-    "transformers-ct-fp8-float32-scales-rounded-to-bfloat16",  # a relation: a second load path
+    "transformers-ct-fp8-float32-scales-rounded-to-model-dtype",  # a relation: a second load path
 }
 RUN_SCRIPTS = [
     pytest.param(issue, id=issue.id, marks=() if issue.id in CI_SCRIPTS else pytest.mark.nightly) for issue in ISSUES
@@ -260,7 +260,7 @@ def test_script_says_fixed_when_the_engine_loads_right(tmp_path):
 def test_relation_script_says_fixed_when_the_two_load_paths_agree(tmp_path):
     """The dequantize relation's script with scales stored in the model dtype (the default path holds them exactly):
     both paths hold the same weights, and the script exits 0."""
-    reproducer = from_issue(KnownIssues.load().by_id("transformers-ct-fp8-float32-scales-rounded-to-bfloat16"))
+    reproducer = from_issue(KnownIssues.load().by_id("transformers-ct-fp8-float32-scales-rounded-to-model-dtype"))
     assert reproducer.relation == "dequantize"
     reproducer.recipe.knobs["scale_dtype"] = "model"
     done, _ = run_standalone(render_script(reproducer).text, "transformers", tmp_path)

@@ -30,7 +30,8 @@ MISSING_KERNEL = re.compile(
     r"Forced \w+ kernel \w+ is not supported|"
     r"Unsupported \w+ MoE backend: NONE|"
     r"No \w+ MoE backend supports the deployment configuration|"
-    r"_C::\w+\(\) expected at most 0 argument\(s\)"
+    r"_C::\w+\(\) expected at most 0 argument\(s\)|"
+    r"\"\w+\" not implemented for '(Float|Half|BFloat16)'"  # a CPU kernel without this dtype (int4 in float32)
 )
 #: the shape the probe writes: every fused part a multiple of 128 rows, a head size vLLM's CPU
 #: attention supports (tests/engines/test_vllm_engine.py runs the same)
