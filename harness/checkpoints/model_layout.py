@@ -71,15 +71,14 @@ def packed_experts(arch: Architecture, settings: Mapping) -> dict[str, Packed]:
                 packed[f"{target}.{proj}"] = Packed(([f"{source}.{e}.{proj}.weight" for e in experts],), True)
                 packed[f"{target}.{proj}_bias"] = Packed(([f"{source}.{e}.{proj}.bias" for e in experts],))
             continue
-        transposed = moe.held_transposed
         packed[f"{target}.gate_up_proj"] = Packed(
             (
                 [f"{source}.{e}.{gate}.weight" for e in experts],
                 [f"{source}.{e}.{up}.weight" for e in experts],
             ),
-            transposed,
+            moe.held_transposed,
         )
-        packed[f"{target}.down_proj"] = Packed(([f"{source}.{e}.{down}.weight" for e in experts],), transposed)
+        packed[f"{target}.down_proj"] = Packed(([f"{source}.{e}.{down}.weight" for e in experts],), moe.held_transposed)
     return packed
 
 
