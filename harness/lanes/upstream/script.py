@@ -29,6 +29,7 @@ FORMAT_PIECES = {
     "ct-fp8-tensor": "fp8",
     "ct-fp8-channel": "fp8",
     "ct-fp8-block": "fp8",
+    "modelopt-fp8": "fp8",
     "ct-nvfp4": "nvfp4",
     "ct-nvfp4a16": "nvfp4",
     "modelopt-nvfp4": "nvfp4",
@@ -63,10 +64,11 @@ class Script:
     package: str  # the engine's importable package
 
 
-def pieces(format_name: str, engine: str, relation: str | None = None) -> list[str]:
+def pieces(format_name: str, engine: str, relation: str | None = None, activations: bool = False) -> list[str]:
     if format_name not in FORMAT_PIECES:
         raise HarnessError(f"no standalone reproducer for format '{format_name}' (known: {', '.join(FORMAT_PIECES)})")
     checked = [f"relation_{engine.replace('-', '_')}"] if relation else []
+    checked += ["activations"] if activations else []
     return ["common", FORMAT_PIECES[format_name], "checkpoint", *ENGINE_PIECES[engine], *checked, "main"]
 
 
@@ -202,6 +204,22 @@ def checkpoint_facts(reproducer: Reproducer) -> tuple[dict, dict]:
         return json.loads((directory / "config.json").read_text()), manifest
 
 
+def disagreement_target(resolved) -> dict | None:
+    """The module the recipe's disagreement is applied to, and its main scale, as the harness's
+    writer picks them."""
+    from harness.checkpoints import disagreements
+    from harness.checkpoints.architectures import ARCHITECTURES
+    from harness.formats import get_format
+
+    if resolved.perturb["disagreement"] == "none":
+        return None
+    recipe = resolved.recipe
+    layout = ARCHITECTURES[recipe.arch].tensor_layout(resolved.settings)
+    module = disagreements.target_module([n.removesuffix(".weight") for n, s in layout.items() if s[1] == "linear"])
+    fmt = get_format(recipe.format)
+    return {"module": module, "scale": disagreements.main_scale(list(fmt.suffixes), fmt.marker)}
+
+
 def expected_words(engine: str, expectation: str, definition: str, notes: list[str], tolerance: str) -> str:
     held = (
         "sizes every layer as config.json says and runs a forward pass with finite log-probabilities"
@@ -231,11 +249,16 @@ def perturbation_notes(manifest: dict) -> list[str]:
 SCRIPT_ARCHS = ("llama", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe")
 #: the MoE ones, whose per-expert judgement the transformers piece alone reads back (packed experts)
 SCRIPT_MOE_ENGINES = {"mixtral": ("transformers",), "qwen2_moe": ("transformers",), "qwen3_moe": ("transformers",)}
-SCRIPT_LAYOUT = ("dtype", "key_prefix", "shards", "split_scale", "activation_amax")
+SCRIPT_LAYOUT = ("dtype", "key_prefix", "shards", "split_scale", "activation_amax", "quantize_lm_head", "kv_scales")
 #: the relations a script holds an engine to (parts/relation_transformers.py), by engine
 SCRIPT_RELATIONS = {"transformers": ("round-trip", "dequantize", "offload")}
-#: finding kinds a script's judgement (the weights, the load, one forward) cannot see
-UNSCRIPTED_KINDS = {"activations": "activation quantization (the scripts judge weights and loads, not activations)"}
+#: the engines whose model is a torch module tree the script can record each Linear's input in
+ACTIVATION_ENGINES = ("transformers", "compressed-tensors")
+#: how a known issue's message says its finding is not the per-Linear activation probe's (the
+#: experts transformers packs into 3-D parameters are no Linears): the script records Linears too
+NOT_THE_PROBE = "^(?!activation probe)"
+#: how a report's activation finding from that probe begins (harness.differential.probe)
+PROBE_FINDING = "activation probe:"
 
 
 def unscriptable(reproducer: Reproducer) -> str | None:
@@ -246,9 +269,14 @@ def unscriptable(reproducer: Reproducer) -> str | None:
         return why
     if reproducer.engine not in SCRIPT_MOE_ENGINES.get(reproducer.recipe.arch, (reproducer.engine,)):
         return f"architecture '{reproducer.recipe.arch}' with {reproducer.engine}"
-    for kind in reproducer.kinds:
-        if kind in UNSCRIPTED_KINDS:
-            return UNSCRIPTED_KINDS[kind]
+    if "activations" in reproducer.kinds:
+        if reproducer.engine not in ACTIVATION_ENGINES:
+            return f"activation quantization in {reproducer.engine} (the scripts record a torch model's Linears)"
+        if reproducer.recipe.resolved().layout["dtype"] != "float32":
+            return "activation quantization in a reduced-precision model (the scripts judge it in float32)"
+        pattern = reproducer.finding_pattern
+        if pattern.startswith(NOT_THE_PROBE) or (reproducer.finding and not pattern.startswith(PROBE_FINDING)):
+            return "activation quantization outside the Linears (the issue says a per-Linear probe does not see it)"
     if "relation" in reproducer.kinds and reproducer.relation not in SCRIPT_RELATIONS.get(reproducer.engine, ()):
         return f"relation {reproducer.relation or '(unnamed)'} with {reproducer.engine}"
     return None
@@ -256,16 +284,15 @@ def unscriptable(reproducer: Reproducer) -> str | None:
 
 def unexpressible(recipe) -> str | None:
     """Why a standalone script cannot write this reproducer's checkpoint, or None when it can."""
-    from harness.checkpoints.recipe import LAYOUT_DEFAULTS, PERTURB_DEFAULTS
+    from harness.checkpoints.recipe import LAYOUT_DEFAULTS
 
     if recipe.format not in FORMAT_PIECES:
         return f"format '{recipe.format}'"
     if recipe.arch not in SCRIPT_ARCHS:
         return f"architecture '{recipe.arch}' (the scripts write {', '.join(SCRIPT_ARCHS)})"
     layout = [k for k, v in recipe.layout.items() if k not in SCRIPT_LAYOUT and v != LAYOUT_DEFAULTS.get(k)]
-    perturb = [k for k in ("disagreement",) if recipe.perturb.get(k, PERTURB_DEFAULTS[k]) != PERTURB_DEFAULTS[k]]
-    if layout or perturb:
-        return f"layout setting(s) {', '.join(layout + perturb)}"
+    if layout:
+        return f"layout setting(s) {', '.join(layout)}"
     return None
 
 
@@ -279,7 +306,8 @@ def render_script(reproducer: Reproducer) -> Script:
     resolved = reproducer.recipe.resolved()
     config, manifest = checkpoint_facts(reproducer)
     format_name, dtype = reproducer.recipe.format, resolved.layout["dtype"]
-    names = pieces(format_name, reproducer.engine, reproducer.relation)
+    judge_activations = "activations" in reproducer.kinds
+    names = pieces(format_name, reproducer.engine, reproducer.relation, judge_activations)
     parsed = {name: read_piece(name) for name in names}
     tolerance = load_tolerances(format_name, dtype)
     definition = definition_of(format_name, resolved.knobs)
@@ -306,13 +334,17 @@ def render_script(reproducer: Reproducer) -> Script:
             "shards": layout.get("shards", 1),  # one file unless the recipe asks for shards
             "split_scale": layout.get("split_scale", False),
             "activation_amax": resolved.layout["activation_amax"],
+            "quantize_lm_head": resolved.layout["quantize_lm_head"],
+            "kv_scales": resolved.layout["kv_scales"],
         },
         "PERTURB": resolved.perturb,
+        "DISAGREEMENT": disagreement_target(resolved),
         "EXPECTATION": manifest["expectation"],
         "EXPECTED": expected,
         "REPORTED_ERROR": reproducer.reported_error,
         "WEIGHT_TOLERANCE": {"rel": tolerance.weight_rel, "abs": tolerance.weight_abs},
         "CANNOT_RUN_HERE": MISSING_KERNEL.pattern if reproducer.engine == "vllm" else None,
+        "JUDGE_ACTIVATIONS": judge_activations,
         "RELATION": reproducer.relation,
     }
     package = ENGINES[reproducer.engine].package

@@ -19,7 +19,7 @@ from harness.lanes.upstream.parts.fp8 import (  # or nvfp4: the format piece the
     scale_block,
     subnormal_amax,
 )
-from harness.lanes.upstream.parts.parameters import CONFIG, LAYOUT, PERTURB, SEED
+from harness.lanes.upstream.parts.parameters import CONFIG, DISAGREEMENT, LAYOUT, PERTURB, SEED
 
 # ---- reproduce.py ----
 
@@ -31,6 +31,16 @@ MOE = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), "num_local_experts", "intermediate_size"),
     "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", "moe_intermediate_size"),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", "moe_intermediate_size"),
+}
+
+
+#: FP8 KV-cache scales under each naming real checkpoints use (LAYOUT["kv_scales"]): compressed-tensors
+#: today, older compressed-tensors, ModelOpt, and half a pair
+KV_SCALE_NAMES = {
+    "self_attn": ("self_attn.k_scale", "self_attn.v_scale"),
+    "output_scale": ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
+    "proj": ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"),
+    "k-only": ("self_attn.k_scale",),
 }
 
 
@@ -155,9 +165,38 @@ def rename(name: str) -> str:
     return prefix + name.removeprefix("model.") if name.startswith("model.") else name
 
 
-def write_tensors(directory, tensors: dict[str, torch.Tensor], scales: dict[str, str]) -> None:
+def kv_scales(config) -> dict[str, torch.Tensor]:
+    """Each layer's k/v scales (kv amax / 448, float32; [] as ModelOpt exports them, else [1]),
+    distinct per layer and between k and v."""
+    shape = () if LAYOUT["kv_scales"] == "proj" else (1,)
+    scales = {}
+    for layer in range(config["num_hidden_layers"]):
+        for index, name in enumerate(KV_SCALE_NAMES.get(LAYOUT["kv_scales"], ())):
+            value = LAYOUT["activation_amax"] * (1 + 0.25 * layer + 0.5 * index) / 448.0
+            scales[f"model.layers.{layer}.{name}"] = torch.full(shape, value, dtype=torch.float32)
+    return scales
+
+
+def disagree(tensors: dict[str, torch.Tensor]) -> set[str]:
+    """The config/tensor disagreement on DISAGREEMENT's module, in the stored tensors: its scale
+    deleted, stored under the other convention's name, or copied to a module the model lacks.
+    Returns the names the index leaves out (index-omits-tensor). The config's side (the ignore
+    list, quantization_status) is in CONFIG as written."""
+    kind, module, scale = PERTURB["disagreement"], DISAGREEMENT["module"], DISAGREEMENT["scale"]
+    name = f"{module}.{scale}"
+    if kind == "missing-scale":
+        del tensors[name]
+    elif kind == "scale-renamed":
+        other = "weight_scale" if scale == "weight_scale_inv" else "weight_scale_inv"
+        tensors[f"{module}.{other}"] = tensors.pop(name)
+    elif kind == "orphan-scale":
+        tensors[f"{module.rpartition('.')[0]}.unused_proj.{scale}"] = tensors[name].clone()
+    return {name} if kind == "index-omits-tensor" else set()
+
+
+def write_tensors(directory, tensors: dict[str, torch.Tensor], scales: dict[str, str], unlisted=()) -> None:
     """One model.safetensors, or LAYOUT['shards'] files with an index (with split_scale, each
-    scale in the shard after its weight's)."""
+    scale in the shard after its weight's) that lists every tensor but `unlisted`."""
     shards = LAYOUT["shards"]
     if shards == 1:
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
@@ -169,7 +208,8 @@ def write_tensors(directory, tensors: dict[str, torch.Tensor], scales: dict[str,
     for index, file in enumerate(files):
         chunk = {name: tensor for name, tensor in tensors.items() if place[name] == index}
         save_file(chunk, str(directory / file), metadata={"format": "pt"})
-    index = {"metadata": {}, "weight_map": {name: files[place[name]] for name in sorted(tensors)}}
+    listed = sorted(set(tensors) - set(unlisted))
+    index = {"metadata": {}, "weight_map": {name: files[place[name]] for name in listed}}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
@@ -178,11 +218,16 @@ def build_checkpoint(directory) -> dict[str, torch.Tensor]:
     format's definition (float64), the values a correct loader holds."""
     stored, expected, scales = {}, {}, {}
     first = True
+    quantized = {"linear", "lm_head"} if LAYOUT["quantize_lm_head"] else {"linear"}
+    target = DISAGREEMENT and DISAGREEMENT["module"]
     for name, weight in float_weights(CONFIG).items():
-        if tensor_layout(CONFIG)[name][1] != "linear":
+        module = name.removesuffix(".weight")
+        if module == target and PERTURB["disagreement"] == "plain-not-ignored":
+            stored[name], expected[module] = weight, weight.to(torch.float64)  # as stored: the config quantizes it
+            continue
+        if tensor_layout(CONFIG)[name][1] not in quantized:
             stored[name] = weight
             continue
-        module = name.removesuffix(".weight")
         tensors = quantize_weight(perturb_weight(weight))
         expected[module] = dequantize_definition(tensors)
         tensors, literal = perturb_storage(tensors)
@@ -195,6 +240,10 @@ def build_checkpoint(directory) -> dict[str, torch.Tensor]:
         if LAYOUT["split_scale"]:
             names = list(tensors)
             scales[rename(f"{module}.{names[1]}")] = rename(f"{module}.{names[0]}")
-    write_tensors(directory, {rename(name): tensor for name, tensor in stored.items()}, scales)
+    stored |= kv_scales(CONFIG)
+    unlisted = disagree(stored) if target else set()
+    stored = {rename(name): tensor for name, tensor in stored.items()}
+    scales = {scale: weight for scale, weight in scales.items() if scale in stored}
+    write_tensors(directory, stored, scales, {rename(name) for name in unlisted})
     (directory / "config.json").write_text(json.dumps(CONFIG, indent=2))
     return expected

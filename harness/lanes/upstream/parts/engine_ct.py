@@ -1,8 +1,11 @@
 """The engine: compressed-tensors' own decompression.
 
-As the harness's compressed-tensors engine runs it: a tree of torch Linears,
-`apply_quantization_config`, `ModelCompressor.compress_model`, the checkpoint's tensors loaded
-unmodified, `decompress_model`, then each Linear's forward."""
+As the harness's compressed-tensors engine runs it: a module tree, `apply_quantization_config`,
+`ModelCompressor.compress_model`, the checkpoint's tensors loaded unmodified, `decompress_model`,
+then each Linear's forward. The tree is the decoder's Linears in plain torch, or, where the
+checkpoint has parts only a whole model holds (KV-cache scales on its attention, a head tied to
+its embeddings), transformers' model built from config.json (compressed-tensors requires
+transformers and hooks its KV cache into it)."""
 
 from __future__ import annotations
 
@@ -41,13 +44,27 @@ def linear_tree(config) -> torch.nn.Module:
     return root
 
 
+def whole_model(directory) -> torch.nn.Module:
+    """transformers' model class from config.json, unquantized, in the model dtype: the tree
+    compressed-tensors attaches its KV cache and a tied head to."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    del config.quantization_config
+    return AutoModelForCausalLM.from_config(config, dtype=MODEL_DTYPE)
+
+
+def needs_whole_model(config) -> bool:
+    return LAYOUT["kv_scales"] != "none" or (LAYOUT["quantize_lm_head"] and bool(config.get("tie_word_embeddings")))
+
+
 def load_model(directory):
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
 
     config = json.loads((Path(directory) / "config.json").read_text())
     quantization_config = QuantizationConfig.model_validate(config["quantization_config"])
-    model = linear_tree(config).eval()
+    model = (whole_model(directory) if needs_whole_model(config) else linear_tree(config)).eval()
     apply_quantization_config(model, quantization_config)
     compressor = ModelCompressor(quantization_config=quantization_config)
     compressor.compress_model(model)
@@ -66,6 +83,10 @@ def check_loaded(loaded):
     """(held weights, problems, notes): each Linear's forward on a random input."""
     model, result = loaded
     notes = [f"load_state_dict: missing {result.missing_keys[:4]}"] if result.missing_keys else []
+    notes += [f"load_state_dict: unexpected {result.unexpected_keys[:4]}"] if result.unexpected_keys else []
+    # a scale that never arrived leaves its module at the initial value; one left over was dropped
+    dropped = [key for key in (*result.missing_keys, *result.unexpected_keys) if "scale" in key.rpartition(".")[2]]
+    problems = [f"scale tensor never loaded into its module: {key}" for key in dropped[:8]]
     failures, nonfinite = {}, []
     generator = torch.Generator().manual_seed(SEED)
     for name, module in model.named_modules():
@@ -79,6 +100,6 @@ def check_loaded(loaded):
                 nonfinite.append(name)
         except Exception as error:
             failures.setdefault(f"{type(error).__name__}: {str(error)[:300]}", []).append(name)
-    problems = [f"the forward pass of {', '.join(names)} fails: {error}" for error, names in failures.items()]
+    problems += [f"the forward pass of {', '.join(names)} fails: {error}" for error, names in failures.items()]
     problems += [f"the forward pass of {', '.join(nonfinite)} yields non-finite outputs"] if nonfinite else []
     return held_weights(model), problems, notes

@@ -31,12 +31,17 @@ def check_loaded(loaded):
         for key in ("missing_keys", "unexpected_keys", "mismatched_keys")
         if info.get(key)
     ]
-    # a scale the engine reports unexpected is a scale it dropped (its weight may still look right)
+    # a scale the engine reports unexpected is a scale it dropped (its weight may still look right);
+    # one it reports missing is one its module runs with at the initial value
     problems = [
-        f"scale tensor dropped as unexpected: {key}"
-        for key in sorted(map(str, info.get("unexpected_keys") or ()))
+        f"{what}: {key}"
+        for report, what in (
+            ("unexpected_keys", "scale tensor dropped as unexpected"),
+            ("missing_keys", "scale tensor missing, its module runs with the initial value"),
+        )
+        for key in sorted(map(str, info.get(report) or ()))[:8]
         if "scale" in key.rpartition(".")[2]
-    ][:8]
+    ]
     try:
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([PROMPT])).logits

@@ -1,10 +1,11 @@
-"""FP8 with a grid of scales: FineGrainedFP8, compressed-tensors float-quantized.
+"""FP8 with a grid of scales: FineGrainedFP8, compressed-tensors float-quantized, ModelOpt FP8.
 
 Definitions:
   fp8-block: W = fp8 * weight_scale_inv of its [{block_rows}, {block_cols}] block (edge blocks partial)
   ct-fp8-tensor: W = fp8 * weight_scale (one per tensor)
   ct-fp8-channel: W = fp8 * weight_scale of its row
   ct-fp8-block: W = fp8 * weight_scale of its [{block_rows}, {block_cols}] block (edge blocks partial)
+  modelopt-fp8: W = fp8 * weight_scale (one per tensor; input_scale the static activation multiplier)
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from harness.lanes.upstream.parts.parameters import FORMAT, KNOBS, LAYOUT
 # ---- reproduce.py ----
 
 E4M3_MAX = 448.0
-STRATEGY = "block" if FORMAT == "fp8-block" else FORMAT.rpartition("-")[2]  # tensor, channel or block
+#: tensor, channel or block
+STRATEGY = {"fp8-block": "block", "modelopt-fp8": "tensor"}.get(FORMAT, FORMAT.rpartition("-")[2])
 SCALE_NAME = "weight_scale_inv" if FORMAT == "fp8-block" else "weight_scale"
 
 
@@ -31,7 +33,9 @@ def scale_block(shape) -> tuple[int, int]:
 
 
 def scale_dtype() -> torch.dtype:
-    return MODEL_DTYPE if KNOBS["scale_dtype"] == "model" else getattr(torch, KNOBS["scale_dtype"])
+    """The recipe's scale dtype; float32 for ModelOpt, which has no other."""
+    named = KNOBS.get("scale_dtype", "float32")
+    return MODEL_DTYPE if named == "model" else getattr(torch, named)
 
 
 def expand(grid: torch.Tensor, rows: int, cols: int, block) -> torch.Tensor:
@@ -57,6 +61,9 @@ def quantize_weight(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     }
     if KNOBS.get("input_scale"):  # a static per-tensor activation scale
         tensors["input_scale"] = torch.tensor([LAYOUT["activation_amax"] / E4M3_MAX]).to(scale_dtype())
+    if FORMAT == "modelopt-fp8":  # always static, a scalar as ModelOpt exports it; amax in the model dtype
+        amax = torch.tensor(LAYOUT["activation_amax"], dtype=MODEL_DTYPE).float()
+        tensors["input_scale"] = amax / E4M3_MAX
     return tensors
 
 

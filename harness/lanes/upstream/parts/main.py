@@ -12,10 +12,15 @@ import re
 import sys
 import tempfile
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
+from harness.lanes.upstream.parts.activations import (  # only where JUDGE_ACTIVATIONS is set
+    ActivationRecorder,
+    activation_problems,
+)
 from harness.lanes.upstream.parts.checkpoint import build_checkpoint
 from harness.lanes.upstream.parts.common import (
     EXIT_BUG,
@@ -40,6 +45,7 @@ from harness.lanes.upstream.parts.parameters import (
     EXPECTED,
     FORMAT,
     ISSUE,
+    JUDGE_ACTIVATIONS,
     RELATION,
     REPORTED_ERROR,
 )
@@ -125,9 +131,14 @@ def reproduce() -> tuple[int, list[str]]:
             except Exception as error:
                 code, lines = judge_refusal(error, logs.lines)
                 return code, header + lines
-            held, problems, notes = check_loaded(loaded)
+            recorder = ActivationRecorder(loaded[0], expected) if JUDGE_ACTIVATIONS else nullcontext()
+            with recorder:
+                held, problems, notes = check_loaded(loaded)
         if held is not None and EXPECTATION != "refuse":
             problems += weight_problems(held, expected, scale_block)
+        if JUDGE_ACTIVATIONS and held is not None:
+            found, seen = activation_problems(recorder, held, scratch)
+            problems, notes = problems + found, notes + seen
         if RELATION is not None and EXPECTATION != "refuse":
             problems += relation_problems(scratch, loaded)
         code, lines = judge_loaded(problems, notes)

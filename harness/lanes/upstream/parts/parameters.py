@@ -35,8 +35,24 @@ KNOBS = {
     "scale_dtype": "float32",
     "scale_layout": "normal",
 }
-LAYOUT = {"dtype": "bfloat16", "key_prefix": "model.", "shards": 1, "split_scale": False, "activation_amax": 4.0}
-PERTURB = {"zero_block": False, "subnormal_block": False, "extreme_amax": "none", "nonfinite_scale": "none"}
+LAYOUT = {
+    "dtype": "bfloat16",
+    "key_prefix": "model.",
+    "shards": 1,
+    "split_scale": False,
+    "activation_amax": 4.0,
+    "quantize_lm_head": False,
+    "kv_scales": "none",
+}
+PERTURB = {
+    "zero_block": False,
+    "subnormal_block": False,
+    "extreme_amax": "none",
+    "nonfinite_scale": "none",
+    "disagreement": "none",
+}
+#: the module whose tensors disagree with the config (PERTURB["disagreement"]) and its main scale, or None
+DISAGREEMENT = None
 #: what a correct loader does: "exact" (load the weights the format defines), "refuse", "exact-or-refuse"
 EXPECTATION = "exact"
 EXPECTED = "loads the checkpoint and holds every quantized weight as the format defines it"
@@ -46,5 +62,7 @@ REPORTED_ERROR = None
 WEIGHT_TOLERANCE = {"rel": 0.0078125, "abs": 0.0}
 #: the engine's words for "no kernel for this on this machine": exit 2, not a verdict
 CANNOT_RUN_HERE = None
+#: whether the script also judges what each quantized Linear does to its input (an activations issue)
+JUDGE_ACTIVATIONS = False
 #: the second load path held to the first bit for bit (round-trip, dequantize, offload), or None
 RELATION = None
