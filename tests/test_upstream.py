@@ -19,6 +19,7 @@ import pytest
 import torch
 from packaging.version import Version
 
+from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.reader import Checkpoint
 from harness.checkpoints.recipe import Recipe
 from harness.commands.cli import main
@@ -117,7 +118,7 @@ def test_script_keeps_the_reproducer_recipe(issue):
     values = parameters(script_text(issue.id))
     recipe = issue.reproducer
     assert values["ISSUE"] == issue.id and values["ENGINE"] == issue.engine and values["FORMAT"] == recipe["format"]
-    assert values["CONFIG"]["model_type"] == recipe["arch"]
+    assert values["CONFIG"]["model_type"] == ARCHITECTURES[recipe["arch"]].model_type
     assert recipe.get("config", {}).items() <= values["CONFIG"].items()
     knobs = dict(recipe.get("knobs", {}))
     if "block_size" in knobs:
@@ -335,6 +336,11 @@ FIXED_VARIANTS = {
         "ct-module-without-scale-loads",
         {"perturb": {"disagreement": "orphan-scale"}},
         "a scale for a module the model lacks is left unused, every weight exact",
+    ),
+    "mxfp4-bfloat16": (
+        "ct-mxfp4-decompresses-to-bfloat16",
+        {"layout": {"dtype": "bfloat16"}},
+        "compressed-tensors decompresses MXFP4 to bfloat16: exact in a bfloat16 model",
     ),
     "index-omits-scale": (
         "transformers-ct-module-without-scale-loads",

@@ -33,6 +33,7 @@ FORMAT_PIECES = {
     "ct-nvfp4": "nvfp4",
     "ct-nvfp4a16": "nvfp4",
     "modelopt-nvfp4": "nvfp4",
+    "ct-mxfp4": "mxfp4",
 }
 ENGINE_PIECES = {
     "transformers": ("modules", "engine_transformers"),
@@ -204,6 +205,25 @@ def checkpoint_facts(reproducer: Reproducer) -> tuple[dict, dict]:
         return json.loads((directory / "config.json").read_text()), manifest
 
 
+def tensor_table(reproducer: Reproducer) -> dict[str, list]:
+    """The float model's tensors as the harness's writer lays them out: name -> [shape, role]."""
+    from harness.checkpoints.architectures import ARCHITECTURES
+
+    resolved = reproducer.recipe.resolved()
+    layout = ARCHITECTURES[reproducer.recipe.arch].tensor_layout(resolved.settings)
+    return {name: [list(shape), role] for name, (shape, role) in layout.items()}
+
+
+def packed_experts(arch_name: str) -> dict | None:
+    """How transformers holds the architecture's routed experts packed, for the script to split."""
+    from harness.checkpoints.architectures import ARCHITECTURES
+
+    moe = ARCHITECTURES[arch_name].moe
+    if moe is None:
+        return None
+    return {"block": moe.block, "parts": list(moe.parts), "transposed": moe.held_transposed}
+
+
 def disagreement_target(resolved) -> dict | None:
     """The module the recipe's disagreement is applied to, and its main scale, as the harness's
     writer picks them."""
@@ -245,10 +265,12 @@ def perturbation_notes(manifest: dict) -> list[str]:
     return notes
 
 
-#: what the standalone scripts' own writer (parts/checkpoint.py) can express
-SCRIPT_ARCHS = ("llama", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe")
-#: the MoE ones, whose per-expert judgement the transformers piece alone reads back (packed experts)
-SCRIPT_MOE_ENGINES = {"mixtral": ("transformers",), "qwen2_moe": ("transformers",), "qwen3_moe": ("transformers",)}
+#: the architectures whose tensors the standalone scripts write (TENSORS, one tensor per expert):
+#: every registered one but gpt-oss, which stores its experts packed on disk
+SCRIPT_ARCHS = ("llama", "qwen2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "llama4")
+#: the engines that read routed experts back per expert (transformers' packed 3-D experts, split by
+#: PACKED_EXPERTS); the compressed-tensors piece builds Linears, vLLM's experts are not read
+SCRIPT_EXPERT_ENGINES = ("transformers",)
 SCRIPT_LAYOUT = ("dtype", "key_prefix", "shards", "split_scale", "activation_amax", "quantize_lm_head", "kv_scales")
 #: the relations a script holds an engine to (parts/relation_transformers.py), by engine
 SCRIPT_RELATIONS = {"transformers": ("round-trip", "dequantize", "offload")}
@@ -267,8 +289,8 @@ def unscriptable(reproducer: Reproducer) -> str | None:
     why = unexpressible(reproducer.recipe)
     if why:
         return why
-    if reproducer.engine not in SCRIPT_MOE_ENGINES.get(reproducer.recipe.arch, (reproducer.engine,)):
-        return f"architecture '{reproducer.recipe.arch}' with {reproducer.engine}"
+    if reproducer.engine not in SCRIPT_EXPERT_ENGINES and any(".experts." in name for name in tensor_table(reproducer)):
+        return f"routed experts ({reproducer.recipe.arch}) with {reproducer.engine}"
     if "activations" in reproducer.kinds:
         if reproducer.engine not in ACTIVATION_ENGINES:
             return f"activation quantization in {reproducer.engine} (the scripts record a torch model's Linears)"
@@ -327,6 +349,8 @@ def render_script(reproducer: Reproducer) -> Script:
         "FORMAT": format_name,
         "SEED": reproducer.recipe.seed,
         "CONFIG": config,
+        "TENSORS": tensor_table(reproducer),
+        "PACKED_EXPERTS": packed_experts(reproducer.recipe.arch),
         "KNOBS": resolved.knobs,
         "LAYOUT": {
             "dtype": dtype,

@@ -19,19 +19,11 @@ from harness.lanes.upstream.parts.fp8 import (  # or nvfp4: the format piece the
     scale_block,
     subnormal_amax,
 )
-from harness.lanes.upstream.parts.parameters import CONFIG, DISAGREEMENT, LAYOUT, PERTURB, SEED
+from harness.lanes.upstream.parts.parameters import CONFIG, DISAGREEMENT, LAYOUT, PERTURB, SEED, TENSORS
 
 # ---- reproduce.py ----
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 EXTREME_FACTORS = {"none": 1.0, "tiny": 1e-4, "huge": 1e3}
-#: the MoE architectures: (the sparse block's name, one expert's gate, up and down, the config
-#: fields holding the number of experts and an expert's width); every layer is sparse
-MOE = {
-    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), "num_local_experts", "intermediate_size"),
-    "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", "moe_intermediate_size"),
-    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", "moe_intermediate_size"),
-}
 
 
 #: FP8 KV-cache scales under each naming real checkpoints use (LAYOUT["kv_scales"]): compressed-tensors
@@ -44,80 +36,24 @@ KV_SCALE_NAMES = {
 }
 
 
-def projection_shapes(config) -> dict[str, tuple[int, int]]:
-    """[out, in] of each attention and dense-MLP Linear of a llama / qwen2 decoder layer (the
-    attention alone for an MoE architecture)."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-    shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q)}
-    if config["model_type"] not in MOE:
-        shapes |= {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
-    return shapes
+def tensor_layout() -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor of the float model: name -> (shape, role), as TENSORS lists them."""
+    return {name: (tuple(shape), role) for name, (shape, role) in TENSORS.items()}
 
 
-def biased(config, projection: str) -> bool:
-    if config["model_type"] in ("qwen2", "qwen2_moe"):
-        return projection in ("q_proj", "k_proj", "v_proj")
-    attention = projection in ("q_proj", "k_proj", "v_proj", "o_proj")
-    return bool(config.get("attention_bias") if attention else config.get("mlp_bias"))
-
-
-def sparse_layer(config, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The tensors of an MoE layer's sparse block: the router (unquantized, in the ignore list), one
-    Linear per expert and part, and Qwen2-MoE's shared expert and its gate."""
-    block, parts, experts_key, width_key = MOE[config["model_type"]]
-    hidden, width = config["hidden_size"], config[width_key]
-    layout = {f"{prefix}.{block}.gate.weight": ((config[experts_key], hidden), "router")}
-    for expert in range(config[experts_key]):
-        for part, shape in zip(parts, ((width, hidden), (width, hidden), (hidden, width)), strict=True):
-            layout[f"{prefix}.{block}.experts.{expert}.{part}.weight"] = (shape, "linear")
-    shared = config.get("shared_expert_intermediate_size")
-    if shared:
-        for part, shape in (
-            ("gate_proj", (shared, hidden)),
-            ("up_proj", (shared, hidden)),
-            ("down_proj", (hidden, shared)),
-        ):
-            layout[f"{prefix}.mlp.shared_expert.{part}.weight"] = (shape, "linear")
-        layout[f"{prefix}.mlp.shared_expert_gate.weight"] = ((1, hidden), "router")
-    return layout
-
-
-def tensor_layout(config) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every tensor of the float model: name -> (shape, role)."""
-    hidden, vocab = config["hidden_size"], config["vocab_size"]
-    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-    layout = {"model.embed_tokens.weight": ((vocab, hidden), "embedding")}
-    for layer in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{layer}"
-        layout[f"{prefix}.input_layernorm.weight"] = ((hidden,), "norm")
-        layout[f"{prefix}.post_attention_layernorm.weight"] = ((hidden,), "norm")
-        if config["model_type"] == "qwen3_moe":  # per-head RMSNorm of q and k
-            layout[f"{prefix}.self_attn.q_norm.weight"] = ((head_dim,), "norm")
-            layout[f"{prefix}.self_attn.k_norm.weight"] = ((head_dim,), "norm")
-        for projection, shape in projection_shapes(config).items():
-            group = "self_attn" if projection in PROJECTIONS[:4] else "mlp"
-            layout[f"{prefix}.{group}.{projection}.weight"] = (shape, "linear")
-            if biased(config, projection):
-                layout[f"{prefix}.{group}.{projection}.bias"] = ((shape[0],), "bias")
-        if config["model_type"] in MOE:
-            layout |= sparse_layer(config, prefix)
-    layout["model.norm.weight"] = ((hidden,), "norm")
-    if not config.get("tie_word_embeddings"):
-        layout["lm_head.weight"] = ((vocab, hidden), "lm_head")
-    return layout
-
-
-def float_weights(config) -> dict[str, torch.Tensor]:
-    """Random weights in the model dtype; biases away from zero."""
+def float_weights() -> dict[str, torch.Tensor]:
+    """Random weights in the model dtype; biases away from zero; a router's score-correction bias
+    small and float32, as DeepSeek-V3 stores it."""
     generator = torch.Generator().manual_seed(SEED)
     weights = {}
-    for name, (shape, role) in tensor_layout(config).items():
+    for name, (shape, role) in tensor_layout().items():
         normal = torch.randn(shape, generator=generator)
         if role == "bias":
             magnitude = 0.5 + 0.5 * torch.rand(shape, generator=generator)
             value = torch.where(normal < 0, -magnitude, magnitude)
+        elif role == "router_bias":
+            weights[name] = 0.01 * normal
+            continue
         elif role == "norm":
             value = 1.0 + 0.1 * normal
         else:
@@ -220,12 +156,13 @@ def build_checkpoint(directory) -> dict[str, torch.Tensor]:
     first = True
     quantized = {"linear", "lm_head"} if LAYOUT["quantize_lm_head"] else {"linear"}
     target = DISAGREEMENT and DISAGREEMENT["module"]
-    for name, weight in float_weights(CONFIG).items():
+    layout = tensor_layout()
+    for name, weight in float_weights().items():
         module = name.removesuffix(".weight")
         if module == target and PERTURB["disagreement"] == "plain-not-ignored":
             stored[name], expected[module] = weight, weight.to(torch.float64)  # as stored: the config quantizes it
             continue
-        if tensor_layout(CONFIG)[name][1] not in quantized:
+        if layout[name][1] not in quantized:
             stored[name] = weight
             continue
         tensors = quantize_weight(perturb_weight(weight))

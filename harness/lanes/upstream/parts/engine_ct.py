@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from harness.lanes.upstream.parts.checkpoint import tensor_layout
 from harness.lanes.upstream.parts.common import MODEL_DTYPE, PROMPT
 from harness.lanes.upstream.parts.modules import held_weights
-from harness.lanes.upstream.parts.parameters import LAYOUT, SEED
+from harness.lanes.upstream.parts.parameters import JUDGE_ACTIVATIONS, LAYOUT, SEED
 
 # ---- reproduce.py ----
 
@@ -29,7 +29,7 @@ ENGINE_LOGGERS = ("compressed_tensors",)
 def linear_tree(config) -> torch.nn.Module:
     """The decoder's Linears under their checkpoint names, in the model dtype."""
     root = torch.nn.Module()
-    layout = tensor_layout(config)
+    layout = tensor_layout()
     for name, (shape, role) in layout.items():
         if role != "linear":
             continue
@@ -55,7 +55,10 @@ def whole_model(directory) -> torch.nn.Module:
 
 
 def needs_whole_model(config) -> bool:
-    return LAYOUT["kv_scales"] != "none" or (LAYOUT["quantize_lm_head"] and bool(config.get("tie_word_embeddings")))
+    """KV scales and a tied head live on the whole model; activations are judged in the shapes
+    its forward gives each Linear."""
+    tied_head = LAYOUT["quantize_lm_head"] and bool(config.get("tie_word_embeddings"))
+    return LAYOUT["kv_scales"] != "none" or tied_head or JUDGE_ACTIVATIONS
 
 
 def load_model(directory):
@@ -88,6 +91,14 @@ def check_loaded(loaded):
     dropped = [key for key in (*result.missing_keys, *result.unexpected_keys) if "scale" in key.rpartition(".")[2]]
     problems = [f"scale tensor never loaded into its module: {key}" for key in dropped[:8]]
     failures, nonfinite = {}, []
+    if hasattr(model, "config"):  # transformers' whole model: its own forward first
+        try:
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([PROMPT])).logits
+            if not torch.isfinite(logits).all():
+                nonfinite.append("the model")
+        except Exception as error:
+            failures.setdefault(f"{type(error).__name__}: {str(error)[:300]}", []).append("the model")
     generator = torch.Generator().manual_seed(SEED)
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):

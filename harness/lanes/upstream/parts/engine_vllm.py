@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 
-from harness.lanes.upstream.parts.checkpoint import projection_shapes
+from harness.lanes.upstream.parts.checkpoint import tensor_layout
 from harness.lanes.upstream.parts.common import PROMPT
 from harness.lanes.upstream.parts.parameters import CONFIG
 
@@ -47,18 +47,22 @@ def layer_sizes(model) -> dict[str, tuple[list[int], int]]:
 
 def size_problems(sizes) -> list[str]:
     """Layers whose sizes are not those config.json implies."""
-    shapes = projection_shapes(CONFIG)
+    shapes = {  # by the name from `layers.` on: vLLM's prefix above the decoder may differ
+        "layers." + name.removesuffix(".weight").partition("layers.")[2]: shape
+        for name, (shape, role) in tensor_layout().items()
+        if role in ("linear", "plain") and "layers." in name
+    }
     problems = []
     for name, (rows, width) in sorted(sizes.items()):
-        leaf = name.rpartition(".")[2]
-        parts = FUSED.get(leaf, (leaf,))
+        parent, _, leaf = ("layers." + name.partition("layers.")[2]).rpartition(".")
+        parts = [f"{parent}.{part}" for part in FUSED.get(leaf, (leaf,))]
         if not all(part in shapes for part in parts):
             continue
         want_rows, want_width = [shapes[part][0] for part in parts], shapes[parts[0]][1]
         if rows != want_rows or width != want_width:
             problems.append(
                 f"{name}: vLLM allocated {rows} output rows x {width} inputs; config.json implies "
-                f"{want_rows} x {want_width} ({', '.join(parts)})"
+                f"{want_rows} x {want_width} ({', '.join(part.rpartition('.')[2] for part in parts)})"
             )
     return problems
 

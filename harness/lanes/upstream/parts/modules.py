@@ -2,15 +2,15 @@
 
 For engines whose model is one (transformers, compressed-tensors). transformers 5 holds a sparse
 layer's experts packed (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows first; `mlp.experts.down_proj`
-[E, H, I]): they are split back into the checkpoint's one weight per expert and part."""
+[E, H, I]; Llama-4 transposed, [E, H, 2I] and [E, I, H], under `feed_forward`): they are split back
+into the checkpoint's one weight per expert and part (PACKED_EXPERTS says how transformers packs them)."""
 
 from __future__ import annotations
 
 import torch
 
-from harness.lanes.upstream.parts.checkpoint import MOE
 from harness.lanes.upstream.parts.fp8 import dequantize_definition  # or nvfp4: the format piece
-from harness.lanes.upstream.parts.parameters import CONFIG
+from harness.lanes.upstream.parts.parameters import PACKED_EXPERTS
 
 # ---- reproduce.py ----
 
@@ -33,17 +33,19 @@ def held_weights(model) -> dict[str, torch.Tensor]:
 
 def packed_experts(model) -> dict[str, torch.Tensor]:
     """Each expert's weight, by the checkpoint's module name, from packed 3-D experts parameters."""
-    if CONFIG["model_type"] not in MOE:
+    if PACKED_EXPERTS is None:
         return {}
-    block, (gate, up, down), _, _ = MOE[CONFIG["model_type"]]
+    gate, up, down = PACKED_EXPERTS["parts"]
     held = {}
     for name, tensor in model.named_parameters():
         layer, _, projection = name.rpartition(".experts.")
         if tensor.dim() != 3 or projection not in ("gate_up_proj", "down_proj"):
             continue
-        base = f"{layer.rpartition('.')[0]}.{block}.experts"  # transformers holds Mixtral's block under mlp
+        # the checkpoint's block name (transformers holds Mixtral's block_sparse_moe under mlp)
+        base = f"{layer.rpartition('.')[0]}.{PACKED_EXPERTS['block']}.experts"
         parts = {"gate_up_proj": (gate, up), "down_proj": (down,)}[projection]
         for expert in range(tensor.shape[0]):
-            for part, rows in zip(parts, tensor[expert].chunk(len(parts)), strict=True):
+            weight = tensor[expert].T if PACKED_EXPERTS["transposed"] else tensor[expert]
+            for part, rows in zip(parts, weight.chunk(len(parts)), strict=True):
                 held[f"{base}.{expert}.{part}"] = rows
     return held

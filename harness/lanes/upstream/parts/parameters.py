@@ -27,6 +27,28 @@ CONFIG = {
         "modules_to_not_convert": ["lm_head"],
     },
 }
+#: every tensor of the float model, name -> [shape, role] (linear: quantized; lm_head: quantized
+#: where LAYOUT says so; router, plain, embedding: stored as they are; bias, norm, router_bias)
+TENSORS = {
+    "model.embed_tokens.weight": [[260, 64], "embedding"],
+    "model.layers.0.input_layernorm.weight": [[64], "norm"],
+    "model.layers.0.post_attention_layernorm.weight": [[64], "norm"],
+    "model.layers.0.self_attn.q_proj.weight": [[128, 64], "linear"],
+    "model.layers.0.self_attn.q_proj.bias": [[128], "bias"],
+    "model.layers.0.self_attn.k_proj.weight": [[64, 64], "linear"],
+    "model.layers.0.self_attn.k_proj.bias": [[64], "bias"],
+    "model.layers.0.self_attn.v_proj.weight": [[64, 64], "linear"],
+    "model.layers.0.self_attn.v_proj.bias": [[64], "bias"],
+    "model.layers.0.self_attn.o_proj.weight": [[64, 128], "linear"],
+    "model.layers.0.mlp.gate_proj.weight": [[160, 64], "linear"],
+    "model.layers.0.mlp.up_proj.weight": [[160, 64], "linear"],
+    "model.layers.0.mlp.down_proj.weight": [[64, 160], "linear"],
+    "model.norm.weight": [[64], "norm"],
+    "lm_head.weight": [[260, 64], "lm_head"],
+}
+#: how transformers holds a sparse layer's experts packed in 3-D parameters ({"block": the
+#: checkpoint's block name, "parts": an expert's gate, up and down, "transposed": [E, K, N]}), or None
+PACKED_EXPERTS = None
 #: the format's knobs: block size, scale dtype, storage perturbations
 KNOBS = {
     "block_rows": 128,
