@@ -34,6 +34,7 @@ FORMAT_PIECES = {
     "ct-nvfp4a16": "nvfp4",
     "modelopt-nvfp4": "nvfp4",
     "ct-mxfp4": "mxfp4",
+    "mxfp4": "mxfp4",
 }
 ENGINE_PIECES = {
     "transformers": ("modules", "engine_transformers"),
@@ -221,6 +222,8 @@ def packed_experts(arch_name: str) -> dict | None:
     moe = ARCHITECTURES[arch_name].moe
     if moe is None:
         return None
+    if moe.fused_gate_up:  # gpt-oss: each expert's gate_up_proj is one Linear, held [E, K, N]
+        return {"block": moe.block, "parts": ["gate_up_proj", None, "down_proj"], "transposed": True}
     return {"block": moe.block, "parts": list(moe.parts), "transposed": moe.held_transposed}
 
 
@@ -265,9 +268,9 @@ def perturbation_notes(manifest: dict) -> list[str]:
     return notes
 
 
-#: the architectures whose tensors the standalone scripts write (TENSORS, one tensor per expert):
-#: every registered one but gpt-oss, which stores its experts packed on disk
-SCRIPT_ARCHS = ("llama", "qwen2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "llama4")
+#: the architectures whose tensors the standalone scripts write (TENSORS; gpt-oss's experts packed
+#: on disk by the mxfp4 piece)
+SCRIPT_ARCHS = ("llama", "qwen2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "llama4", "gpt_oss")
 #: the engines that read routed experts back per expert (transformers' packed 3-D experts, split by
 #: PACKED_EXPERTS); the compressed-tensors piece builds Linears, vLLM's experts are not read
 SCRIPT_EXPERT_ENGINES = ("transformers",)

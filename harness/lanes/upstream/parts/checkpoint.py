@@ -19,7 +19,8 @@ from harness.lanes.upstream.parts.fp8 import (  # or nvfp4: the format piece the
     scale_block,
     subnormal_amax,
 )
-from harness.lanes.upstream.parts.parameters import CONFIG, DISAGREEMENT, LAYOUT, PERTURB, SEED, TENSORS
+from harness.lanes.upstream.parts.mxfp4 import pack_experts  # in the mxfp4 piece: used where FORMAT is mxfp4
+from harness.lanes.upstream.parts.parameters import CONFIG, DISAGREEMENT, FORMAT, LAYOUT, PERTURB, SEED, TENSORS
 
 # ---- reproduce.py ----
 
@@ -179,6 +180,8 @@ def build_checkpoint(directory) -> dict[str, torch.Tensor]:
             scales[rename(f"{module}.{names[1]}")] = rename(f"{module}.{names[0]}")
     stored |= kv_scales(CONFIG)
     unlisted = disagree(stored) if target else set()
+    if FORMAT == "mxfp4":  # gpt-oss: experts packed on disk, one tensor per projection
+        stored, scales = pack_experts(stored), {}
     stored = {rename(name): tensor for name, tensor in stored.items()}
     scales = {scale: weight for scale, weight in scales.items() if scale in stored}
     write_tensors(directory, stored, scales, {rename(name) for name in unlisted})

@@ -43,7 +43,7 @@ def packed_experts(model) -> dict[str, torch.Tensor]:
             continue
         # the checkpoint's block name (transformers holds Mixtral's block_sparse_moe under mlp)
         base = f"{layer.rpartition('.')[0]}.{PACKED_EXPERTS['block']}.experts"
-        parts = {"gate_up_proj": (gate, up), "down_proj": (down,)}[projection]
+        parts = {"gate_up_proj": (gate, up) if up else (gate,), "down_proj": (down,)}[projection]
         for expert in range(tensor.shape[0]):
             weight = tensor[expert].T if PACKED_EXPERTS["transposed"] else tensor[expert]
             for part, rows in zip(parts, weight.chunk(len(parts)), strict=True):

@@ -1,10 +1,13 @@
-"""MXFP4 (OCP microscaling): compressed-tensors mxfp4-pack-quantized.
+"""MXFP4 (OCP microscaling): compressed-tensors mxfp4-pack-quantized, gpt-oss's release format.
 
 E2M1 codes two per byte, the even column in the low nibble; one E8M0 scale (uint8, a biased
-power-of-two exponent) per 32 consecutive columns of a row.
+power-of-two exponent) per 32 consecutive columns of a row. gpt-oss stores its experts packed, one
+tensor per projection: `experts.{proj}_blocks` [E, N, K/32, 16], `_scales` [E, N, K/32] and
+`_bias` [E, N], expert e's slice being its weight_packed, weight_scale and bias.
 
 Definitions:
   ct-mxfp4: W = e2m1 * 2**(weight_scale - 127) (E8M0, one per 32 columns)
+  mxfp4: W = e2m1 * 2**(scales - 127) (E8M0, one per 32 columns; each expert's slice of _blocks and _scales)
 """
 
 from __future__ import annotations
@@ -53,3 +56,23 @@ def subnormal_amax(weight_amax: float) -> float:
     """A group amax (1.5 * 2**-125) that gets the smallest scale code, 0: its scale 2**-127 is
     subnormal in bfloat16 and float32 (E8M0 itself has no subnormals)."""
     return 1.5 * 2.0**-125
+
+
+def pack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt-oss's disk layout: every `…experts.E.{proj}.{weight_packed, weight_scale, bias}` stacked
+    over E into `…experts.{proj}_blocks` (codes [N, K/32, 16]), `_scales` and `_bias`."""
+    suffixes = {"weight_packed": "_blocks", "weight_scale": "_scales", "bias": "_bias"}
+    packed, stacks = {}, {}
+    for name, tensor in tensors.items():
+        parent, _, rest = name.partition(".experts.")
+        expert, _, projection_suffix = rest.partition(".")
+        projection, _, suffix = projection_suffix.partition(".")
+        if not rest or not expert.isdigit() or suffix not in suffixes:
+            packed[name] = tensor
+            continue
+        if suffix == "weight_packed":
+            tensor = tensor.reshape(tensor.shape[0], -1, 16)
+        stacks.setdefault(f"{parent}.experts.{projection}{suffixes[suffix]}", {})[int(expert)] = tensor
+    for name, experts in stacks.items():
+        packed[name] = torch.stack([experts[e] for e in range(len(experts))])
+    return packed

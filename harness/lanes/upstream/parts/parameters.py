@@ -47,7 +47,8 @@ TENSORS = {
     "lm_head.weight": [[260, 64], "lm_head"],
 }
 #: how transformers holds a sparse layer's experts packed in 3-D parameters ({"block": the
-#: checkpoint's block name, "parts": an expert's gate, up and down, "transposed": [E, K, N]}), or None
+#: checkpoint's block name, "parts": an expert's gate, up (None: fused with gate, gpt-oss) and
+#: down, "transposed": held [E, K, N]}), or None
 PACKED_EXPERTS = None
 #: the format's knobs: block size, scale dtype, storage perturbations
 KNOBS = {
