@@ -279,10 +279,7 @@ SCRIPT_LAYOUT = ("dtype", "key_prefix", "shards", "split_scale", "activation_ama
 SCRIPT_RELATIONS = {"transformers": ("round-trip", "dequantize", "offload")}
 #: the engines whose model is a torch module tree the script can record each Linear's input in
 ACTIVATION_ENGINES = ("transformers", "compressed-tensors")
-#: how a known issue's message says its finding is not the per-Linear activation probe's (the
-#: experts transformers packs into 3-D parameters are no Linears): the script records Linears too
-NOT_THE_PROBE = "^(?!activation probe)"
-#: how a report's activation finding from that probe begins (harness.differential.probe)
+#: how a report's activation finding from the per-Linear probe begins (harness.differential.probe)
 PROBE_FINDING = "activation probe:"
 
 
@@ -299,9 +296,8 @@ def unscriptable(reproducer: Reproducer) -> str | None:
             return f"activation quantization in {reproducer.engine} (the scripts record a torch model's Linears)"
         if reproducer.recipe.resolved().layout["dtype"] != "float32":
             return "activation quantization in a reduced-precision model (the scripts judge it in float32)"
-        pattern = reproducer.finding_pattern
-        if pattern.startswith(NOT_THE_PROBE) or (reproducer.finding and not pattern.startswith(PROBE_FINDING)):
-            return "activation quantization outside the Linears (the issue says a per-Linear probe does not see it)"
+        if reproducer.finding and not reproducer.finding_pattern.startswith(PROBE_FINDING):
+            return "an activations finding from the logits (the scripts judge each Linear and routed-experts module)"
     if "relation" in reproducer.kinds and reproducer.relation not in SCRIPT_RELATIONS.get(reproducer.engine, ()):
         return f"relation {reproducer.relation or '(unnamed)'} with {reproducer.engine}"
     return None

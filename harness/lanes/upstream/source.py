@@ -4,7 +4,6 @@ finding of a report (the recipe in its reproduction directory's harness_manifest
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +30,7 @@ class Reproducer:
     kinds: list[str] = field(default_factory=list)
     #: a report's finding: its message, as the harness wrote it
     finding: str = ""
-    #: what the finding says, as a regex (a known issue's `message`), or the finding's own words
+    #: what the finding says: a known issue's `message` (a regex), or a report finding's own message
     finding_pattern: str = ""
     #: a relation finding's relation (harness.differential.relations): the second load path the
     #: script holds to the first, None for the others
@@ -111,7 +110,7 @@ def from_finding(report: Path, number: int, known: KnownIssues | None = None) ->
         upstream=upstream,
         kinds=[finding.get("kind", "")],
         relation=relation_named(finding.get("message", "")) if finding.get("kind") == "relation" else None,
-        finding_pattern=re.escape(finding.get("message", "")),
+        finding_pattern=finding.get("message", ""),
         finding=f"{finding.get('engine')} {finding.get('engine_version', '')} {finding.get('kind')}: "
         f"{finding.get('message', '')}",
     )
