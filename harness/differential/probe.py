@@ -18,7 +18,11 @@ scale, plus that scale's relative rounding to the model dtype (engines hold it t
 quantized value moves by that factor); an engine that also dequantizes its input in the model
 dtype (each value rounded on its own, with the held scale) is judged against exactly that input.
 A module whose weights are already a finding is not probed (its outputs are that finding's
-consequence)."""
+consequence).
+
+Routed experts that transformers packs in 3-D (one experts module per layer, no Linear to run) are
+probed in float32 models: the module runs the probe's rows routed to one expert at a time, each
+expert judged against the reference's outputs (`judge_experts`)."""
 
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from harness.core.findings import WEIGHT_KINDS
 from harness.core.naming import canonical_name
 from harness.engines.hf_common import LEAD
 from harness.engines.process import EngineError, EngineProcess
+from harness.oracle.expert_activations import EXPERTS
 
 PROBE_ROWS = 8
 
@@ -56,7 +61,12 @@ def reference_probe(judgement, worker: EngineProcess, outcome) -> None:
     judgement.probe = probe or None
     if judgement.specified is not None:
         inputs = sum(key.endswith(".input") for key in probe or {})
-        outcome.activation_probe = f"inputs for {inputs} quantized Linear(s)" if inputs else why
+        experts = sum(key.endswith(EXPERTS) for key in probe or {})
+        outcome.activation_probe = (
+            f"inputs for {inputs} quantized Linear(s)" + (f" and {experts} packed experts module(s)" if experts else "")
+            if inputs or experts
+            else why
+        )
 
 
 def expected_outputs(rows: torch.Tensor, quantized: torch.Tensor, weight: torch.Tensor, bias, dtype):
@@ -123,6 +133,31 @@ def judge_module(
     )
 
 
+def layer_of(name: str) -> str:
+    """`model.layers.3.mlp.experts` -> `3` (where a module's decoder layer is named)."""
+    return name.partition(".layers.")[2].partition(".")[0]
+
+
+def judge_experts(experts: list[str], probe: dict, outputs: dict) -> list[ModuleVerdict]:
+    """Each packed experts module's experts, each judged on the probe's rows routed to it alone: its
+    output against the reference's (specified and weight-only, from the checkpoint's weights in
+    float32; the probe gives experts in float32 models only), the bound a quarter of the two's
+    distance, row by row. An expert's down input (act(gate) * up) is no purpose-built row, so in
+    float32 alone is rounding (about 1e-7 relative) far below what quantizing moves (about 1e-2)."""
+    verdicts = []
+    for name in experts:
+        expert = 0
+        while f"{name}{EXPERTS}.{expert}" in outputs and f"{name}{EXPERTS}.{expert}.specified" in probe:
+            specified = probe[f"{name}{EXPERTS}.{expert}.specified"]
+            weights_only = probe[f"{name}{EXPERTS}.{expert}.weights_only"]
+            got = outputs[f"{name}{EXPERTS}.{expert}"]
+            if got.shape == specified.shape:
+                bound = _relative(specified, weights_only) / 4
+                verdicts.append(judge_module(f"{name}.{expert}", got, specified, weights_only, bound))
+            expert += 1
+    return verdicts
+
+
 def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: dict[str, torch.Tensor]) -> None:
     """Run the probe on `engine` (which holds `held`, its weights under checkpoint names) and judge
     it: one `activations` finding per kind of deviation, naming its modules; what was probed in
@@ -137,15 +172,19 @@ def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: d
     reported = outcome.report.get("missing", []) + outcome.report.get("unexpected", [])
     explained |= {canonical_name(key).rpartition(".")[0] for key in reported}
     judged = [name for name in names if name not in explained and f"{name}.weight" in held]
-    if not judged:
+    experts = [name for name in sorted(k.removesuffix(EXPERTS) for k in probe if k.endswith(EXPERTS))]
+    experts = [name for name in experts if layer_of(name) not in {layer_of(m) for m in explained if ".experts." in m}]
+    if not judged and not experts:
         outcome.activation_probe = "not run: every probed module's weights or load report are already a finding"
         return
     try:
         sent = {n: probe[f"{n}.input"] for n in judged} | {k: v for k, v in probe.items() if k.endswith(LEAD)}
+        sent |= {f"{n}{EXPERTS}": probe[f"{n}{EXPERTS}"] for n in experts}
         outputs = worker.probe(sent, judgement.scratch_file(engine, "probe"))
     except EngineError as error:
         outcome.activation_probe = f"not run: {first_line(error)}"
         return
+    expert_verdicts = judge_experts(experts, probe, outputs)
     verdicts, overflow = [], 0
     for name in (n for n in judged if n in outputs):
         rows, quantized = probe[f"{name}.input"], probe[f"{name}.quantized"]
@@ -177,9 +216,18 @@ def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: d
         + (f"; {absent} not found in the engine's model (or of another shape)" if absent else "")
         + (f"; {overflow} not judged: their output leaves the model dtype's normal range" if overflow else "")
     )
+    if experts:
+        held_packed = len({v.module.rpartition(".")[0] for v in expert_verdicts})
+        outcome.activation_probe += (
+            f"; {sum(v.verdict == 'as specified' for v in expert_verdicts)}/{len(expert_verdicts)} routed expert(s) "
+            f"as specified ({held_packed}/{len(experts)} packed experts module(s) found)"
+        )
     scheme = judgement.specified_reason or "activations"
-    for kind in ("not applied", "scale inverted", "not as specified"):
-        failed = [v for v in verdicts if v.verdict == kind]
+    for kind, group, what_of in (
+        *((kind, verdicts, "quantized Linear(s)") for kind in ("not applied", "scale inverted", "not as specified")),
+        *((kind, expert_verdicts, "routed expert(s)") for kind in ("not applied", "not as specified")),
+    ):
+        failed = [v for v in group if v.verdict == kind]
         if not failed:
             continue
         worst = max(failed, key=lambda v: v.to_specified)
@@ -192,7 +240,7 @@ def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: d
         judgement.finding(
             engine,
             "activations",
-            f"activation probe: {what} at {len(failed)}/{len(verdicts)} quantized Linear(s), e.g. "
+            f"activation probe: {what} at {len(failed)}/{len(group)} {what_of}, e.g. "
             f"{worst.module}: output {worst.to_specified:.2g} from the specified one and "
             f"{worst.to_weights_only:.2g} from the weight-only one (relative norms, worst row; bound {worst.bound:.2g})",
             module=worst.module,

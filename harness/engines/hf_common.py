@@ -147,10 +147,20 @@ LEAD = "#lead"
 @torch.no_grad()
 def run_linears(model, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each named module of `model` called on its input rows (on the module's device), shaped as the
-    model's forward shapes it (`LEAD`; [1, rows, K] by default): its output, [rows, out]."""
+    model's forward shapes it (`LEAD`; [1, rows, K] by default): its output, [rows, out]. A packed
+    experts module (`NAME#experts`) runs every row through each expert in turn: `NAME#experts.E`."""
+    from harness.oracle.expert_activations import EXPERTS, run_each_expert
+
     modules = dict(model.named_modules())
     outputs = {}
     for name, rows in inputs.items():
+        if name.endswith(EXPERTS):  # a packed experts module: every row to one expert at a time
+            experts = modules.get(name.removesuffix(EXPERTS))
+            packed = getattr(experts, "gate_up_proj", None)
+            if isinstance(packed, torch.Tensor) and packed.dim() == 3:
+                for expert, output in enumerate(run_each_expert(experts, rows.to(packed.device))):
+                    outputs[f"{name}.{expert}"] = output.detach().cpu()
+            continue
         module = modules.get(name)
         weight = getattr(module, "weight", None)
         if name.endswith(LEAD) or module is None or not isinstance(weight, torch.Tensor) or weight.dim() != 2:

@@ -110,6 +110,34 @@ class ReferenceEngine(HFModelEngine):
                 inverted = quantize_activations(rows_in, plan.scheme, 1.0 / stored.to(torch.float64))
                 if torch.isfinite(inverted).all():
                     probe[f"{name}.inverted"] = inverted
+        return probe | self.probe_experts(plan, rows)
+
+    def probe_experts(self, plan, rows: int) -> dict:
+        """For each packed experts module (float32 models only, harness.differential.probe):
+        `NAME#experts`, purpose-built rows for its gate and up; per expert E, `NAME#experts.E.specified`
+        and `.weights_only`, what expert E computes from them with its Linears' inputs quantized as
+        specified, or not (its down input, act(gate) * up, is no purpose-built row: judged where
+        rounding is far below quantization)."""
+        import torch
+
+        from harness.oracle.expert_activations import EXPERTS, each_expert_candidates
+        from harness.oracle.probe_inputs import probe_input
+
+        if not plan.experts or self.model.dtype != torch.float32:
+            return {}
+        modules, probe = dict(self.model.named_modules()), {}
+        hidden_size = self.model.config.get_text_config().hidden_size
+        for seed, (name, scales) in enumerate(sorted(plan.experts.items()), start=len(plan.inputs)):
+            rows_in = probe_input(plan.scheme, scales[0][0], hidden_size, rows, torch.float32, seed)
+            candidates = each_expert_candidates(modules[name], plan.scheme, scales, rows_in)
+            if not all(torch.isfinite(t).all() for pair in candidates for t in pair):
+                continue
+            probe[f"{name}{EXPERTS}"] = rows_in
+            for expert, (specified, weights_only) in enumerate(candidates):
+                probe |= {
+                    f"{name}{EXPERTS}.{expert}.specified": specified,
+                    f"{name}{EXPERTS}.{expert}.weights_only": weights_only,
+                }
         return probe
 
     def unload(self):

@@ -26,7 +26,18 @@ from harness.oracle.activations import ActivationScheme, quantize_activations
 ExpertScales = Sequence[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]
 
 
-def _forward(module, scheme: ActivationScheme, scales: ExpertScales, hidden, top_k_index, top_k_weights):
+#: in an activation probe's inputs (harness.differential.probe), `NAME + EXPERTS` holds the rows a
+#: packed experts module NAME is run on, every row routed to one expert at a time (weight 1), and
+#: `NAME + EXPERTS + ".E.specified"` / `".E.weights_only"` what expert E computes from them
+EXPERTS = "#experts"
+
+
+def _quantize(x, scheme: ActivationScheme | None, stored):
+    """`x` as the scheme quantizes it; `x` itself for no scheme (the weight-only computation)."""
+    return x if scheme is None else quantize_activations(x, scheme, stored)
+
+
+def _forward(module, scheme: ActivationScheme | None, scales: ExpertScales, hidden, top_k_index, top_k_weights):
     result = torch.zeros_like(hidden)
     width = module.gate_up_proj.shape[1] // 2
     for expert, (gate_scale, up_scale, down_scale) in enumerate(scales):
@@ -35,27 +46,65 @@ def _forward(module, scheme: ActivationScheme, scales: ExpertScales, hidden, top
             continue
         tokens = hidden[token]
         weights = module.gate_up_proj[expert]
-        gate = torch.nn.functional.linear(quantize_activations(tokens, scheme, gate_scale), weights[:width])
-        up = torch.nn.functional.linear(quantize_activations(tokens, scheme, up_scale), weights[width:])
-        inner = quantize_activations(module.act_fn(gate) * up, scheme, down_scale)
+        gate = torch.nn.functional.linear(_quantize(tokens, scheme, gate_scale), weights[:width])
+        up = torch.nn.functional.linear(_quantize(tokens, scheme, up_scale), weights[width:])
+        inner = _quantize(module.act_fn(gate) * up, scheme, down_scale)
         out = torch.nn.functional.linear(inner, module.down_proj[expert])
         out = out * top_k_weights[token, position, None]
         result.index_add_(0, token, out.to(result.dtype))
     return result
 
 
-def _forward_every_token(module, scheme: ActivationScheme, scales: ExpertScales, hidden):
+def _forward_every_token(module, scheme: ActivationScheme | None, scales: ExpertScales, hidden):
     """Llama-4's experts: expert e's block of the routing-scaled tokens through its own Linears."""
     blocks = hidden.view(module.gate_up_proj.shape[0], -1, hidden.shape[-1])
     width = module.gate_up_proj.shape[2] // 2
     outputs = []
     for expert, (gate_scale, up_scale, down_scale) in enumerate(scales):
         tokens, weights = blocks[expert], module.gate_up_proj[expert]
-        gate = quantize_activations(tokens, scheme, gate_scale) @ weights[:, :width]
-        up = quantize_activations(tokens, scheme, up_scale) @ weights[:, width:]
-        inner = quantize_activations(up * module.act_fn(gate), scheme, down_scale)
+        gate = _quantize(tokens, scheme, gate_scale) @ weights[:, :width]
+        up = _quantize(tokens, scheme, up_scale) @ weights[:, width:]
+        inner = _quantize(up * module.act_fn(gate), scheme, down_scale)
         outputs.append(inner @ module.down_proj[expert])
     return torch.stack(outputs).view(-1, hidden.shape[-1])
+
+
+def routes_every_token(module) -> bool:
+    """Llama-4's experts (called with the hidden states alone), not the routed ones."""
+    import inspect
+
+    return len(inspect.signature(module.forward).parameters) == 1
+
+
+def run_each_expert(module, hidden: torch.Tensor) -> list[torch.Tensor]:
+    """The packed experts module's output with every row of `hidden` routed to expert e (weight 1),
+    for each e, as the module's own forward computes it."""
+    experts = module.gate_up_proj.shape[0]
+    if routes_every_token(module):  # [E * rows, H] in, expert e's block first: each expert gets every row
+        return list(module(hidden.repeat(experts, 1)).view(experts, hidden.shape[0], -1))
+    weights = torch.ones(hidden.shape[0], 1, dtype=hidden.dtype, device=hidden.device)
+    outputs = []
+    for expert in range(experts):
+        index = torch.full((hidden.shape[0], 1), expert, dtype=torch.long, device=hidden.device)
+        outputs.append(module(hidden, index, weights))
+    return outputs
+
+
+def each_expert_candidates(module, scheme: ActivationScheme, scales: ExpertScales, hidden) -> list[tuple]:
+    """Per expert e: (specified, weight-only) outputs of `run_each_expert`'s calls, from the module's
+    own packed weights: each expert Linear's input quantized by the scheme, or not."""
+    results = []
+    for expert in range(len(scales)):
+        pair = []
+        for quantized in (scheme, None):
+            if routes_every_token(module):
+                blocks = _forward_every_token(module, quantized, scales, hidden.repeat(len(scales), 1))
+                pair.append(blocks.view(len(scales), hidden.shape[0], -1)[expert])
+            else:
+                index = torch.full((hidden.shape[0], 1), expert, dtype=torch.long)
+                pair.append(_forward(module, quantized, scales, hidden, index, torch.ones(hidden.shape[0], 1)))
+        results.append(tuple(pair))
+    return results
 
 
 def install(model: torch.nn.Module, experts: Mapping[str, ExpertScales], scheme: ActivationScheme) -> list:

@@ -295,6 +295,25 @@ def test_the_activation_probe_judges_bfloat16_where_logits_cannot(session, tmp_p
     assert specified.activation_probe == "14/14 quantized Linear(s) as specified"
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "llama4"])
+def test_the_probe_judges_each_routed_expert_in_float32(session, tmp_path, arch):
+    """A float32 MoE checkpoint: the probe runs the packed experts module with every probe row routed
+    to one expert at a time (Llama-4's experts: every row to every expert) and judges each expert;
+    the double that ignores activations is named for its experts as for its Linears, the control
+    passes every expert."""
+    recipe = Recipe(format="ct-fp8-tensor", arch=arch, config={"num_hidden_layers": 1}, layout={"dtype": "float32"})
+    generate(recipe, tmp_path / "c")
+    result = evaluate(tmp_path / "c", session)
+    experts = [f for f in result.findings if "routed expert(s)" in f.message]
+    assert [f.engine.rpartition(":")[2] for f in experts] == ["ActivationsIgnoredEngine"], [f.message for f in experts]
+    assert (
+        "activation quantization not applied" in experts[0].message and "at 3/3 routed expert(s)" in experts[0].message
+    )
+    assert "3/3 routed expert(s) as specified (1/1 packed experts module(s) found)" in (
+        result.outcomes[SPECIFIED].activation_probe
+    )
+
+
 @pytest.mark.parametrize(
     "fmt, knobs",
     [("ct-fp8-tensor", {"input_scale": True}), ("ct-nvfp4", {}), ("modelopt-fp8", {}), ("ct-fp8-block", {})],
