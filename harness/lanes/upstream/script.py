@@ -227,19 +227,18 @@ def packed_experts(arch_name: str) -> dict | None:
     return {"block": moe.block, "parts": list(moe.parts), "transposed": moe.held_transposed}
 
 
-def disagreement_target(resolved) -> dict | None:
+def disagreement_target(resolved, table: dict[str, list]) -> dict | None:
     """The module the recipe's disagreement is applied to, and its main scale, as the harness's
-    writer picks them."""
+    writer picks them (from `tensor_table`'s quantized Linears)."""
     from harness.checkpoints import disagreements
-    from harness.checkpoints.architectures import ARCHITECTURES
     from harness.formats import get_format
 
     if resolved.perturb["disagreement"] == "none":
         return None
-    recipe = resolved.recipe
-    layout = ARCHITECTURES[recipe.arch].tensor_layout(resolved.settings)
-    module = disagreements.target_module([n.removesuffix(".weight") for n, s in layout.items() if s[1] == "linear"])
-    fmt = get_format(recipe.format)
+    module = disagreements.target_module(
+        [n.removesuffix(".weight") for n, (_, role) in table.items() if role == "linear"]
+    )
+    fmt = get_format(resolved.recipe.format)
     return {"module": module, "scale": disagreements.main_scale(list(fmt.suffixes), fmt.marker)}
 
 
@@ -268,9 +267,6 @@ def perturbation_notes(manifest: dict) -> list[str]:
     return notes
 
 
-#: the architectures whose tensors the standalone scripts write (TENSORS; gpt-oss's experts packed
-#: on disk by the mxfp4 piece)
-SCRIPT_ARCHS = ("llama", "qwen2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "llama4", "gpt_oss")
 #: the engines that read routed experts back per expert (transformers' packed 3-D experts, split by
 #: PACKED_EXPERTS); the compressed-tensors piece builds Linears, vLLM's experts are not read
 SCRIPT_EXPERT_ENGINES = ("transformers",)
@@ -309,8 +305,6 @@ def unexpressible(recipe) -> str | None:
 
     if recipe.format not in FORMAT_PIECES:
         return f"format '{recipe.format}'"
-    if recipe.arch not in SCRIPT_ARCHS:
-        return f"architecture '{recipe.arch}' (the scripts write {', '.join(SCRIPT_ARCHS)})"
     layout = [k for k, v in recipe.layout.items() if k not in SCRIPT_LAYOUT and v != LAYOUT_DEFAULTS.get(k)]
     if layout:
         return f"layout setting(s) {', '.join(layout)}"
@@ -327,6 +321,7 @@ def render_script(reproducer: Reproducer) -> Script:
     resolved = reproducer.recipe.resolved()
     config, manifest = checkpoint_facts(reproducer)
     format_name, dtype = reproducer.recipe.format, resolved.layout["dtype"]
+    table = tensor_table(reproducer)  # every architecture's tensors, as the harness writes them
     judge_activations = "activations" in reproducer.kinds
     names = pieces(format_name, reproducer.engine, reproducer.relation, judge_activations)
     parsed = {name: read_piece(name) for name in names}
@@ -348,7 +343,7 @@ def render_script(reproducer: Reproducer) -> Script:
         "FORMAT": format_name,
         "SEED": reproducer.recipe.seed,
         "CONFIG": config,
-        "TENSORS": tensor_table(reproducer),
+        "TENSORS": table,
         "PACKED_EXPERTS": packed_experts(reproducer.recipe.arch),
         "KNOBS": resolved.knobs,
         "LAYOUT": {
@@ -361,7 +356,7 @@ def render_script(reproducer: Reproducer) -> Script:
             "kv_scales": resolved.layout["kv_scales"],
         },
         "PERTURB": resolved.perturb,
-        "DISAGREEMENT": disagreement_target(resolved),
+        "DISAGREEMENT": disagreement_target(resolved, table),
         "EXPECTATION": manifest["expectation"],
         "EXPECTED": expected,
         "REPORTED_ERROR": reproducer.reported_error,
