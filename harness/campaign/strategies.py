@@ -180,17 +180,23 @@ def model_sizes(
 
 
 def architectures(
-    archs=None, block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE), column_multiple: int = 1, attention: str = "any"
+    archs=None,
+    block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE),
+    column_multiple: int = 1,
+    attention: str = "any",
+    tied: tuple[bool, ...] = (False, True),
 ) -> st.SearchStrategy[tuple[str, dict]]:
     """(architecture name, config overrides): sizes from `model_sizes`, 1-2 layers, tied
-    embeddings or not, and every boolean the architecture adds (llama's attention_bias and
-    mlp_bias; both set bias every projection; qwen2 always biases q/k/v)."""
-    return _architectures(tuple(archs or ARCHITECTURES), tuple(block), column_multiple, attention)
+    embeddings or not (`tied`: the values allowed), and every boolean the architecture adds
+    (llama's attention_bias and mlp_bias; both set bias every projection; qwen2 always biases q/k/v)."""
+    return _architectures(tuple(archs or ARCHITECTURES), tuple(block), column_multiple, attention, tuple(tied))
 
 
 @cache  # one strategy object per arguments: Hypothesis validates each new one
 @st.composite
-def _architectures(draw, archs: tuple[str, ...], block: tuple[int, int], column_multiple: int, attention: str):
+def _architectures(
+    draw, archs: tuple[str, ...], block: tuple[int, int], column_multiple: int, attention: str, tied: tuple[bool, ...]
+):
     name = draw(st.sampled_from(archs))
     aligned = all(edge % GROUPED_MM_MULTIPLE == 0 for edge in block)  # `dimensions` needs it to divide the block
     # whole rows come first: they are what a cell's simplest example (and a shrunk one) gets
@@ -199,7 +205,7 @@ def _architectures(draw, archs: tuple[str, ...], block: tuple[int, int], column_
         event("MoE sizes: whole 16-byte rows (transformers' grouped_mm runs them)")
     config = draw(model_sizes(block, column_multiple, attention))
     config["num_hidden_layers"] = draw(st.integers(1, MAX_LAYERS))
-    config["tie_word_embeddings"] = draw(st.booleans())
+    config["tie_word_embeddings"] = draw(st.sampled_from(tied))
     for key, default in ARCHITECTURES[name].extra_defaults.items():
         if isinstance(default, bool):
             config[key] = draw(st.booleans())
@@ -377,8 +383,9 @@ def fit_recipe(recipe: Recipe) -> None:
 def recipes(formats=None, archs=None, force: Mapping[str, tuple] | None = None) -> st.SearchStrategy[Recipe]:
     """A valid recipe: a format and its knobs, then sizes against that format's scale block,
     an architecture, a layout, perturbations and a seed. `formats` and `archs` narrow the
-    draw (all registered ones by default); `force` maps "knobs.K", "layout.K", "perturb.K" and
-    "sizes.attention" to the values allowed there (a campaign cell: harness.campaign.cells)."""
+    draw (all registered ones by default); `force` maps "knobs.K", "layout.K", "perturb.K",
+    "sizes.attention" and "sizes.tie_word_embeddings" to the values allowed there (a campaign
+    cell: harness.campaign.cells)."""
     frozen = tuple(sorted((key, tuple(values)) for key, values in (force or {}).items()))
     return _recipes(tuple(formats or FORMAT_NAMES), tuple(archs or ARCHITECTURES), frozen)
 
@@ -396,7 +403,8 @@ def _recipes(draw, formats: tuple[str, ...], archs: tuple[str, ...], force: Forc
         multiple = edges[1]
         edges = (edges[0] if edges[0] % multiple == 0 else multiple, edges[1])
         event(f"{name}: every K a whole number of blocks (engines load it)")
-    arch, config = draw(architectures(written[name] or archs, edges, multiple, attention))
+    tied = dict(force).get("sizes.tie_word_embeddings", (False, True))
+    arch, config = draw(architectures(written[name] or archs, edges, multiple, attention, tied))
     recipe = Recipe(
         format=name,
         arch=arch,

@@ -49,6 +49,8 @@ def test_a_cells_recipes_keep_to_its_family_dtype_and_defaults(data, index):
             )
         elif section == "layout":
             assert resolved.layout[name] in values
+        elif key == "sizes.tie_word_embeddings":
+            assert resolved.settings["tie_word_embeddings"] in values
         elif section == "sizes":
             width = resolved.settings["num_attention_heads"] * resolved.settings["head_dim"]
             assert width != resolved.settings["hidden_size"]
