@@ -295,7 +295,8 @@ class _Explorer:
             state.shrink_left -= 1
         directory = self.examples_dir / f"{campaign.examples:05d}"
         generate(recipe, directory)
-        relations = sampled(campaign.examples, self.relations)
+        config = json.loads((directory / "config.json").read_text())
+        relations = sampled(campaign.examples, self.relations, config=config)
         relations += tuple(sorted(state.relations - set(relations))) if state.shrinking else ()
         try:
             result = evaluate(directory, self.session, self.known, relations=relations)

@@ -119,12 +119,19 @@ def parse_relations(text: str | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def sampled(example: int, names: tuple[str, ...] = RELATION_NAMES, every: int = CAMPAIGN_EVERY) -> tuple[str, ...]:
+def sampled(
+    example: int, names: tuple[str, ...] = RELATION_NAMES, every: int = CAMPAIGN_EVERY, config: dict | None = None
+) -> tuple[str, ...]:
     """The relations the campaign checks on its `example`-th example (1-based): one, in turn, on
-    every `every`-th, so that the relations cost about 1/`every` of the campaign's loads."""
+    every `every`-th, so that the relations cost about 1/`every` of the campaign's loads. Given the
+    example's `config`, a turn whose relation says nothing about it passes to the next one that
+    does (no sampled load wasted on a relation that does not apply)."""
     if not names or every <= 0 or example % every:
         return ()
-    return (names[(example // every - 1) % len(names)],)
+    turn = (example // every - 1) % len(names)
+    in_turn = names[turn:] + names[:turn]
+    applicable = [name for name in in_turn if config is None or not RELATIONS[name].inapplicable(config)]
+    return tuple((applicable or in_turn)[:1])
 
 
 @dataclass

@@ -43,6 +43,17 @@ def test_the_campaign_samples_each_relation_in_turn_on_a_fixed_fraction():
     assert sampled(CAMPAIGN_EVERY, ()) == () and sampled(CAMPAIGN_EVERY - 1) == ()
 
 
+def test_a_turn_whose_relation_does_not_apply_passes_to_the_next_that_does():
+    """dequantize applies to compressed-tensors and FineGrainedFP8 only: on a ModelOpt checkpoint its
+    turn goes to the next relation in order; on a compressed-tensors one it keeps it."""
+    turn = CAMPAIGN_EVERY * (RELATION_NAMES.index("dequantize") + 1)
+    modelopt = {"quantization_config": {"quant_method": "modelopt"}}
+    compressed = {"quantization_config": {"quant_method": "compressed-tensors"}}
+    following = RELATION_NAMES[(RELATION_NAMES.index("dequantize") + 1) % len(RELATION_NAMES)]
+    assert sampled(turn, config=modelopt) == (following,)
+    assert sampled(turn, config=compressed) == sampled(turn) == ("dequantize",)
+
+
 def test_a_relation_finding_is_one_signature_whichever_tensor_shows_it_first():
     def finding(tensor):
         return Finding(
