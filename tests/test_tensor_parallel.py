@@ -212,6 +212,30 @@ def test_vllm_experts_are_exact_at_tp_2_and_4(mixtral_channel_checkpoint):
 
 
 @needs_vllm
+def test_vllm_llama4_dense_and_sparse_layers_are_exact_at_tp_2_and_4(tmp_path):
+    """Llama-4 (text): layer 0 dense (feed_forward with intermediate_size_mlp), layer 1 sparse (a
+    shared expert beside the routed experts' FusedMoE, under feed_forward), every rank exact."""
+    recipe = apply_settings(
+        Recipe(format="ct-fp8-channel", arch="llama4", seed=5),
+        [
+            "hidden_size=256",
+            "intermediate_size=256",
+            "intermediate_size_mlp=384",
+            "num_key_value_heads=4",
+            "num_hidden_layers=2",
+            "interleave_moe_layer_step=2",
+        ],
+    )
+    generate(recipe, tmp_path / "c")
+    for layer, routed in ((0, 0), (1, 3)):
+        result = check_tensor_parallel(tmp_path / "c", [2, 4], layer)
+        assert [(o.tp, o.status) for o in result.outcomes] == [(2, EXACT), (4, EXACT)], layer
+        modules = {v.module for v in result.verdicts}
+        assert {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} <= modules
+        assert len([m for m in modules if m.startswith("experts.")]) == 2 * routed
+
+
+@needs_vllm
 def test_vllm_nvfp4_expert_down_proj_split_inside_groups_is_caught(tmp_path):
     """Measured upstream behaviour (docs/tensor-parallel.md): a ModelOpt NVFP4 expert of width 160
     at tp 4 gives each rank 40 of w2's columns, cutting the 16-column groups; the FusedMoE loader

@@ -78,7 +78,7 @@ def check_tensor_parallel(directory: str | Path, tp_sizes: list[int], layer: int
     directory = Path(directory)
     truth = load_truth(directory, layer)  # a CheckpointError (exit 2) for an unusable checkpoint
     try:
-        decoder_linears(truth.config)
+        decoder_linears(truth.config, layer)
     except (KeyError, ValueError) as error:
         raise HarnessError(f"{directory}: cannot lay out its decoder layer ({error})") from None
     if not any(name.startswith(f"model.layers.{layer}.") for name in truth.raw):

@@ -51,10 +51,9 @@ class Shard:
 
 def shards_from_worker(report: dict, tensors: dict[str, torch.Tensor], config: dict) -> list[Shard]:
     """The worker's answer (float32 tensors, dtypes in the report) as Shards in their own dtypes."""
-    linears = {linear.name: linear for linear in decoder_linears(config)}
     shards = []
     for entry in report["shards"]:
-        linear = linears[entry["module"]]
+        linear = {linear.name: linear for linear in decoder_linears(config, entry["layer"])}[entry["module"]]
         held, unwritten = {}, {}
         for name, meta in entry.get("params", {}).items():
             key = f"tp{entry['tp']}/rank{entry['rank']}/{linear.module(entry['layer'])}.{name}"

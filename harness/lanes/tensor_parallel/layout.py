@@ -9,13 +9,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: architectures whose decoder layer this lane knows: vLLM's Llama and Qwen2, and its Mixtral,
-#: Qwen2-MoE and Qwen3-MoE, whose routed experts live in one FusedMoE (w13: gate and up, w2: down)
+#: Qwen2-MoE, Qwen3-MoE and Llama-4 (text), whose routed experts live in one FusedMoE (w13: gate
+#: and up, w2: down)
 DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM")
-#: MoE architecture -> (where its experts live, checkpoint names of gate, up, down)
+#: MoE architecture -> (where its experts live, checkpoint names of gate, up, down, the config
+#: fields holding the number of experts and an expert's width)
 MOE = {
     "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2"), "num_local_experts", "intermediate_size"),
     "Qwen2MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", "moe_intermediate_size"),
     "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", "moe_intermediate_size"),
+    "Llama4ForCausalLM": (
+        "feed_forward",
+        ("gate_proj", "up_proj", "down_proj"),
+        "num_local_experts",
+        "intermediate_size",
+    ),
+}
+#: MoE architecture -> (its shared expert's module, the config field of its width)
+SHARED = {
+    "Qwen2MoeForCausalLM": ("mlp.shared_expert", "shared_expert_intermediate_size"),
+    "Llama4ForCausalLM": ("feed_forward.shared_expert", "intermediate_size"),
 }
 ARCHITECTURES = DENSE + tuple(MOE)
 #: qkv biased whatever the config says (vLLM's Qwen2 and Qwen2-MoE)
@@ -68,10 +81,23 @@ def attention_of(config: dict) -> Attention:
     )
 
 
-def decoder_linears(config: dict) -> tuple[FusedLinear, ...]:
-    """The parallel Linears of one decoder layer, as vLLM's Llama, Qwen2, Mixtral, Qwen2-MoE and
-    Qwen3-MoE build them: attention, then the dense MLP, or a sparse layer's shared expert and
-    each routed expert's w13 and w2 (every layer of these MoE models is sparse)."""
+def sparse(config: dict, layer: int) -> bool:
+    """Every layer of Mixtral and the Qwen MoE models; Llama-4's every interleave_moe_layer_step-th
+    (layers step-1, 2*step-1, ...), the others dense with intermediate_size_mlp."""
+    architecture = (config.get("architectures") or ["?"])[0]
+    if architecture not in MOE:
+        return False
+    if architecture == "Llama4ForCausalLM":
+        return (layer + 1) % int(config.get("interleave_moe_layer_step") or 1) == 0
+    return True
+
+
+def decoder_linears(config: dict, layer: int = 0) -> tuple[FusedLinear, ...]:
+    """The parallel Linears of decoder layer `layer`, as vLLM's Llama, Qwen2, Mixtral, Qwen2-MoE,
+    Qwen3-MoE and Llama-4 build them: attention, then the dense MLP, or a sparse layer's shared
+    expert and each routed expert's w13 and w2. Llama-4's rotary permutation of q and k (its
+    model's `load_weights`, before any layer's loader) is not part of this table: the lane feeds
+    the layers' own loaders."""
     architecture = (config.get("architectures") or ["?"])[0]
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture {architecture} (known: {', '.join(ARCHITECTURES)})")
@@ -93,11 +119,14 @@ def decoder_linears(config: dict) -> tuple[FusedLinear, ...]:
         ),
         FusedLinear("o_proj", "self_attn", "row", (Part("o_proj", None, hidden),), q_rows, qkv_bias and not qwen2),
     )
+    if architecture == "Llama4ForCausalLM" and not sparse(config, layer):
+        return attention_linears + dense_mlp("feed_forward", hidden, config["intermediate_size_mlp"], False)
     if architecture not in MOE:
         return attention_linears + dense_mlp("mlp", hidden, config["intermediate_size"], mlp_bias)
     block, (gate, up, down), count_key, width_key = MOE[architecture]
-    shared = config.get("shared_expert_intermediate_size") if architecture == "Qwen2MoeForCausalLM" else 0
-    linears = attention_linears + (dense_mlp("mlp.shared_expert", hidden, shared, False) if shared else ())
+    shared_module, shared_key = SHARED.get(architecture, ("", ""))
+    shared = config.get(shared_key) if shared_module else 0
+    linears = attention_linears + (dense_mlp(shared_module, hidden, shared, False) if shared else ())
     width = config[width_key]
     for expert in range(config[count_key]):
         name = f"experts.{expert}"

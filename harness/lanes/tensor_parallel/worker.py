@@ -106,7 +106,7 @@ class TensorParallelShards(Engine):
         checkpoint = Checkpoint(job["checkpoint"])
         config = json.loads((checkpoint.directory / "config.json").read_text())
         report = ShardReport(self.version())
-        linears = decoder_linears(config)
+        linears = decoder_linears(config, job["layer"])
         experts = [linear for linear in linears if linear.expert is not None]
         with vllm_context(job["checkpoint"], config) as (quant_config, dtype), stand_in_kernels(report.kernel_notes):
             for tp in job["tp_sizes"]:
