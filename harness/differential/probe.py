@@ -172,7 +172,7 @@ def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: d
     reported = outcome.report.get("missing", []) + outcome.report.get("unexpected", [])
     explained |= {canonical_name(key).rpartition(".")[0] for key in reported}
     judged = [name for name in names if name not in explained and f"{name}.weight" in held]
-    experts = [name for name in sorted(k.removesuffix(EXPERTS) for k in probe if k.endswith(EXPERTS))]
+    experts = sorted(k.removesuffix(EXPERTS) for k in probe if k.endswith(EXPERTS))
     experts = [name for name in experts if layer_of(name) not in {layer_of(m) for m in explained if ".experts." in m}]
     if not judged and not experts:
         outcome.activation_probe = "not run: every probed module's weights or load report are already a finding"

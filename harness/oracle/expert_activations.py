@@ -93,18 +93,21 @@ def run_each_expert(module, hidden: torch.Tensor) -> list[torch.Tensor]:
 def each_expert_candidates(module, scheme: ActivationScheme, scales: ExpertScales, hidden) -> list[tuple]:
     """Per expert e: (specified, weight-only) outputs of `run_each_expert`'s calls, from the module's
     own packed weights: each expert Linear's input quantized by the scheme, or not."""
-    results = []
-    for expert in range(len(scales)):
-        pair = []
-        for quantized in (scheme, None):
-            if routes_every_token(module):
-                blocks = _forward_every_token(module, quantized, scales, hidden.repeat(len(scales), 1))
-                pair.append(blocks.view(len(scales), hidden.shape[0], -1)[expert])
-            else:
-                index = torch.full((hidden.shape[0], 1), expert, dtype=torch.long)
-                pair.append(_forward(module, quantized, scales, hidden, index, torch.ones(hidden.shape[0], 1)))
-        results.append(tuple(pair))
-    return results
+    experts, rows = len(scales), hidden.shape[0]
+    candidates = []  # per scheme (specified, then none): each expert's output
+    for quantized in (scheme, None):
+        if routes_every_token(module):  # one call gives every expert's block
+            blocks = _forward_every_token(module, quantized, scales, hidden.repeat(experts, 1))
+            candidates.append(list(blocks.view(experts, rows, -1)))
+            continue
+        ones = torch.ones(rows, 1)
+        candidates.append(
+            [
+                _forward(module, quantized, scales, hidden, torch.full((rows, 1), expert, dtype=torch.long), ones)
+                for expert in range(experts)
+            ]
+        )
+    return list(zip(*candidates, strict=True))
 
 
 def install(model: torch.nn.Module, experts: Mapping[str, ExpertScales], scheme: ActivationScheme) -> list:
