@@ -199,6 +199,7 @@ def run_campaign(
             return campaign
         served, position = heapq.heappop(queue)
         before, started = campaign.examples, time.monotonic()
+        explorer.unvisited = sum(1 for i, count in enumerate(visits) if count == 0 and i != position)
         explorer.visit(cells[position], visits[position])
         visits[position] += 1
         idle[position] = 0 if campaign.examples > before else idle[position] + 1
@@ -236,6 +237,9 @@ class _Explorer:
         self.minimal_key: dict[tuple, str] = {}
         #: the relations the campaign samples (harness.differential.relations)
         self.relations: tuple[str, ...] = relations
+        #: cells not visited yet, besides the one being visited: under an example budget, shrinking
+        #: leaves one example to each (a first finding's shrink must not starve the other cells)
+        self.unvisited = 0
 
     def visit(self, cell: Cell, visit_round: int) -> None:
         base = settings.default
@@ -270,7 +274,7 @@ class _Explorer:
         """The property: evaluate `recipe` (once), record it, raise for a signature being shrunk."""
         key = json.dumps(recipe.to_json(), sort_keys=True)
         if key not in self.evaluated:
-            if self.budget.spent(self.campaign.examples) or (state.shrinking and state.shrink_left <= 0):
+            if self.budget.spent(self.campaign.examples) or (state.shrinking and not self._may_shrink(state)):
                 return  # nothing more is evaluated: generation and shrinking end without cost
             self.evaluated[key] = self.evaluate(recipe, state)
         signatures = self.evaluated[key]
@@ -283,9 +287,16 @@ class _Explorer:
                 self.campaign.minimal[signature] = (recipe, self.campaign.minimal[signature][1])
             raising = raising or signature
         if raising is not None:
-            if not state.shrinking:
-                state.shrinking, state.shrink_left = True, SHRINK_EVALUATIONS * max(1, len(state.active))
+            if not state.shrinking:  # a logit consequence of a weight finding shrinks with it
+                causes = [s for s in state.active if s[3] != "consequence"]
+                state.shrinking, state.shrink_left = True, SHRINK_EVALUATIONS * max(1, len(causes))
             raise failure_type(raising)(raising[3])
+
+    def _may_shrink(self, state: _Visit) -> bool:
+        left = self.budget.max_examples
+        if left is not None and left - self.campaign.examples <= self.unvisited:
+            return False
+        return state.shrink_left > 0
 
     def evaluate(self, recipe: Recipe, state: _Visit) -> list[tuple]:
         campaign = self.campaign

@@ -81,7 +81,7 @@ class Finding:
 CONSEQUENCE_KINDS = ("logprobs", "topk", "perplexity", "nonfinite-logits")
 WEIGHT_KINDS = ("weight-mismatch", "weight-nonfinite", "weight-missing")
 _NUMBER = re.compile(r"(?<![A-Za-z_0-9.])[-+]?\d+(\.\d+)?(e[-+]?\d+)?")
-_PATH = re.compile(r"(/[^\s'\":,()]+)+")
+_PATH = re.compile(r"(?<![\w.])(/[^\s'\":,()]+)+")  # not a ratio: 1/7
 #: a layer's or an expert's index inside a module name (model.layers.3.mlp.experts.12.w1)
 _INDEX = re.compile(r"(?<=[A-Za-z_]\.)\d+(?=\.)")
 

@@ -19,7 +19,8 @@ TWO_BUGS = "tests.doubles.campaign_doubles:TwoBugsEngine"
 
 def test_the_campaign_goes_on_after_its_first_new_finding_and_finds_the_second_bug(tmp_path):
     """A double with one bug in fp8-block and another in ct-fp8-channel: both are found, as
-    distinct signatures, each with a minimal reproduction that shows it again."""
+    distinct signatures, each with a minimal reproduction that shows it again. The budget is
+    small (12 examples, 6 cells): shrinking the first finding leaves every other cell its visit."""
     result = cli(
         "run",
         "--engines",
@@ -31,7 +32,7 @@ def test_the_campaign_goes_on_after_its_first_new_finding_and_finds_the_second_b
         "--families",
         "plain",
         "--max-examples",
-        "40",
+        "12",
         "--report",
         tmp_path / "r",
     )
@@ -47,7 +48,8 @@ def test_the_campaign_goes_on_after_its_first_new_finding_and_finds_the_second_b
         item = next(f for f in report["findings"] if (f["engine"], f["kind"], f["format"]) == (engine, kind, fmt))
         again = cli(*item["command"].split()[3:])
         assert again.returncode == 1 and kind in again.stdout
-    assert report["examples"] <= 40
+    assert report["examples"] <= 12 and report["shrink_examples"] > 0
+    assert all(row["examples"] >= 1 for row in report["coverage"]), report["coverage"]
     assert sum(row["examples"] for row in report["coverage"]) == report["examples"]
 
 
@@ -115,6 +117,7 @@ def test_a_signature_tells_causes_apart_and_ignores_numbers():
     known.known_issue = "some-issue"
     assert known.cause() == "known: some-issue"
     assert normalise("/tmp/a/b.safetensors: 1.5e-3 off") == "PATH: N off"
+    assert normalise("not applied at 1/7 quantized Linear(s)") == "not applied at N/N quantized Linear(s)"
     assert normalise("missing model.layers.1.mlp.experts.12.w1.weight_scale") == normalise(
         "missing model.layers.0.mlp.experts.3.w1.weight_scale"
     )
