@@ -179,6 +179,29 @@ def test_head_dim_message_without_its_precondition_is_new(tmp_path):
     assert known.match(finding(wide)) == HEAD_DIM_ISSUE
 
 
+@pytest.mark.parametrize("prefix", ["model.language_model.", "model."])
+def test_accepting_a_prefixed_checkpoint_that_omits_a_scale_is_the_prefix_issue_only_with_the_prefix(prefix, tmp_path):
+    """transformers reads no key under 'model.language_model.', so a prefixed checkpoint that must
+    be refused for an omitted scale too loads all the same: the prefix issue. Without the prefix,
+    accepting it is new."""
+    directory = tmp_path / "checkpoint"
+    recipe = Recipe("modelopt-nvfp4", "qwen2", config={"num_hidden_layers": 1}, layout={"key_prefix": prefix})
+    recipe.perturb["disagreement"] = "missing-scale"
+    manifest = generate(recipe, directory)
+    notes = [f"{m}: {n}" for m, info in manifest["modules"].items() for n in info["notes"]] + manifest["notes"]
+    accepted = Finding(
+        engine="transformers",
+        engine_version="5.23.0",
+        kind="accepted-invalid",
+        format="modelopt-nvfp4",
+        message="loaded a checkpoint that must be refused: " + "; ".join(notes),  # as the runner words it
+        arch="qwen2",
+        checkpoint=str(directory),
+    )
+    expected = "transformers-vlm-prefix-loads-random-weights" if prefix != "model." else None
+    assert KnownIssues.load().match(accepted) == expected, accepted.message
+
+
 @pytest.mark.parametrize(
     "engine, version, issue",
     [
