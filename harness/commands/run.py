@@ -52,13 +52,15 @@ def command_run(args) -> int:
     from harness.campaign.profiles import load_profile
     from harness.commands.cli import parse_engines, parse_optional, start_engines
     from harness.differential.known_issues import KnownIssues
-    from harness.differential.relations import CAMPAIGN_EVERY, parse_relations
+    from harness.differential.relations import CAMPAIGN_EVERY, RELATIONS, parse_relations
     from harness.differential.runner import EngineSession
     from harness.engines.process import Limits
 
     engines = parse_engines(args.engines)
     optional = parse_optional(args, engines)
     relations = parse_relations(args.relations)
+    # a relation of other engines (tensor-parallel: vLLM's) would take its turns for nothing
+    relations = tuple(r for r in relations if RELATIONS[r].engines is None or set(RELATIONS[r].engines) & set(engines))
     seconds = parse_duration(args.budget) if args.budget else None
     coverage, cells, mine = plan_cells(args)
     load_profile(args.profile)

@@ -31,7 +31,7 @@ def add_parser(commands) -> None:
 
 
 def command_tp_shards(args) -> int:
-    from harness.lanes.tensor_parallel import FINDING, check_tensor_parallel, parse_tp_sizes
+    from harness.engines.tensor_parallel import FINDING, check_tensor_parallel, parse_tp_sizes
 
     sizes = parse_tp_sizes(args.tp_sizes)
     directory = Path(args.directory)

@@ -6,9 +6,13 @@ one worker, saving and reloading, loading into NaN-filled storage (as vLLM's rel
 parameter the loader never writes stays NaN), a quantizer's dequantize-at-load option and a
 device_map that offloads to disk all hold the first load's weights or compute its logits, whatever
 the truth is: no oracle is needed, and a wrong load that the truth cannot tell apart (a scale
-applied again on a second load, a parameter left as allocated) still shows. One that does not hold is a `relation` finding naming the relation and the first
-differing tensor and position; one an engine or checkpoint cannot perform is "not checked" with
-the reason, never a pass. Opt-in per call: `evaluate(..., relations=...)`, `compare --relations`,
+applied again on a second load, a parameter left as allocated) still shows. One relation is
+checked once per checkpoint rather than on a load: `tensor-parallel` runs vLLM's own weight loaders
+for every rank at tensor-parallel sizes 1, 2 and 4 (harness.engines.tensor_parallel) and holds each
+rank's shard to its slice, whatever vLLM's one-device load did. One that does not hold is a
+`relation` finding naming the relation and the first differing tensor and position (for
+tensor-parallel: the smallest size, the rank and the Linear); one an engine or checkpoint cannot
+perform is "not checked" with the reason, never a pass. Opt-in per call: `evaluate(..., relations=...)`, `compare --relations`,
 and the campaign on every `CAMPAIGN_EVERY`-th example (`sampled`). Imports no torch at import time.
 """
 
@@ -22,12 +26,17 @@ from typing import TYPE_CHECKING
 from harness.core.errors import HarnessError, first_line
 from harness.core.naming import canonical_name
 from harness.engines.process import EngineError, EngineFailure
+from harness.engines.tensor_parallel.layout import ARCHITECTURES as TP_ARCHITECTURES
 
 if TYPE_CHECKING:
     import torch
 
     from harness.differential.runner import Judgement
     from harness.engines.process import EngineProcess
+
+
+#: how the tensor-parallel relation's "second load" is made: vLLM's loaders under a mocked rank
+SHARDS = "tp-shards"
 
 
 @dataclass(frozen=True)
@@ -43,15 +52,20 @@ class Relation:
     compares: tuple[str, ...]
     #: the quant_method values of the checkpoints it applies to (None: every checkpoint)
     methods: tuple[str, ...] | None = None
+    #: the engines it is checked on (None: every engine that loads the checkpoint)
+    engines: tuple[str, ...] | None = None
+    #: the config `architectures` it applies to (None: every one)
+    architectures: tuple[str, ...] | None = None
 
     def inapplicable(self, config: dict) -> str:
         """Why this relation says nothing about a checkpoint with `config` ('' when it applies)."""
-        if self.methods is None:
-            return ""
         quantization = config.get("quantization_config")
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        if method not in self.methods:
+        if self.methods is not None and method not in self.methods:
             return f"{self.name} applies to quant_method {', '.join(self.methods)}, not {method}"
+        architecture = (config.get("architectures") or ["?"])[0]
+        if self.architectures is not None and architecture not in self.architectures:
+            return f"{self.name} knows the decoder layers of {', '.join(self.architectures)}, not {architecture}"
         return ""
 
 
@@ -95,14 +109,26 @@ RELATIONS: dict[str, Relation] = {
             "offload",
             ("logprobs",),
         ),
+        Relation(
+            "tensor-parallel",
+            "vLLM's own weight loaders, run for every rank at tensor-parallel sizes 1, 2 and 4 (one decoder layer "
+            "under a mocked rank, as vLLM's own loading tests mock it), give each rank exactly its slice of the "
+            "checkpoint's values, or refuse the split; checked whatever vLLM's one-device load did (no kernel runs)",
+            SHARDS,
+            ("shards",),
+            engines=("vllm",),
+            architectures=TP_ARCHITECTURES,
+        ),
     )
 }
 RELATION_NAMES = tuple(RELATIONS)
+#: the tensor-parallel sizes the tensor-parallel relation shards at (1: the one-device baseline)
+TP_SIZES = (1, 2, 4)
 #: the campaign checks one relation on every CAMPAIGN_EVERY-th example, the relations in turn
 CAMPAIGN_EVERY = 10
-#: the relations the main job checks by default: all five. round-trip, dequantize and offload found
-#: upstream bugs (cases/known_issues.toml); run over 838 of the 848 cells (session 9, 885 examples)
-#: they raised no signature that was not a known issue, so the main job rediscovers those too
+#: the relations the main job checks by default: all six. round-trip, dequantize, offload and
+#: tensor-parallel found upstream bugs (cases/known_issues.toml), so the main job rediscovers them
+#: too; a relation of engines a run does not load is left out (harness.commands.run)
 CAMPAIGN_DEFAULT = RELATION_NAMES
 
 
@@ -150,6 +176,8 @@ def check_relations(judgement: Judgement, engine: str, worker: EngineProcess, fi
     outcome = judgement.result.outcomes[engine]
     for name in judgement.relations:
         relation = RELATIONS[name]
+        if relation.second == SHARDS or (relation.engines is not None and engine not in relation.engines):
+            continue  # tensor-parallel: once per checkpoint (check_shard_relations); others: not this engine's
         try:
             outcome.relations[name] = _check(relation, judgement, engine, worker, first)
         except EngineFailure as failure:
@@ -161,6 +189,65 @@ def check_relations(judgement: Judgement, engine: str, worker: EngineProcess, fi
                 metrics={"log_tail": failure.log_tail, "relation": name},
             )
             return
+
+
+def check_shard_relations(judgement: Judgement, engines: list[str]) -> None:
+    """The relations checked once per checkpoint, not on a load: tensor-parallel, on vLLM whatever
+    its one-device load did (refused, no kernel on this host: its loaders run all the same)."""
+    for relation in (RELATIONS[name] for name in judgement.relations if RELATIONS[name].second == SHARDS):
+        for engine in relation.engines or ():
+            outcome = judgement.result.outcomes.get(engine)
+            if engine in engines and outcome is not None and outcome.status != "unavailable":
+                outcome.relations[relation.name] = _check_shards(relation, judgement, engine)
+
+
+def _check_shards(relation: Relation, judgement: Judgement, engine: str) -> str:
+    """tp-shards at TP_SIZES on the checkpoint's first decoder layer; the smallest size at which a
+    rank holds other values than its slice is one finding (the others in its metrics)."""
+    from harness.engines.tensor_parallel import FINDING, REFUSED, WORKER_SPEC, check_tensor_parallel
+
+    why = relation.inapplicable(judgement.config)
+    if why or judgement.hazards:
+        return f"not checked: {why or 'a hostile layout'}"
+    try:
+        worker = judgement.session.helper(engine, WORKER_SPEC, relation.name)
+        if worker is None:
+            return f"not checked: {judgement.session.unavailable.get(engine, engine + ' unavailable')}"
+        result = check_tensor_parallel(judgement.directory, list(TP_SIZES), work=judgement.scratch, process=worker)
+    except EngineFailure as failure:
+        return f"not checked: the tensor-parallel worker cannot start: {first_line(failure)}"
+    except HarnessError as error:  # the reference refuses the checkpoint, or the worker failed
+        return f"not checked: {first_line(error)}"
+    wrong = [o for o in result.outcomes if o.status == FINDING]
+    if not wrong:
+        refused = [str(o.tp) for o in result.outcomes if o.status == REFUSED]
+        return "holds" + (f" (vLLM refuses the split at tp {', '.join(refused)})" if refused else "")
+    first = wrong[0]
+    verdicts = [v for v in result.verdicts if v.tp == first.tp and v.status == FINDING]
+    module, shape = next(iter(verdicts[0].wrong.items()), (None, None))
+    latent = bool(first.reasons)  # vLLM refuses another Linear of the layer: the model would not load
+    failure = f"{verdicts[0].module} at tp {first.tp}: a rank holds values other than its slice" + (
+        " (latent: vLLM refuses another Linear of the layer)" if latent else ""
+    )
+    metrics = {
+        "relation": relation.name,
+        "must_hold": relation.holds,
+        "failure": failure,
+        "tp": first.tp,
+        "tp_sizes_wrong": [o.tp for o in wrong],
+        "shape": shape,
+        "latent": latent,
+        "ranks": first.findings[:20],
+        "refusals": first.reasons[:10],
+        "kernel_notes": result.kernel_notes,
+    }
+    more = len(first.findings) - 1
+    message = f"{relation.name}: {first.findings[0]}" + (f" (and {more} more at tp {first.tp})" if more else "")
+    block = [judgement.knobs.get("block_rows"), judgement.knobs.get("block_cols")]
+    if all(isinstance(b, int) for b in block):
+        metrics["block"] = block  # a block format's grid: the known issues' `block_rows`
+    judgement.finding(engine, "relation", message, module=module, metrics=metrics)
+    return "does not hold"
 
 
 def _check(relation: Relation, judgement: Judgement, engine: str, worker: EngineProcess, first: Load) -> str:

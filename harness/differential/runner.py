@@ -27,7 +27,7 @@ from harness.differential.compare import compare_logprobs, compare_weight, perpl
 from harness.differential.known_issues import KnownIssues
 from harness.differential.misreadings import CheckpointMisreadings
 from harness.differential.probe import probe_engine, reference_probe
-from harness.differential.relations import Load, check_relations
+from harness.differential.relations import Load, check_relations, check_shard_relations
 from harness.engines import REFERENCE, engine_spec
 from harness.engines.environments import engine_python
 from harness.engines.process import EngineError, EngineFailure, EngineProcess, Limits
@@ -82,26 +82,35 @@ class EngineSession:
         self.infos: dict[str, dict] = {}
 
     def process(self, engine: str) -> EngineProcess | None:
+        return self._worker(engine, engine_spec(engine), engine)
+
+    def helper(self, engine: str, spec: str, name: str) -> EngineProcess | None:
+        """A worker hosting `spec` (`module:Class`) in `engine`'s interpreter, kept alive like the
+        engines' own (the tensor-parallel lane in vLLM's: one vLLM import per session, not per check)."""
+        return self._worker(engine, spec, f"{engine}-{name}")
+
+    def _worker(self, engine: str, spec: str, key: str) -> EngineProcess | None:
         if engine in self.unavailable:
             return None
-        current = self.processes.get(engine)
+        current = self.processes.get(key)
         if current and current.process and current.process.poll() is None:
             return current
         python, why = engine_python(engine)
         if python is None:
             self.unavailable[engine] = why
             return None
-        worker = EngineProcess(
-            engine_spec(engine), python, self.work / "logs" / f"{engine.replace(':', '_')}.log", self.limits
-        )
+        worker = EngineProcess(spec, python, self.work / "logs" / f"{key.replace(':', '_')}.log", self.limits)
         try:
             info = worker.start()
         except EngineFailure as failure:
+            if key != engine:  # a helper that cannot start says nothing of the engine
+                raise
             self.unavailable[engine] = f"cannot start ({python}): {failure}"
             return None
-        self.versions[engine] = info.get("version", "?")
-        self.infos[engine] = info
-        self.processes[engine] = worker
+        if key == engine:
+            self.versions[engine] = info.get("version", "?")
+            self.infos[engine] = info
+        self.processes[key] = worker
         return worker
 
     def close(self) -> None:
@@ -243,6 +252,8 @@ def evaluate(
         if rows is not None:
             logprobs[engine] = rows
     _judge_logits(judgement, logprobs)
+    if judgement.relations:
+        check_shard_relations(judgement, engines or session.engines)
     if known is not None:
         known.annotate(judgement.result.findings)
     return judgement.result

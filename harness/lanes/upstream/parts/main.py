@@ -48,8 +48,10 @@ from harness.lanes.upstream.parts.parameters import (
     JUDGE_ACTIVATIONS,
     RELATION,
     REPORTED_ERROR,
+    TENSOR_PARALLEL,
 )
 from harness.lanes.upstream.parts.relation_transformers import relation_problems  # only where RELATION is set
+from harness.lanes.upstream.parts.relation_vllm import shard_problems  # only where TENSOR_PARALLEL is set
 
 # ---- reproduce.py ----
 
@@ -125,6 +127,15 @@ def reproduce() -> tuple[int, list[str]]:
             f"{str(MODEL_DTYPE).removeprefix('torch.')}",
             f"expected: {EXPECTED}",
         ]
+        if TENSOR_PARALLEL is not None:  # vLLM's loaders under a mocked rank: no model is built, no kernel runs
+            problems = shard_problems(scratch, expected)
+            if problems:
+                lines = [f"actual: {len(problems)} rank(s) hold values other than their slice:"]
+                return EXIT_BUG, header + lines + [f"  - {p}" for p in problems] + ["verdict: bug present"]
+            return EXIT_FIXED, header + [
+                "actual: every rank holds its slice, or vLLM refuses the split",
+                "verdict: fixed",
+            ]
         with CapturedLogs(ENGINE_LOGGERS) as logs:
             try:
                 loaded = load_model(scratch)

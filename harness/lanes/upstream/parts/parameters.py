@@ -87,5 +87,10 @@ WEIGHT_TOLERANCE = {"rel": 0.0078125, "abs": 0.0}
 CANNOT_RUN_HERE = None
 #: whether the script also judges what each quantized Linear does to its input (an activations issue)
 JUDGE_ACTIVATIONS = False
-#: the second load path held to the first bit for bit (round-trip, dequantize, offload), or None
+#: the second load path held to the first bit for bit (round-trip, dequantize, offload), or vLLM's
+#: tensor-parallel shards (tensor-parallel), or None
 RELATION = None
+#: vLLM's tensor-parallel relation: the sizes, and the first decoder layer's parallel Linears as
+#: vLLM builds them (prefix, kind, parts [module, shard id, rows], input size, bias, attention
+#: [heads, kv heads, head dim]), or None
+TENSOR_PARALLEL = None

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.core.errors import FormatError
-from harness.lanes.tensor_parallel.layout import FusedLinear, Part, Slice, decoder_linears, owned_slice
+from harness.engines.tensor_parallel.layout import FusedLinear, Part, Slice, decoder_linears, owned_slice
 
 EXACT, FINDING, REFUSED = "exact", "finding", "refused"
 
@@ -28,6 +28,8 @@ class RankVerdict:
     module: str  # vLLM's fused name: qkv_proj, o_proj, gate_up_proj, down_proj
     status: str  # exact, finding or refused
     details: list[str] = field(default_factory=list)
+    #: the checkpoint modules whose slice this rank holds wrong -> their whole weight's shape
+    wrong: dict[str, list[int]] = field(default_factory=dict)
 
     def line(self) -> str:
         return f"tp {self.tp} rank {self.rank} {self.module}: {self.status}" + (
@@ -124,11 +126,14 @@ def judge_shard(shard: Shard, truth: Truth) -> RankVerdict:
             computed = {}
         for part, owned in zip(shard.linear.parts, slices, strict=True):
             module = shard.linear.part_module(truth.layer, part)
+            before = len(problems)
             if part.name in computed:
                 wrong = compare(computed[part.name], cut(truth.reference[f"{module}.weight"], owned), owned)
                 if wrong:
                     problems.append(f"{part.name} weight {wrong}{block_trace(shard, part, owned, truth)}")
             problems += raw_problems(shard, part, owned, truth)
+            if len(problems) > before:
+                verdict.wrong[module] = list(truth.reference[f"{module}.weight"].shape)
     if problems:
         verdict.status = FINDING
         verdict.details = problems

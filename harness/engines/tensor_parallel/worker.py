@@ -2,7 +2,7 @@
 parallel rank, feed them the checkpoint through their own `weight_loader`s, keep what each holds.
 
 Started by `harness.engines.process.EngineProcess` as the engine
-`harness.lanes.tensor_parallel.worker:TensorParallelShards`: `load(JOB)` reads a job file (the
+`harness.engines.tensor_parallel.worker:TensorParallelShards`: `load(JOB)` reads a job file (the
 checkpoint, the tp sizes, the layer) and `weights()` returns every rank's held tensors. The rank
 is mocked as vLLM's own tests do: `parallel_state._TP` is a stand-in group whose `rank_in_group`
 and `world_size` every `get_tensor_model_parallel_rank/world_size()` reads. Each rank loads twice,
@@ -22,8 +22,8 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 
 from harness.engines.base import Engine
+from harness.engines.tensor_parallel.layout import decoder_linears
 from harness.engines.vllm_capability import missing_kernel
-from harness.lanes.tensor_parallel.layout import decoder_linears
 
 #: vLLM modules that imported a kernel chooser by name (the chooser raises where no kernel fits)
 KERNEL_CHOOSERS = {
@@ -34,6 +34,9 @@ KERNEL_CHOOSERS = {
     ),
     "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4": (
         "init_nvfp4_linear_kernel",
+    ),
+    "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_mxfp4": (
+        "init_mxfp4_linear_kernel",
     ),
 }
 #: vLLM modules that imported an NVFP4 MoE backend chooser by name (it raises NotImplementedError
