@@ -266,6 +266,25 @@ def test_vllm_nvfp4_expert_down_proj_split_inside_groups_is_caught(tmp_path):
     assert any("the rank's columns 40-79 cut entries of 16 columns" in d for d in detail), detail
 
 
+@needs_vllm
+def test_vllm_deepseek_v3_mla_and_experts_are_exact_at_tp_2_and_4(tmp_path):
+    """DeepSeek-V3 as vLLM builds it: q_a and kv_a fused and replicated (every rank holds both),
+    q_b and kv_b column-parallel, o row-parallel; layer 0 a dense MLP (first_k_dense_replace),
+    layer 1 the shared experts (one MLP, n_shared_experts x moe_intermediate_size) and the routed
+    experts' FusedMoE. Channel FP8 at widths that split evenly: every rank exact."""
+    recipe = apply_settings(Recipe(format="ct-fp8-channel", arch="deepseek_v3", seed=2), ["num_hidden_layers=2"])
+    generate(recipe, tmp_path / "c")
+    attention = {"fused_qkv_a_proj", "q_b_proj", "kv_b_proj", "o_proj"}
+    for layer, routed in ((0, 0), (1, 3)):
+        result = check_tensor_parallel(tmp_path / "c", [2, 4], layer)
+        assert [(o.tp, o.status) for o in result.outcomes] == [(2, EXACT), (4, EXACT)], layer
+        modules = {v.module for v in result.verdicts}
+        assert attention | {"gate_up_proj", "down_proj"} <= modules
+        assert len([m for m in modules if m.startswith("experts.")]) == 2 * routed
+    replicated = [v for v in result.verdicts if v.module == "fused_qkv_a_proj" and v.tp == 4]
+    assert len(replicated) == 4 and all(v.status == EXACT for v in replicated)
+
+
 # -- the tensor-parallel relation: the lane inside `evaluate` and the campaign -------------------
 
 
@@ -273,11 +292,11 @@ def test_the_relation_applies_to_the_lanes_architectures_and_only_on_vllm():
     relation = RELATIONS["tensor-parallel"]
     assert relation.engines == ("vllm",)
     assert not relation.inapplicable({"architectures": ["Qwen3MoeForCausalLM"]})
-    assert "DeepseekV3ForCausalLM" in relation.inapplicable({"architectures": ["DeepseekV3ForCausalLM"]})
+    assert "Phi3ForCausalLM" in relation.inapplicable({"architectures": ["Phi3ForCausalLM"]})
     # the campaign's turn passes a relation that does not apply to the next one that does
-    deepseek = {"architectures": ["DeepseekV3ForCausalLM"], "quantization_config": {"quant_method": "fp8"}}
+    phi3 = {"architectures": ["Phi3ForCausalLM"], "quantization_config": {"quant_method": "fp8"}}
     turn = RELATION_NAMES.index("tensor-parallel") + 1
-    assert sampled(turn * CAMPAIGN_EVERY, RELATION_NAMES, config=deepseek) != ("tensor-parallel",)
+    assert sampled(turn * CAMPAIGN_EVERY, RELATION_NAMES, config=phi3) != ("tensor-parallel",)
 
 
 def test_int4_is_refused_in_one_line_not_misjudged(tmp_path):

@@ -23,7 +23,9 @@ def add_parser(commands) -> None:
         "with the reference's slice (docs/tensor-parallel.md). Exit 0 exact (or refused by vLLM), "
         "1 a rank holds wrong values, 2 unusable input or no vLLM.",
     )
-    parser.add_argument("directory", help="checkpoint directory (llama, qwen2, mixtral, qwen2_moe or qwen3_moe)")
+    parser.add_argument(
+        "directory", help="checkpoint directory (llama, qwen2, mixtral, qwen2_moe, qwen3_moe, llama4 or deepseek_v3)"
+    )
     parser.add_argument("--tp-sizes", default="2,4", help="comma-separated tensor-parallel sizes (default 2,4)")
     parser.add_argument("--layer", type=int, default=0, help="decoder layer to shard (default 0)")
     parser.add_argument("--report", metavar="OUT", help="write OUT/tp-shards.json and OUT/tp-shards.md here")

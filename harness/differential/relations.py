@@ -202,47 +202,57 @@ def check_shard_relations(judgement: Judgement, engines: list[str]) -> None:
 
 
 def _check_shards(relation: Relation, judgement: Judgement, engine: str) -> str:
-    """tp-shards at TP_SIZES on the checkpoint's first decoder layer; the smallest size at which a
-    rank holds other values than its slice is one finding (the others in its metrics)."""
+    """tp-shards at TP_SIZES on the checkpoint's first decoder layer, and its first layer with
+    routed experts where that is another (DeepSeek-V3's dense first layers); the smallest size at
+    which a rank holds other values than its slice is one finding (the others in its metrics)."""
     from harness.engines.tensor_parallel import FINDING, REFUSED, WORKER_SPEC, check_tensor_parallel
+    from harness.engines.tensor_parallel.layout import first_sparse_layer
 
     why = relation.inapplicable(judgement.config)
     if why or judgement.hazards:
         return f"not checked: {why or 'a hostile layout'}"
+    layers = sorted({0, first_sparse_layer(judgement.config) or 0})
     try:
         worker = judgement.session.helper(engine, WORKER_SPEC, relation.name)
         if worker is None:
             return f"not checked: {judgement.session.unavailable.get(engine, engine + ' unavailable')}"
-        result = check_tensor_parallel(judgement.directory, list(TP_SIZES), work=judgement.scratch, process=worker)
+        results = {
+            layer: check_tensor_parallel(judgement.directory, list(TP_SIZES), layer, judgement.scratch, worker)
+            for layer in layers
+        }
     except EngineFailure as failure:
         return f"not checked: the tensor-parallel worker cannot start: {first_line(failure)}"
     except HarnessError as error:  # the reference refuses the checkpoint, or the worker failed
         return f"not checked: {first_line(error)}"
-    wrong = [o for o in result.outcomes if o.status == FINDING]
+    wrong = sorted(
+        ((o.tp, layer, o) for layer, result in results.items() for o in result.outcomes if o.status == FINDING),
+        key=lambda item: item[:2],
+    )
     if not wrong:
-        refused = [str(o.tp) for o in result.outcomes if o.status == REFUSED]
-        return "holds" + (f" (vLLM refuses the split at tp {', '.join(refused)})" if refused else "")
-    first = wrong[0]
-    verdicts = [v for v in result.verdicts if v.tp == first.tp and v.status == FINDING]
+        refused = sorted({o.tp for result in results.values() for o in result.outcomes if o.status == REFUSED})
+        return "holds" + (f" (vLLM refuses the split at tp {', '.join(map(str, refused))})" if refused else "")
+    tp, layer, first = wrong[0]
+    verdicts = [v for v in results[layer].verdicts if v.tp == tp and v.status == FINDING]
     module, shape = next(iter(verdicts[0].wrong.items()), (None, None))
     latent = bool(first.reasons)  # vLLM refuses another Linear of the layer: the model would not load
-    failure = f"{verdicts[0].module} at tp {first.tp}: a rank holds values other than its slice" + (
+    failure = f"{verdicts[0].module} at tp {tp}: a rank holds values other than its slice" + (
         " (latent: vLLM refuses another Linear of the layer)" if latent else ""
     )
     metrics = {
         "relation": relation.name,
         "must_hold": relation.holds,
         "failure": failure,
-        "tp": first.tp,
-        "tp_sizes_wrong": [o.tp for o in wrong],
+        "tp": tp,
+        "layer": layer,
+        "tp_sizes_wrong": sorted({size for size, _, _ in wrong}),
         "shape": shape,
         "latent": latent,
         "ranks": first.findings[:20],
         "refusals": first.reasons[:10],
-        "kernel_notes": result.kernel_notes,
+        "kernel_notes": sorted({note for result in results.values() for note in result.kernel_notes}),
     }
     more = len(first.findings) - 1
-    message = f"{relation.name}: {first.findings[0]}" + (f" (and {more} more at tp {first.tp})" if more else "")
+    message = f"{relation.name}: {first.findings[0]}" + (f" (and {more} more at tp {tp})" if more else "")
     block = [judgement.knobs.get("block_rows"), judgement.knobs.get("block_cols")]
     if all(isinstance(b, int) for b in block):
         metrics["block"] = block  # a block format's grid: the known issues' `block_rows`

@@ -24,12 +24,24 @@ MOE = {
         "num_local_experts",
         "intermediate_size",
     ),
+    "DeepseekV3ForCausalLM": (
+        "mlp",
+        ("gate_proj", "up_proj", "down_proj"),
+        "n_routed_experts",
+        "moe_intermediate_size",
+    ),
 }
 #: MoE architecture -> (its shared expert's module, the config field of its width)
 SHARED = {
     "Qwen2MoeForCausalLM": ("mlp.shared_expert", "shared_expert_intermediate_size"),
     "Llama4ForCausalLM": ("feed_forward.shared_expert", "intermediate_size"),
+    "DeepseekV3ForCausalLM": ("mlp.shared_experts", "moe_intermediate_size"),  # x n_shared_experts
 }
+#: MoE architecture -> the config field counting its shared experts (one MLP n times as wide)
+SHARED_COUNT = {"DeepseekV3ForCausalLM": "n_shared_experts"}
+#: multi-head latent attention (vLLM's DeepseekV2/V3): q_a and kv_a fused and replicated, q_b and
+#: kv_b column-parallel, o row-parallel
+MLA = ("DeepseekV3ForCausalLM",)
 ARCHITECTURES = DENSE + tuple(MOE)
 #: qkv biased whatever the config says (vLLM's Qwen2 and Qwen2-MoE)
 QKV_BIASED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
@@ -55,8 +67,9 @@ class Attention:
 class FusedLinear:
     """One vLLM parallel Linear of a decoder layer and the checkpoint modules it is loaded from.
 
-    kind: `qkv` (QKVParallelLinear), `merged` (MergedColumnParallelLinear) or `row`
-    (RowParallelLinear)."""
+    kind: `qkv` (QKVParallelLinear), `merged` (MergedColumnParallelLinear), `column`
+    (ColumnParallelLinear), `row` (RowParallelLinear) or `replicated` (every rank holds the whole:
+    ReplicatedLinear, or a MergedColumnParallelLinear with disable_tp for several parts)."""
 
     name: str
     parent: str
@@ -83,13 +96,51 @@ def attention_of(config: dict) -> Attention:
 
 def sparse(config: dict, layer: int) -> bool:
     """Every layer of Mixtral and the Qwen MoE models; Llama-4's every interleave_moe_layer_step-th
-    (layers step-1, 2*step-1, ...), the others dense with intermediate_size_mlp."""
+    (layers step-1, 2*step-1, ...), the others dense with intermediate_size_mlp; DeepSeek-V3's from
+    first_k_dense_replace on, every moe_layer_freq-th."""
     architecture = (config.get("architectures") or ["?"])[0]
     if architecture not in MOE:
         return False
     if architecture == "Llama4ForCausalLM":
         return (layer + 1) % int(config.get("interleave_moe_layer_step") or 1) == 0
+    if architecture == "DeepseekV3ForCausalLM":
+        dense = int(config.get("first_k_dense_replace") or 0)
+        return layer >= dense and layer % int(config.get("moe_layer_freq") or 1) == 0
     return True
+
+
+def first_sparse_layer(config: dict) -> int | None:
+    """The first decoder layer with routed experts, or None."""
+    return next((layer for layer in range(int(config.get("num_hidden_layers") or 0)) if sparse(config, layer)), None)
+
+
+def mla_linears(config: dict) -> tuple[FusedLinear, ...]:
+    """DeepSeek-V3's attention as vLLM builds it (with q_lora_rank; without it, kv_a alone
+    replicated and q column-parallel)."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    rope, nope, value = config["qk_rope_head_dim"], config["qk_nope_head_dim"], config["v_head_dim"]
+    kv_lora, q_lora = config["kv_lora_rank"], config.get("q_lora_rank")
+    kv_a = Part("kv_a_proj_with_mqa", 1 if q_lora else None, kv_lora + rope)
+    if q_lora:
+        a_proj = FusedLinear(
+            "fused_qkv_a_proj", "self_attn", "replicated", (Part("q_a_proj", 0, q_lora), kv_a), hidden, False
+        )
+        q_proj = FusedLinear(
+            "q_b_proj", "self_attn", "column", (Part("q_b_proj", None, heads * (nope + rope)),), q_lora, False
+        )
+    else:
+        a_proj = FusedLinear("kv_a_proj_with_mqa", "self_attn", "replicated", (kv_a,), hidden, False)
+        q_proj = FusedLinear(
+            "q_proj", "self_attn", "column", (Part("q_proj", None, heads * (nope + rope)),), hidden, False
+        )
+    return (
+        a_proj,
+        q_proj,
+        FusedLinear(
+            "kv_b_proj", "self_attn", "column", (Part("kv_b_proj", None, heads * (nope + value)),), kv_lora, False
+        ),
+        FusedLinear("o_proj", "self_attn", "row", (Part("o_proj", None, hidden),), heads * value, False),
+    )
 
 
 def decoder_linears(config: dict, layer: int = 0) -> tuple[FusedLinear, ...]:
@@ -102,6 +153,11 @@ def decoder_linears(config: dict, layer: int = 0) -> tuple[FusedLinear, ...]:
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture {architecture} (known: {', '.join(ARCHITECTURES)})")
     qwen2 = architecture in QKV_BIASED
+    if architecture in MLA:
+        attention_linears = mla_linears(config)
+        if not sparse(config, layer):
+            return attention_linears + dense_mlp("mlp", config["hidden_size"], config["intermediate_size"], False)
+        return attention_linears + moe_linears(config, architecture)
     attention = attention_of(config)
     hidden = config["hidden_size"]
     qkv_bias = True if qwen2 else bool(config.get("attention_bias"))
@@ -123,10 +179,18 @@ def decoder_linears(config: dict, layer: int = 0) -> tuple[FusedLinear, ...]:
         return attention_linears + dense_mlp("feed_forward", hidden, config["intermediate_size_mlp"], False)
     if architecture not in MOE:
         return attention_linears + dense_mlp("mlp", hidden, config["intermediate_size"], mlp_bias)
+    return attention_linears + moe_linears(config, architecture)
+
+
+def moe_linears(config: dict, architecture: str) -> tuple[FusedLinear, ...]:
+    """A sparse layer's shared expert (a dense MLP) and each routed expert's w13 and w2."""
+    hidden = config["hidden_size"]
     block, (gate, up, down), count_key, width_key = MOE[architecture]
     shared_module, shared_key = SHARED.get(architecture, ("", ""))
     shared = config.get(shared_key) if shared_module else 0
-    linears = attention_linears + (dense_mlp(shared_module, hidden, shared, False) if shared else ())
+    if shared and architecture in SHARED_COUNT:
+        shared *= int(config.get(SHARED_COUNT[architecture]) or 0)
+    linears = dense_mlp(shared_module, hidden, shared, False) if shared else ()
     width = config[width_key]
     for expert in range(config[count_key]):
         name = f"experts.{expert}"
@@ -180,7 +244,9 @@ def owned_slice(linear: FusedLinear, part: Part, tp: int, rank: int, config: dic
             return None
         width = linear.input_size // tp
         return Slice(1, rank * width, (rank + 1) * width)
-    if linear.kind == "merged":
+    if linear.kind == "replicated":  # every rank holds all of it
+        return Slice(0, 0, part.rows, "replicated")
+    if linear.kind in ("merged", "column"):
         if part.rows % tp:
             return None
         height = part.rows // tp

@@ -48,7 +48,11 @@ MOE_BACKEND_CHOOSERS = {
     "compressed_tensors_moe_w4a4_nvfp4": ("select_nvfp4_moe_backend",),
 }
 #: the fused module names vLLM's Llama/Qwen2 declare (compressed-tensors matches its ignore list through them)
-PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+PACKED_MODULES = {
+    "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    "gate_up_proj": ["gate_proj", "up_proj"],
+    "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"],  # DeepSeek's
+}
 SENTINELS = (0x00, 0xFF)
 
 
@@ -304,15 +308,28 @@ def moe_backend_or_emulation(chooser, notes: list[str]):
 
 
 def build(linear, layer: int, quant_config, dtype):
-    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
 
     common = {"bias": linear.bias, "quant_config": quant_config, "prefix": linear.module(layer), "params_dtype": dtype}
+    rows = [p.rows for p in linear.parts]
     if linear.kind == "qkv":
         attention = linear.attention
         return QKVParallelLinear(linear.input_size, attention.head_dim, attention.heads, attention.kv_heads, **common)
     if linear.kind == "merged":
-        return MergedColumnParallelLinear(linear.input_size, [p.rows for p in linear.parts], **common)
-    return RowParallelLinear(linear.input_size, linear.parts[0].rows, **common)
+        return MergedColumnParallelLinear(linear.input_size, rows, **common)
+    if linear.kind == "column":
+        return ColumnParallelLinear(linear.input_size, rows[0], **common)
+    if linear.kind == "replicated":  # DeepSeek's fused q_a / kv_a: a MergedColumnParallelLinear with disable_tp
+        if len(rows) > 1:
+            return MergedColumnParallelLinear(linear.input_size, rows, disable_tp=True, **common)
+        return ReplicatedLinear(linear.input_size, rows[0], **common)
+    return RowParallelLinear(linear.input_size, rows[0], **common)
 
 
 def build_experts(experts, config: dict, layer: int, tp: int, quant_config, dtype):
