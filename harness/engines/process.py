@@ -155,7 +155,8 @@ class EngineProcess:
         self.request("save", directory=str(directory))
 
     def weights(self, out: Path) -> dict:
-        """Every weight the engine holds, float32 under HF names (travels through the file `out`)."""
+        """Every weight the engine holds under HF names, float32 (integer tensors float64, exactly:
+        harness.engines.worker.on_the_wire), through the file `out`."""
         from safetensors.torch import load_file
 
         self.request("weights", out=str(out))

@@ -14,6 +14,16 @@ import sys
 import traceback
 
 
+def on_the_wire(tensor):
+    """A held tensor as it travels to the harness: float32 if it is floating point (exact for the
+    float8, 16 and 32-bit dtypes engines hold), float64 if it is an integer (exact to 2**53: packed
+    int32 words in float32 would lose their low bits, e.g. int4 nibbles)."""
+    import torch
+
+    dtype = torch.float32 if tensor.is_floating_point() else torch.float64
+    return tensor.detach().to("cpu", dtype, copy=True).contiguous()
+
+
 def serve(spec: str) -> int:
     channel = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -73,10 +83,7 @@ def handle(engine, op: str, request: dict) -> dict:
         engine.save(request["directory"])
         return {}
     if op == "weights":
-        weights = {
-            name: tensor.detach().to("cpu", torch.float32, copy=True).contiguous()
-            for name, tensor in engine.weights().items()
-        }
+        weights = {name: on_the_wire(tensor) for name, tensor in engine.weights().items()}
         save_file(weights, request["out"])
         return {"count": len(weights)}
     if op == "logprobs":  # `activations`: the reference's candidate with activations quantized as specified

@@ -17,8 +17,6 @@ from harness.core.errors import HarnessError
 #: the worker, as an engine spec `harness.engines.worker` can host
 WORKER_SPEC = "harness.engines.tensor_parallel.worker:TensorParallelShards"
 EXACT, FINDING, REFUSED = "exact", "finding", "refused"
-#: formats whose shards the judge cannot read yet, and why
-UNJUDGED = {"ct-int4": "the judge does not model its per-part weight_shape (even tp 1 would read as a finding)"}
 
 
 @dataclass
@@ -82,8 +80,6 @@ def check_tensor_parallel(
 
     directory = Path(directory)
     truth = load_truth(directory, layer)  # a CheckpointError (exit 2) for an unusable checkpoint
-    if truth.fmt.name in UNJUDGED:
-        raise HarnessError(f"{directory}: {truth.fmt.name} is not judged: {UNJUDGED[truth.fmt.name]}")
     try:
         decoder_linears(truth.config, layer)
     except (KeyError, ValueError) as error:

@@ -166,9 +166,15 @@ def dequantize_held(shard: Shard, truth: Truth) -> dict[str, torch.Tensor]:
         plain = shard.held["weight"].to(torch.float64)
         return {part.name: plain[start : start + rows] for part, start, rows in part_rows(shard, plain.shape[0])}
     layout = part_rows(shard, quantized[fmt.suffixes[0]].shape[0])
+    # int4's weight_shape is vLLM's bookkeeping of one part, not what the rank holds: the kernel
+    # reads the held rows and the rank's input columns
+    columns = shard.linear.input_size // (shard.tp if shard.linear.kind == "row" else 1)
+    shaped = "weight_shape" in quantized
+    quantized.pop("weight_shape", None)
     per_part = len(layout) > 1 and any(t.dim() == 1 and t.numel() == len(layout) for t in quantized.values())
     if not per_part:
-        whole = fmt.dequantize(quantized, knobs)
+        total = sum(rows for _, _, rows in layout)
+        whole = fmt.dequantize(with_shape(quantized, total, columns) if shaped else quantized, knobs)
         return {part.name: whole[start : start + rows] for part, start, rows in layout}
     result = {}
     for index, (part, start, rows) in enumerate(layout):
@@ -176,8 +182,12 @@ def dequantize_held(shard: Shard, truth: Truth) -> dict[str, torch.Tensor]:
             s: t[index : index + 1] if t.dim() == 1 and t.numel() == len(layout) else t[start : start + rows]
             for s, t in quantized.items()
         }
-        result[part.name] = fmt.dequantize(piece, knobs)
+        result[part.name] = fmt.dequantize(with_shape(piece, rows, columns) if shaped else piece, knobs)
     return result
+
+
+def with_shape(tensors: dict[str, torch.Tensor], rows: int, columns: int) -> dict[str, torch.Tensor]:
+    return {**tensors, "weight_shape": torch.tensor([rows, columns], dtype=torch.int64)}
 
 
 def compare(held: torch.Tensor, expected: torch.Tensor, owned: Slice) -> str | None:

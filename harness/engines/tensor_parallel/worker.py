@@ -39,6 +39,13 @@ KERNEL_CHOOSERS = {
         "init_mxfp4_linear_kernel",
     ),
 }
+#: vLLM modules that imported a mixed-precision (int4) kernel chooser by name: it returns a kernel
+#: class, which the stand-in replaces by one whose instances are LoadOnlyKernels
+MP_KERNEL_CHOOSERS = {
+    "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16": (
+        "choose_mp_linear_kernel",
+    ),
+}
 #: vLLM modules that imported an NVFP4 MoE backend chooser by name (it raises NotImplementedError
 #: where no backend runs here; the stand-in is EMULATION, the backend that computes from the
 #: checkpoint's own layout, which is the layout the judge reads)
@@ -263,7 +270,11 @@ def stand_in_kernels(notes: list[str]):
     import importlib
 
     originals = []
-    for choosers, stand_in in ((KERNEL_CHOOSERS, choose_or_stand_in), (MOE_BACKEND_CHOOSERS, moe_backend_or_emulation)):
+    for choosers, stand_in in (
+        (KERNEL_CHOOSERS, choose_or_stand_in),
+        (MP_KERNEL_CHOOSERS, choose_class_or_stand_in),
+        (MOE_BACKEND_CHOOSERS, moe_backend_or_emulation),
+    ):
         for module_name, names in choosers.items():
             try:
                 module = importlib.import_module(module_name)
@@ -290,6 +301,25 @@ def choose_or_stand_in(chooser, notes: list[str]):
                 raise
             notes.append(f"no vLLM kernel here, loaders exercised without one: {reason}")
             return LoadOnlyKernel(reason)
+
+    return choose
+
+
+def choose_class_or_stand_in(chooser, notes: list[str]):
+    def choose(*args, **kwargs):
+        try:
+            return chooser(*args, **kwargs)
+        except ValueError as error:
+            reason = missing_kernel(error)
+            if reason is None:
+                raise
+            notes.append(f"no vLLM kernel here, loaders exercised without one: {reason}")
+
+            class LoadOnlyKernelClass(LoadOnlyKernel):
+                def __init__(self, *args, **kwargs):
+                    super().__init__(reason)
+
+            return LoadOnlyKernelClass
 
     return choose
 
