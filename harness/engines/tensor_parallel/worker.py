@@ -291,7 +291,10 @@ def stand_in_kernels(notes: list[str]):
             setattr(module, name, original)
 
 
-def choose_or_stand_in(chooser, notes: list[str]):
+def choose_or_stand_in(chooser, notes: list[str], answer=LoadOnlyKernel):
+    """`chooser`, or where it finds no kernel for this host, `answer(reason)` (a kernel, or for a
+    chooser that returns a kernel class, a class: load_only_kernel_class)."""
+
     def choose(*args, **kwargs):
         try:
             return chooser(*args, **kwargs)
@@ -300,28 +303,21 @@ def choose_or_stand_in(chooser, notes: list[str]):
             if reason is None:
                 raise
             notes.append(f"no vLLM kernel here, loaders exercised without one: {reason}")
-            return LoadOnlyKernel(reason)
+            return answer(reason)
 
     return choose
 
 
 def choose_class_or_stand_in(chooser, notes: list[str]):
-    def choose(*args, **kwargs):
-        try:
-            return chooser(*args, **kwargs)
-        except ValueError as error:
-            reason = missing_kernel(error)
-            if reason is None:
-                raise
-            notes.append(f"no vLLM kernel here, loaders exercised without one: {reason}")
+    return choose_or_stand_in(chooser, notes, load_only_kernel_class)
 
-            class LoadOnlyKernelClass(LoadOnlyKernel):
-                def __init__(self, *args, **kwargs):
-                    super().__init__(reason)
 
-            return LoadOnlyKernelClass
+def load_only_kernel_class(reason: str) -> type:
+    class LoadOnlyKernelClass(LoadOnlyKernel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(reason)
 
-    return choose
+    return LoadOnlyKernelClass
 
 
 def moe_backend_or_emulation(chooser, notes: list[str]):
