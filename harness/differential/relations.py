@@ -12,8 +12,9 @@ for every rank at tensor-parallel sizes 1, 2 and 4 (harness.engines.tensor_paral
 rank's shard to its slice, whatever vLLM's one-device load did. One that does not hold is a
 `relation` finding naming the relation and the first differing tensor and position (for
 tensor-parallel: the smallest size, the rank and the Linear); one an engine or checkpoint cannot
-perform is "not checked" with the reason, never a pass. Opt-in per call: `evaluate(..., relations=...)`, `compare --relations`,
-and the campaign on every `CAMPAIGN_EVERY`-th example (`sampled`). Imports no torch at import time.
+perform is "not checked" with the reason, never a pass. Opt-in per call: `evaluate(...,
+relations=...)`, `compare --relations`, and the campaign on every `CAMPAIGN_EVERY`-th example
+(`sampled`). Imports no torch at import time.
 """
 
 from __future__ import annotations
