@@ -66,11 +66,14 @@ class Script:
     package: str  # the engine's importable package
 
 
-def pieces(format_name: str, engine: str, relation: str | None = None, activations: bool = False) -> list[str]:
+def pieces(
+    format_name: str, engine: str, relation: str | None = None, activations: bool = False, kv_cache: bool = False
+) -> list[str]:
     if format_name not in FORMAT_PIECES:
         raise HarnessError(f"no standalone reproducer for format '{format_name}' (known: {', '.join(FORMAT_PIECES)})")
     checked = [f"relation_{engine.replace('-', '_')}"] if relation else []
     checked += ["activations"] if activations else []
+    checked += ["kv_cache_vllm"] if kv_cache else []
     return ["common", FORMAT_PIECES[format_name], "checkpoint", *ENGINE_PIECES[engine], *checked, "main"]
 
 
@@ -197,6 +200,12 @@ def docstring(reproducer: Reproducer, values: dict, package: str) -> str:
 
 
 def how_judged(reproducer: Reproducer) -> str:
+    if judges_vllm_kv_cache(reproducer):
+        return (
+            "calls vLLM's CPU attention op that writes its FP8 KV cache (cpu_attn_reshape_and_cache) on random "
+            "keys and values with the checkpoint's first-layer k/v scales, and compares the cache with the "
+            "definition"
+        )
     if reproducer.relation == "tensor-parallel":
         return (
             "builds the first decoder layer's parallel Linears with vLLM under a mocked tensor-parallel rank, "
@@ -319,7 +328,7 @@ def unscriptable(reproducer: Reproducer) -> str | None:
         return why
     if reproducer.engine not in SCRIPT_EXPERT_ENGINES and any(".experts." in name for name in tensor_table(reproducer)):
         return f"routed experts ({reproducer.recipe.arch}) with {reproducer.engine}"
-    if "activations" in reproducer.kinds:
+    if "activations" in reproducer.kinds and not judges_vllm_kv_cache(reproducer):
         if reproducer.engine not in ACTIVATION_ENGINES:
             return f"activation quantization in {reproducer.engine} (the scripts record a torch model's Linears)"
         if reproducer.recipe.resolved().layout["dtype"] != "float32":
@@ -331,6 +340,13 @@ def unscriptable(reproducer: Reproducer) -> str | None:
     if reproducer.relation == "tensor-parallel" and any(".experts." in name for name in tensor_table(reproducer)):
         return "tensor-parallel relation on routed experts (the script builds vLLM's dense parallel Linears)"
     return None
+
+
+def judges_vllm_kv_cache(reproducer: Reproducer) -> bool:
+    """An activations issue of vLLM on a checkpoint that declares an FP8 KV cache: the script judges
+    the cache vLLM's own op writes (parts/kv_cache_vllm.py)."""
+    kv_scales = reproducer.recipe.layout.get("kv_scales", "none")
+    return reproducer.engine == "vllm" and "activations" in reproducer.kinds and kv_scales != "none"
 
 
 def unexpressible(recipe) -> str | None:
@@ -356,8 +372,9 @@ def render_script(reproducer: Reproducer) -> Script:
     config, manifest = checkpoint_facts(reproducer)
     format_name, dtype = reproducer.recipe.format, resolved.layout["dtype"]
     table = tensor_table(reproducer)  # every architecture's tensors, as the harness writes them
-    judge_activations = "activations" in reproducer.kinds
-    names = pieces(format_name, reproducer.engine, reproducer.relation, judge_activations)
+    judge_kv_cache = judges_vllm_kv_cache(reproducer)
+    judge_activations = "activations" in reproducer.kinds and not judge_kv_cache
+    names = pieces(format_name, reproducer.engine, reproducer.relation, judge_activations, judge_kv_cache)
     parsed = {name: read_piece(name) for name in names}
     tolerance = load_tolerances(format_name, dtype)
     definition = definition_of(format_name, resolved.knobs)
@@ -370,6 +387,11 @@ def render_script(reproducer: Reproducer) -> Script:
     )
     if reproducer.relation == "tensor-parallel":  # no model is loaded: only the shards are judged
         expected = RELATIONS[reproducer.relation].holds
+    elif judge_kv_cache:  # no model is loaded: only the cache vLLM's op writes is judged
+        expected = (
+            "writes its FP8 KV cache as the checkpoint's kv_cache_scheme defines it: e4m3(x / scale), "
+            "rounded to nearest even and saturated at 448, for keys and values"
+        )
     elif reproducer.relation:
         expected += f"; and {RELATIONS[reproducer.relation].holds}"
     layout = reproducer.recipe.layout
@@ -399,6 +421,7 @@ def render_script(reproducer: Reproducer) -> Script:
         "WEIGHT_TOLERANCE": {"rel": tolerance.weight_rel, "abs": tolerance.weight_abs},
         "CANNOT_RUN_HERE": MISSING_KERNEL.pattern if reproducer.engine == "vllm" else None,
         "JUDGE_ACTIVATIONS": judge_activations,
+        "JUDGE_KV_CACHE": judge_kv_cache,
         "RELATION": reproducer.relation,
         "TENSOR_PARALLEL": tensor_parallel_linears(config) if reproducer.relation == "tensor-parallel" else None,
     }

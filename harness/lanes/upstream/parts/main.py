@@ -38,6 +38,7 @@ from harness.lanes.upstream.parts.engine_transformers import (  # or another eng
     load_model,
 )
 from harness.lanes.upstream.parts.fp8 import scale_block  # or nvfp4: the format piece
+from harness.lanes.upstream.parts.kv_cache_vllm import kv_cache_problems  # only where JUDGE_KV_CACHE is set
 from harness.lanes.upstream.parts.parameters import (
     CANNOT_RUN_HERE,
     CONFIG,
@@ -46,6 +47,7 @@ from harness.lanes.upstream.parts.parameters import (
     FORMAT,
     ISSUE,
     JUDGE_ACTIVATIONS,
+    JUDGE_KV_CACHE,
     RELATION,
     REPORTED_ERROR,
     TENSOR_PARALLEL,
@@ -127,6 +129,15 @@ def reproduce() -> tuple[int, list[str]]:
             f"{str(MODEL_DTYPE).removeprefix('torch.')}",
             f"expected: {EXPECTED}",
         ]
+        if JUDGE_KV_CACHE:  # vLLM's own cache op: no model is built
+            try:
+                problems = kv_cache_problems(scratch)
+            except (ImportError, NotImplementedError, RuntimeError) as error:  # no such op or ISA here
+                return EXIT_CANNOT_RUN, header + [f"verdict: cannot run here: {type(error).__name__}: {error}"]
+            if problems:
+                lines = ["actual: the FP8 KV cache vLLM writes is not the definition:"]
+                return EXIT_BUG, header + lines + [f"  - {p}" for p in problems] + ["verdict: bug present"]
+            return EXIT_FIXED, header + ["actual: vLLM writes its FP8 KV cache as defined", "verdict: fixed"]
         if TENSOR_PARALLEL is not None:  # vLLM's loaders under a mocked rank: no model is built, no kernel runs
             problems = shard_problems(scratch, expected)
             if problems:

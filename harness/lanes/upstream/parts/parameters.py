@@ -87,6 +87,8 @@ WEIGHT_TOLERANCE = {"rel": 0.0078125, "abs": 0.0}
 CANNOT_RUN_HERE = None
 #: whether the script also judges what each quantized Linear does to its input (an activations issue)
 JUDGE_ACTIVATIONS = False
+#: whether the script judges the FP8 KV cache vLLM's CPU attention writes (no model is built)
+JUDGE_KV_CACHE = False
 #: the second load path held to the first bit for bit (round-trip, dequantize, offload), or vLLM's
 #: tensor-parallel shards (tensor-parallel), or None
 RELATION = None
