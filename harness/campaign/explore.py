@@ -293,10 +293,9 @@ class _Explorer:
             raise failure_type(raising)(raising[3])
 
     def _may_shrink(self, state: _Visit) -> bool:
-        left = self.budget.max_examples
-        if left is not None and left - self.campaign.examples <= self.unvisited:
-            return False
-        return state.shrink_left > 0
+        cap = self.budget.max_examples
+        reserved = cap is not None and cap - self.campaign.examples <= self.unvisited
+        return state.shrink_left > 0 and not reserved
 
     def evaluate(self, recipe: Recipe, state: _Visit) -> list[tuple]:
         campaign = self.campaign
