@@ -90,8 +90,10 @@ def command_run(args) -> int:
             if bar:
                 bar.close()
         findings = summarise(campaign, session, engines, known, report)
+        spent = session.time_spent()
+        print(where_the_time_went(spent, budget.elapsed()))
         if report:
-            write_campaign_report(report, campaign, findings, session, engines, args)
+            write_campaign_report(report, campaign, findings, session, engines, args, spent)
     new = campaign.new_signatures()
     print(
         f"{campaign.examples} examples ({campaign.shrink_examples} while shrinking) in "
@@ -99,6 +101,20 @@ def command_run(args) -> int:
         f"{new} new"
     )
     return EXIT_FINDING if new else EXIT_OK
+
+
+def where_the_time_went(spent: dict[str, dict[str, float]], elapsed: float) -> str:
+    """One line: the seconds waited on each worker (its three costliest ops), and the rest: the
+    harness's own generation, oracle and judging (workers are called one at a time, so they add up;
+    a worker's start before the budget began is included)."""
+    parts = []
+    for key, ops in sorted(spent.items(), key=lambda item: -sum(item[1].values())):
+        top = sorted(ops.items(), key=lambda item: -item[1])[:3]
+        parts.append(f"{key} {sum(ops.values()):.0f} s ({', '.join(f'{op} {s:.0f}' for op, s in top)})")
+    waited = sum(sum(ops.values()) for ops in spent.values())
+    return (
+        f"time: {'; '.join(parts) or 'no worker'}; harness (generate, oracle, judge) {max(elapsed - waited, 0):.0f} s"
+    )
 
 
 def _progress_bar(budget, cells: int):
@@ -172,7 +188,9 @@ def summarise(campaign, session, engines: list[str], known, report: Path | None)
     return findings
 
 
-def write_campaign_report(report: Path, campaign, findings: list, session, engines: list[str], args) -> None:
+def write_campaign_report(
+    report: Path, campaign, findings: list, session, engines: list[str], args, spent: dict | None = None
+) -> None:
     from harness.commands.cli import checkpoint_json
     from harness.differential.report import write_report
 
@@ -187,6 +205,7 @@ def write_campaign_report(report: Path, campaign, findings: list, session, engin
         "budget": args.budget or "",
         "counts": [{"signature": list(s), "seen": n, "new": s in campaign.minimal} for s, n in campaign.counts.items()],
         "known_issues_rediscovered": sorted(campaign.known_issue_ids()),
+        "seconds_per_worker_op": {k: {op: round(s, 1) for op, s in ops.items()} for k, ops in (spent or {}).items()},
     }
     path = write_report(
         report,

@@ -80,6 +80,8 @@ class EngineSession:
         self.versions: dict[str, str] = {}
         #: each worker's greeting: version, interpreter, instruction-set class, threads
         self.infos: dict[str, dict] = {}
+        #: every worker started, restarted ones included (their time counts: time_spent)
+        self.started: list[tuple[str, EngineProcess]] = []
 
     def process(self, engine: str) -> EngineProcess | None:
         return self._worker(engine, engine_spec(engine), engine)
@@ -100,6 +102,7 @@ class EngineSession:
             self.unavailable[engine] = why
             return None
         worker = EngineProcess(spec, python, self.work / "logs" / f"{key.replace(':', '_')}.log", self.limits)
+        self.started.append((key, worker))
         try:
             info = worker.start()
         except EngineFailure as failure:
@@ -112,6 +115,14 @@ class EngineSession:
             self.infos[engine] = info
         self.processes[key] = worker
         return worker
+
+    def time_spent(self) -> dict[str, dict[str, float]]:
+        """Seconds waited on each worker (engine, or engine-helper), per request op."""
+        spent: dict[str, dict[str, float]] = {}
+        for key, worker in self.started:
+            for op, seconds in worker.busy.items():
+                spent.setdefault(key, {})[op] = spent.get(key, {}).get(op, 0.0) + seconds
+        return spent
 
     def close(self) -> None:
         for worker in self.processes.values():

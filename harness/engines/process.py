@@ -73,6 +73,8 @@ class EngineProcess:
         self.process: subprocess.Popen | None = None
         self.info: dict = {}
         self.peak_mb = 0.0
+        #: seconds spent waiting on each request op (start included): where a campaign's time goes
+        self.busy: dict[str, float] = {}
 
     def start(self) -> dict:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -86,8 +88,15 @@ class EngineProcess:
             text=True,
             bufsize=1,
         )
-        self.info = self._receive(self.limits.timeout_s)
+        started = time.monotonic()
+        try:
+            self.info = self._receive(self.limits.timeout_s)
+        finally:
+            self._spent("start", started)
         return self.info
+
+    def _spent(self, op: str, started: float) -> None:
+        self.busy[op] = self.busy.get(op, 0.0) + time.monotonic() - started
 
     def request(self, op: str, timeout_s: float | None = None, **payload) -> dict:
         if self.process is None or self.process.poll() is not None:
@@ -98,7 +107,11 @@ class EngineProcess:
         except BrokenPipeError:
             self._kill()
             raise EngineFailure("crash", f"worker for {self.spec} died", self.log_tail()) from None
-        return self._receive(timeout_s or self.limits.timeout_s)
+        started = time.monotonic()
+        try:
+            return self._receive(timeout_s or self.limits.timeout_s)
+        finally:
+            self._spent(op, started)
 
     def _receive(self, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s

@@ -71,6 +71,10 @@ def test_the_same_command_explores_the_same_examples_under_the_ci_profile(tmp_pa
     assert all(r.returncode == 0 for r in runs), runs[0].stdout + runs[0].stderr
     rows = [json.loads((tmp_path / n / "report.json").read_text())["coverage"] for n in ("a", "b")]
     assert rows[0] == rows[1] and sum(r["examples"] for r in rows[0]) == 12
+    # where the time went: the seconds waited on the worker, per request, in the summary and the report
+    spent = json.loads((tmp_path / "a" / "report.json").read_text())["seconds_per_worker_op"]
+    assert set(spent) == {"reference"} and all(spent["reference"][op] > 0 for op in ("start", "load", "logprobs"))
+    assert "time: reference " in runs[0].stdout and "harness (generate, oracle, judge)" in runs[0].stdout
 
 
 def test_a_shard_explores_only_its_cells(tmp_path):

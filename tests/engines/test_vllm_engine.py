@@ -177,3 +177,29 @@ def test_the_activation_probe_runs_vllms_own_layers(tmp_path):
         pytest.skip(result.outcomes["vllm"].detail)
     assert result.outcomes["vllm"].activation_probe == "14/14 quantized Linear(s) as specified"
     assert not [f for f in result.findings if f.kind == "activations"]
+
+
+def test_young_collections_only_skips_full_collections_inside_and_restores_the_collector():
+    """vLLM's full collections while it builds or frees an engine become young ones (the load's
+    speed-up, docs/benchmarks.md); outside, and after an error inside, gc.collect is the real one."""
+    import gc
+
+    from harness.engines.vllm_engine import young_collections_only
+
+    real, enabled = gc.collect, gc.isenabled()
+    gc.disable()  # no automatic collection may run in between
+    try:
+        full_before = gc.get_stats()[2]["collections"]
+        with young_collections_only():
+            assert gc.collect is not real
+            gc.collect()
+            assert gc.get_stats()[2]["collections"] == full_before
+        assert gc.collect is real
+        with pytest.raises(RuntimeError), young_collections_only():
+            raise RuntimeError("vLLM refused")
+        assert gc.collect is real
+        gc.collect()
+        assert gc.get_stats()[2]["collections"] == full_before + 1
+    finally:
+        if enabled:
+            gc.enable()
