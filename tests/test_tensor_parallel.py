@@ -18,7 +18,7 @@ from harness.differential.relations import CAMPAIGN_EVERY, RELATION_NAMES, RELAT
 from harness.differential.runner import EngineSession, evaluate
 from harness.engines.tensor_parallel import EXACT, FINDING, check_tensor_parallel, parse_tp_sizes
 from harness.engines.tensor_parallel.judge import Shard, judge, load_truth
-from harness.engines.tensor_parallel.layout import decoder_linears, owned_slice
+from harness.engines.tensor_parallel.layout import decoder_linears, owned_slice, vocab_linears
 from harness.engines.vllm_engine import find_vllm_python
 
 NVFP4_SPLIT = "vllm-tp-nvfp4-row-parallel-split-inside-groups"
@@ -115,6 +115,48 @@ def test_rank_1_holding_rank_0s_scale_rows_is_caught(channel_checkpoint):
     assert verdicts[1, "down_proj"].status == EXACT  # row-parallel: every rank holds every output row's scale
 
 
+# -- the vocabulary: VocabParallelEmbedding and ParallelLMHead, padded to 64 rows then split ---------
+
+
+def test_vocab_ranks_hold_their_range_of_the_padded_vocabulary():
+    config = {"vocab_size": 300, "hidden_size": 64}
+    embed, head = vocab_linears(config)
+    assert (embed.module(0), head.part_module(0, head.parts[0])) == ("model.embed_tokens", "lm_head")
+    # 300 -> 320 padded; at tp 4 each rank holds 80 rows, the last 60 real and 20 padding
+    slices = [owned_slice(embed, embed.parts[0], 4, rank, config) for rank in range(4)]
+    assert [(s.start, s.stop) for s in slices] == [(0, 80), (80, 160), (160, 240), (240, 300)]
+    assert [linear.name for linear in vocab_linears({**config, "tie_word_embeddings": True})] == ["model.embed_tokens"]
+
+
+def shard_vocab(truth, tp: int, padded: bool) -> list[Shard]:
+    """TEST DOUBLE: a rank's rows of the embedding, with vLLM's padding to 64 rows (a correct
+    loader) or without it (`padded=False`: the vocabulary split evenly as it is, a deliberately
+    wrong loader whose ranks past the first hold rows shifted from their range)."""
+    embed = vocab_linears(truth.config)[0]
+    weight = truth.raw["model.embed_tokens.weight"]
+    vocab = weight.shape[0]
+    total = -(-vocab // 64) * 64 if padded else vocab
+    per_rank = -(-total // tp)
+    shards = []
+    for rank in range(tp):
+        rows = weight[min(rank * per_rank, vocab) : min((rank + 1) * per_rank, vocab)]
+        held = torch.cat([rows, torch.zeros(per_rank - rows.shape[0], weight.shape[1], dtype=weight.dtype)])
+        shards.append(Shard(tp, rank, embed, [rows.shape[0]], None, {"weight": held}))
+    return shards
+
+
+def test_a_vocab_split_that_forgets_the_padding_is_caught(tmp_path):
+    recipe = apply_settings(
+        Recipe(format="ct-fp8-channel", arch="llama", seed=5), ["vocab_size=300", "num_hidden_layers=1"]
+    )
+    generate(recipe, tmp_path / "c")
+    truth = load_truth(tmp_path / "c", 0)
+    assert {v.status for v in judge(shard_vocab(truth, 4, padded=True), truth)} == {EXACT}
+    wrong = {v.rank: v for v in judge(shard_vocab(truth, 4, padded=False), truth)}  # 75 rows a rank
+    assert wrong[0].status == FINDING and "has shape [75," in wrong[0].details[0]
+    assert all(wrong[rank].status == FINDING for rank in range(4))
+
+
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["tp-shards", str(tmp_path / "absent")]) == 2
     assert main(["tp-shards", str(tmp_path), "--tp-sizes", "two"]) == 2
@@ -131,7 +173,9 @@ def test_vllm_channel_fp8_shards_are_exact_at_tp_2_and_4(channel_checkpoint):
     assert [(o.tp, o.status) for o in result.outcomes] == [(2, EXACT), (4, EXACT)], [
         line for o in result.outcomes for line in o.reasons + o.findings
     ]
-    assert len(result.verdicts) == (2 + 4) * 4
+    # per rank: qkv, o, gate_up, down, and the vocabulary-parallel embedding and head
+    assert len(result.verdicts) == (2 + 4) * 6
+    assert {v.module for v in result.verdicts} >= {"model.embed_tokens", "lm_head"}
 
 
 @needs_vllm

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.core.errors import FormatError
-from harness.engines.tensor_parallel.layout import FusedLinear, Part, Slice, decoder_linears, owned_slice
+from harness.engines.tensor_parallel.layout import FusedLinear, Part, Slice, lane_linears, owned_slice
 
 EXACT, FINDING, REFUSED = "exact", "finding", "refused"
 
@@ -55,7 +55,7 @@ def shards_from_worker(report: dict, tensors: dict[str, torch.Tensor], config: d
     """The worker's answer (float32 tensors, dtypes in the report) as Shards in their own dtypes."""
     shards = []
     for entry in report["shards"]:
-        linear = {linear.name: linear for linear in decoder_linears(config, entry["layer"])}[entry["module"]]
+        linear = {linear.name: linear for linear in lane_linears(config, entry["layer"])}[entry["module"]]
         held, unwritten = {}, {}
         for name, meta in entry.get("params", {}).items():
             key = f"tp{entry['tp']}/rank{entry['rank']}/{linear.module(entry['layer'])}.{name}"
@@ -95,11 +95,12 @@ def load_truth(directory, layer: int) -> Truth:
     from harness.checkpoints.reader import Checkpoint
     from harness.oracle.reference import dequantize_checkpoint, format_and_knobs
 
-    prefix = f"model.layers.{layer}."
+    # the layer's modules, and with layer 0 the vocabulary-parallel ones (layout.lane_linears)
+    prefixes = (f"model.layers.{layer}.",) + (("model.embed_tokens.", "lm_head.") if layer == 0 else ())
     checkpoint = Checkpoint(directory)
     fmt, knobs = format_and_knobs(checkpoint)
-    raw = {name: checkpoint.tensor(name) for name in checkpoint.names() if name.startswith(prefix)}
-    reference = {name: t for name, t in dequantize_checkpoint(directory) if name.startswith(prefix)}
+    raw = {name: checkpoint.tensor(name) for name in checkpoint.names() if name.startswith(prefixes)}
+    reference = {name: t for name, t in dequantize_checkpoint(directory) if name.startswith(prefixes)}
     config = json.loads((Path(directory) / "config.json").read_text())
     return Truth(config, fmt, knobs, layer, raw, reference)
 
@@ -162,7 +163,13 @@ def dequantize_held(shard: Shard, truth: Truth) -> dict[str, torch.Tensor]:
     if shard.block and "block_rows" in knobs:  # the grid the rank holds its scales on (vLLM may refine it)
         knobs = {**knobs, "block_rows": shard.block[0], "block_cols": shard.block[1]}
     quantized = {s: t for s, t in shard.held.items() if s in fmt.suffixes}
-    if fmt.suffixes[0] not in quantized:  # a Linear the checkpoint leaves unquantized
+    stored_scales = [
+        name
+        for part in shard.linear.parts
+        for suffix in fmt.suffixes[1:]
+        if (name := f"{shard.linear.part_module(truth.layer, part)}.{suffix}") in truth.raw
+    ]
+    if fmt.suffixes[0] not in quantized or not stored_scales:  # a module the checkpoint leaves unquantized
         plain = shard.held["weight"].to(torch.float64)
         return {part.name: plain[start : start + rows] for part, start, rows in part_rows(shard, plain.shape[0])}
     layout = part_rows(shard, quantized[fmt.suffixes[0]].shape[0])

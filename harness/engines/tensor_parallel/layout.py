@@ -68,8 +68,9 @@ class FusedLinear:
     """One vLLM parallel Linear of a decoder layer and the checkpoint modules it is loaded from.
 
     kind: `qkv` (QKVParallelLinear), `merged` (MergedColumnParallelLinear), `column`
-    (ColumnParallelLinear), `row` (RowParallelLinear) or `replicated` (every rank holds the whole:
-    ReplicatedLinear, or a MergedColumnParallelLinear with disable_tp for several parts)."""
+    (ColumnParallelLinear), `row` (RowParallelLinear), `replicated` (every rank holds the whole:
+    ReplicatedLinear, or a MergedColumnParallelLinear with disable_tp for several parts) or `vocab`
+    (VocabParallelEmbedding / ParallelLMHead: `name` is the checkpoint module, rows the vocabulary)."""
 
     name: str
     parent: str
@@ -81,9 +82,13 @@ class FusedLinear:
     expert: int | None = None  # a routed expert's w13 or w2, held as its slice of the FusedMoE
 
     def module(self, layer: int) -> str:
+        if self.kind == "vocab":  # outside the decoder layers
+            return self.name
         return f"model.layers.{layer}.{self.parent}.{self.name}"
 
     def part_module(self, layer: int, part: Part) -> str:
+        if self.kind == "vocab":
+            return part.name
         return f"model.layers.{layer}.{self.parent}.{part.name}"
 
 
@@ -182,6 +187,24 @@ def decoder_linears(config: dict, layer: int = 0) -> tuple[FusedLinear, ...]:
     return attention_linears + moe_linears(config, architecture)
 
 
+#: vLLM pads the vocabulary to a multiple of this before splitting it over ranks
+#: (vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE)
+VOCAB_PADDING = 64
+
+
+def vocab_linears(config: dict) -> tuple[FusedLinear, ...]:
+    """The embedding and, unless tied to it, the head: split by vocabulary rows over the ranks."""
+    vocab, hidden = config["vocab_size"], config["hidden_size"]
+    names = ("model.embed_tokens",) + (() if config.get("tie_word_embeddings") else ("lm_head",))
+    return tuple(FusedLinear(name, "", "vocab", (Part(name, None, vocab),), hidden, False) for name in names)
+
+
+def lane_linears(config: dict, layer: int) -> tuple[FusedLinear, ...]:
+    """What the lane shards for decoder layer `layer`: its Linears, and with layer 0 the
+    vocabulary-parallel embedding and head."""
+    return decoder_linears(config, layer) + (vocab_linears(config) if layer == 0 else ())
+
+
 def moe_linears(config: dict, architecture: str) -> tuple[FusedLinear, ...]:
     """A sparse layer's shared expert (a dense MLP) and each routed expert's w13 and w2."""
     hidden = config["hidden_size"]
@@ -238,7 +261,15 @@ class Slice:
 
 
 def owned_slice(linear: FusedLinear, part: Part, tp: int, rank: int, config: dict) -> Slice | None:
-    """What rank `rank` of `tp` must hold of `part`; None where no even split exists."""
+    """What rank `rank` of `tp` must hold of `part`; None where no even split exists. A
+    vocabulary rank holds padded_vocab / tp rows, of which those below the vocabulary are real."""
+    if linear.kind == "vocab":
+        padded = -(-part.rows // VOCAB_PADDING) * VOCAB_PADDING
+        if padded % tp:
+            return None
+        per_rank = padded // tp
+        start = min(rank * per_rank, part.rows)
+        return Slice(0, start, min(start + per_rank, part.rows), f"{per_rank} rows held, the rest padding")
     if linear.kind == "row":
         if linear.input_size % tp:
             return None

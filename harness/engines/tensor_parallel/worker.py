@@ -22,7 +22,7 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 
 from harness.engines.base import Engine
-from harness.engines.tensor_parallel.layout import decoder_linears
+from harness.engines.tensor_parallel.layout import lane_linears
 from harness.engines.vllm_capability import missing_kernel
 
 #: vLLM modules that imported a kernel chooser by name (the chooser raises where no kernel fits)
@@ -120,7 +120,12 @@ class TensorParallelShards(Engine):
         checkpoint = Checkpoint(job["checkpoint"])
         config = json.loads((checkpoint.directory / "config.json").read_text())
         report = ShardReport(self.version())
-        linears = decoder_linears(config, job["layer"])
+        names = checkpoint.names()
+        linears = [  # a vocabulary module the checkpoint does not store (a tied head) is not built
+            linear
+            for linear in lane_linears(config, job["layer"])
+            if linear.kind != "vocab" or any(n.startswith(linear.name + ".") for n in names)
+        ]
         experts = [linear for linear in linears if linear.expert is not None]
         with vllm_context(job["checkpoint"], config) as (quant_config, dtype), stand_in_kernels(report.kernel_notes):
             for tp in job["tp_sizes"]:
@@ -190,6 +195,9 @@ class TensorParallelShards(Engine):
             except Exception as error:  # vLLM's own refusal: its reason is the measurement
                 return entry | {"refused": {"stage": "construct", "error": one_line(error)}}
             entry["partition_sizes"] = [int(s) for s in getattr(module, "output_partition_sizes", [])]
+            if linear.kind == "vocab":  # the real rows of the rank's vocabulary range, padding after them
+                indices = module.shard_indices
+                entry["partition_sizes"] = [int(indices.org_vocab_end_index - indices.org_vocab_start_index)]
             entry["block"] = (
                 [int(b) for b in module.weight_block_size] if getattr(module, "weight_block_size", None) else None
             )
@@ -198,8 +206,12 @@ class TensorParallelShards(Engine):
             except LoadFailure as error:
                 return entry | {"refused": {"stage": "weight_loader", "error": str(error)}}
         entry["params"] = {}
+        real = entry["partition_sizes"][0] if linear.kind == "vocab" else None
         for name, tensor in passes[-1].items():
-            unwritten = never_written(passes[0][name], tensor)
+            if real is not None and tensor.dim() and tensor.shape[0] == module.num_embeddings_per_partition:
+                unwritten = never_written(passes[0][name][:real], tensor[:real])  # padding may stay as it is
+            else:
+                unwritten = never_written(passes[0][name], tensor)
             entry["params"][name] = {
                 "dtype": str(tensor.dtype).removeprefix("torch."),
                 "shape": list(tensor.shape),
@@ -344,6 +356,11 @@ def build(linear, layer: int, quant_config, dtype):
 
     common = {"bias": linear.bias, "quant_config": quant_config, "prefix": linear.module(layer), "params_dtype": dtype}
     rows = [p.rows for p in linear.parts]
+    if linear.kind == "vocab":
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+        vocab = ParallelLMHead if linear.name == "lm_head" else VocabParallelEmbedding
+        return vocab(rows[0], linear.input_size, params_dtype=dtype, quant_config=quant_config, prefix=linear.name)
     if linear.kind == "qkv":
         attention = linear.attention
         return QKVParallelLinear(linear.input_size, attention.head_dim, attention.heads, attention.kv_heads, **common)
