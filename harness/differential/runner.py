@@ -435,8 +435,12 @@ def _judge_logits(judgement: Judgement, logprobs: dict[str, list[torch.Tensor]])
             )
             continue
         weights_exact = not any(f.engine == engine and f.kind in WEIGHT_KINDS for f in result.findings)
-        if judgement.specified is not None and weights_exact:  # with wrong weights, logits are their consequence
-            # top-1 and perplexity below are then judged against the definition's logits
+        by_definition = judgement.specified is not None and weights_exact
+        if by_definition:  # with wrong weights, logits are their consequence
+            # perplexity below is then judged against the definition's logits; top-1 is not: on the
+            # E4M3 grid of quantized activations or a quantized KV cache, near-tied top-1s flip
+            # within the measured bound _judge_activations applies (a weight-only ct-int4 phi3 with
+            # an FP8 KV cache: transformers, compressed-tensors and vLLM each 1 of 69 positions)
             diff = _judge_activations(judgement, engine, rows, baseline, diff, metrics)
         elif diff.max_abs_delta > tol.logprob_max_abs_delta:
             judgement.finding(
@@ -445,7 +449,7 @@ def _judge_logits(judgement: Judgement, logprobs: dict[str, list[torch.Tensor]])
                 f"max |delta logprob| {diff.max_abs_delta:.3g} > {tol.logprob_max_abs_delta}",
                 metrics=metrics,
             )
-        if diff.topk_misses > tol.max_topk_miss_fraction * diff.positions:
+        if not by_definition and diff.topk_misses > tol.max_topk_miss_fraction * diff.positions:
             judgement.finding(
                 engine,
                 "topk",
