@@ -2,9 +2,11 @@
 module on purpose-built inputs (harness.oracle.probe_inputs) whose quantization no rounding order
 can change. Whole-model logits cannot tell dynamic FP8 activations from none in bfloat16 (the two
 candidates are as far apart as rounding moves either); one Linear's output on these inputs can:
-quantizing moved each row's output about 3% (relative norm) and the bound was about 0.6%, on
-bfloat16 llama checkpoints at the campaign's default sizes (measured by hand with `compare`, not
-recorded in a file).
+on llama checkpoints at the campaign's default sizes, quantizing moves each row's output 2.4-3.4%
+(FP8) or 14-15% (NVFP4) as a relative norm, while the bound is 0.6% in bfloat16, 0.085% in
+float16 and 0.011% in float32 (at least 4x apart in bfloat16), and transformers and
+compressed-tensors land within 0.009% of the specified output
+(scripts/measure-probe-separation, docs/measurements/probe-separation.json).
 
 The reference gives each module's input and that input quantized as specified
 (ReferenceEngine.probe_reference); the engine runs the same modules on the same inputs
