@@ -386,3 +386,22 @@ def test_the_relation_runs_the_lane_whatever_vllms_own_load_did(settings, verdic
     (finding,) = found
     assert finding.metrics["tp"] == 4 and finding.module == "model.layers.0.mlp.down_proj"
     assert finding.metrics["shape"] == [256, 160] and finding.known_issue == NVFP4_SPLIT
+
+
+@needs_vllm
+def test_the_relation_names_what_vllm_refuses_a_quantized_head_at_every_size(tmp_path):
+    """A compressed-tensors head the config quantizes: vLLM's ParallelLMHead gets no scheme and has
+    no parameter for its scale, at every size as on one device (vllm-ct-quantized-lm-head-refused);
+    the rest of layer 0 and the embedding are exact, so the relation holds and says what was refused."""
+    recipe = apply_settings(
+        Recipe(format="ct-fp8-channel", arch="llama"),
+        ["hidden_size=256", "num_hidden_layers=1", "vocab_size=300", "quantize_lm_head=true"],
+    )
+    generate(recipe, tmp_path / "ckpt")
+    session = EngineSession(["reference", "vllm"], tmp_path / "work")
+    try:
+        result = evaluate(tmp_path / "ckpt", session, KnownIssues.load(), relations=("tensor-parallel",))
+    finally:
+        session.close()
+    assert result.outcomes["vllm"].relations["tensor-parallel"] == "holds (vLLM refuses lm_head at tp 1, 2, 4)"
+    assert not [f for f in result.findings if f.kind == "relation"]

@@ -231,7 +231,10 @@ def _check_shards(relation: Relation, judgement: Judgement, engine: str) -> str:
     )
     if not wrong:
         refused = sorted({o.tp for result in results.values() for o in result.outcomes if o.status == REFUSED})
-        return "holds" + (f" (vLLM refuses the split at tp {', '.join(map(str, refused))})" if refused else "")
+        modules = sorted({v.module for result in results.values() for v in result.verdicts if v.status == REFUSED})
+        return "holds" + (
+            f" (vLLM refuses {', '.join(modules)} at tp {', '.join(map(str, refused))})" if refused else ""
+        )
     tp, layer, first = wrong[0]
     verdicts = [v for v in results[layer].verdicts if v.tp == tp and v.status == FINDING]
     module, shape = next(iter(verdicts[0].wrong.items()), (None, None))
