@@ -312,6 +312,8 @@ def perturbation_notes(manifest: dict) -> list[str]:
 #: PACKED_EXPERTS); the compressed-tensors piece builds Linears, vLLM's experts are not read
 SCRIPT_EXPERT_ENGINES = ("transformers",)
 SCRIPT_LAYOUT = ("dtype", "key_prefix", "shards", "split_scale", "activation_amax", "quantize_lm_head", "kv_scales")
+#: finding kinds a script judges from whether the engine loads at all (no weight read back)
+LOAD_ONLY_KINDS = {"accepted-invalid"}
 #: the relations a script holds an engine to (parts/relation_transformers.py), by engine
 SCRIPT_RELATIONS = {"transformers": ("round-trip", "dequantize", "offload"), "vllm": ("tensor-parallel",)}
 #: the engines whose model is a torch module tree the script can record each Linear's input in
@@ -326,7 +328,9 @@ def unscriptable(reproducer: Reproducer) -> str | None:
     why = unexpressible(reproducer.recipe)
     if why:
         return why
-    if reproducer.engine not in SCRIPT_EXPERT_ENGINES and any(".experts." in name for name in tensor_table(reproducer)):
+    reads_weights = not set(reproducer.kinds) <= LOAD_ONLY_KINDS
+    experts = any(".experts." in name for name in tensor_table(reproducer))
+    if reads_weights and experts and reproducer.engine not in SCRIPT_EXPERT_ENGINES:
         return f"routed experts ({reproducer.recipe.arch}) with {reproducer.engine}"
     if "activations" in reproducer.kinds and not judges_vllm_kv_cache(reproducer):
         if reproducer.engine not in ACTIVATION_ENGINES:
