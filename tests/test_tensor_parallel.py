@@ -371,12 +371,7 @@ def test_the_relation_runs_the_lane_whatever_vllms_own_load_did(settings, verdic
     recipe = apply_settings(
         Recipe(format="ct-nvfp4", arch="llama"), ["hidden_size=256", "num_hidden_layers=1", *settings]
     )
-    generate(recipe, tmp_path / "ckpt")
-    session = EngineSession(["reference", "vllm"], tmp_path / "work")
-    try:
-        result = evaluate(tmp_path / "ckpt", session, KnownIssues.load(), relations=("tensor-parallel",))
-    finally:
-        session.close()
+    result = evaluate_with_the_relation(recipe, tmp_path)
     assert result.outcomes["vllm"].relations["tensor-parallel"].startswith(verdict)
     assert "tensor-parallel" not in result.outcomes["reference"].relations
     found = [f for f in result.findings if f.kind == "relation"]
@@ -397,11 +392,16 @@ def test_the_relation_names_what_vllm_refuses_a_quantized_head_at_every_size(tmp
         Recipe(format="ct-fp8-channel", arch="llama"),
         ["hidden_size=256", "num_hidden_layers=1", "vocab_size=300", "quantize_lm_head=true"],
     )
+    result = evaluate_with_the_relation(recipe, tmp_path)
+    assert result.outcomes["vllm"].relations["tensor-parallel"] == "holds (vLLM refuses lm_head at tp 1, 2, 4)"
+    assert not [f for f in result.findings if f.kind == "relation"]
+
+
+def evaluate_with_the_relation(recipe, tmp_path):
+    """`recipe` generated and evaluated by the reference and vLLM with the tensor-parallel relation."""
     generate(recipe, tmp_path / "ckpt")
     session = EngineSession(["reference", "vllm"], tmp_path / "work")
     try:
-        result = evaluate(tmp_path / "ckpt", session, KnownIssues.load(), relations=("tensor-parallel",))
+        return evaluate(tmp_path / "ckpt", session, KnownIssues.load(), relations=("tensor-parallel",))
     finally:
         session.close()
-    assert result.outcomes["vllm"].relations["tensor-parallel"] == "holds (vLLM refuses lm_head at tp 1, 2, 4)"
-    assert not [f for f in result.findings if f.kind == "relation"]
