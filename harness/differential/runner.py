@@ -120,8 +120,9 @@ class EngineSession:
         """Seconds waited on each worker (engine, or engine-helper), per request op."""
         spent: dict[str, dict[str, float]] = {}
         for key, worker in self.started:
+            ops = spent.setdefault(key, {})
             for op, seconds in worker.busy.items():
-                spent.setdefault(key, {})[op] = spent.get(key, {}).get(op, 0.0) + seconds
+                ops[op] = ops.get(op, 0.0) + seconds
         return spent
 
     def close(self) -> None:
