@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.core.errors import FormatError
-from harness.engines.tensor_parallel.layout import FusedLinear, Part, Slice, lane_linears, owned_slice
+from harness.engines.tensor_parallel.layout import FusedLinear, Part, Slice, lane_linears, owned_slice, vocab_linears
 
 EXACT, FINDING, REFUSED = "exact", "finding", "refused"
 
@@ -95,13 +95,14 @@ def load_truth(directory, layer: int) -> Truth:
     from harness.checkpoints.reader import Checkpoint
     from harness.oracle.reference import dequantize_checkpoint, format_and_knobs
 
+    config = json.loads((Path(directory) / "config.json").read_text())
     # the layer's modules, and with layer 0 the vocabulary-parallel ones (layout.lane_linears)
-    prefixes = (f"model.layers.{layer}.",) + (("model.embed_tokens.", "lm_head.") if layer == 0 else ())
+    vocab = tuple(f"{linear.name}." for linear in vocab_linears(config)) if layer == 0 else ()
+    prefixes = (f"model.layers.{layer}.", *vocab)
     checkpoint = Checkpoint(directory)
     fmt, knobs = format_and_knobs(checkpoint)
     raw = {name: checkpoint.tensor(name) for name in checkpoint.names() if name.startswith(prefixes)}
     reference = {name: t for name, t in dequantize_checkpoint(directory) if name.startswith(prefixes)}
-    config = json.loads((Path(directory) / "config.json").read_text())
     return Truth(config, fmt, knobs, layer, raw, reference)
 
 
