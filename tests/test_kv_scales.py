@@ -22,6 +22,7 @@ FORMAT_OF = {
     "output_scale": "ct-fp8-tensor",
     "proj": "modelopt-nvfp4",
     "k-only": "ct-nvfp4",
+    "declared-only": "ct-fp8-channel",
 }
 
 
@@ -56,7 +57,8 @@ def test_a_correct_loader_passes_and_a_one_naming_loader_is_caught(kind, session
     generate(recipe, tmp_path / "c")
     checkpoint = Checkpoint(tmp_path / "c")
     scales = {n: checkpoint.tensor(n) for n in checkpoint.names() if is_kv_scale(n)}
-    assert len(scales) == (2 if kind == "k-only" else 4) and len({float(t) for t in scales.values()}) == len(scales)
+    assert len(scales) == {"k-only": 2, "declared-only": 0}.get(kind, 4)
+    assert len({float(t) for t in scales.values()}) == len(scales)
     assert all(tuple(t.shape) == (() if kind == "proj" else (1,)) for t in scales.values())
     config = checkpoint.quantization_config
     assert config.get("kv_cache_scheme") or config.get("kv_cache_quant_algo") == "FP8"
@@ -64,3 +66,28 @@ def test_a_correct_loader_passes_and_a_one_naming_loader_is_caught(kind, session
     assert [f for f in result.findings if f.engine == "reference"] == []
     caught = [f for f in result.findings if f.engine == DOUBLE]
     assert bool(caught) == (kind != "self_attn"), [f.message for f in caught]
+
+
+def test_the_scales_an_engine_uses_are_judged_against_the_stored_pair():
+    """harness.differential.kv_scales.judge_module: the stored pair, exactly or rounded once to the
+    model dtype, passes; a default, another value, an unquantized cache or a made-up half do not."""
+    import torch
+
+    from harness.differential.kv_scales import judge_module
+
+    k, v = 0.0089285714, 0.0133928571  # float32 scales as the generator writes them (amax / 448)
+    k32, v32 = (float(torch.tensor(x, dtype=torch.float32)) for x in (k, v))
+    kb, vb = (float(torch.tensor(x, dtype=torch.float32).to(torch.bfloat16)) for x in (k32, v32))
+    module = "model.layers.0.self_attn"
+    assert judge_module(module, (k32, v32), (k32, v32), torch.bfloat16) is None
+    assert judge_module(module, (k32, v32), (kb, vb), torch.bfloat16) is None
+    assert judge_module(module, (k32, v32), (kb, vb), torch.float32) is not None  # float32 holds them exactly
+    kind, message = judge_module(module, (k32, v32), (1.0, 1.0), torch.bfloat16)
+    assert kind == "kv-scales" and "k_scale 1 where the checkpoint stores 0.00892857" in message
+    assert judge_module(module, (k32, v32), (v32, k32), torch.float32)[0] == "kv-scales"  # swapped
+    assert "not quantized" in judge_module(module, (k32, v32), None, torch.float32)[1]
+    kind, message = judge_module(module, (k32, None), (k32, 1.0), torch.float32)
+    assert kind == "accepted-invalid" and "v_scale the checkpoint does not hold" in message
+    assert "v_scale 1 (a default)" in message
+    assert "v_scale 0.00892857 = the stored k_scale" in judge_module(module, (k32, None), (k32, k32), torch.float32)[1]
+    assert judge_module(module, (k32, None), None, torch.float32) is None  # nothing made up

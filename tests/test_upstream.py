@@ -400,6 +400,11 @@ FIXED_VARIANTS = {
         {"layout": {"kv_scales": "self_attn"}},
         "the naming compressed-tensors registers, both of the pair: the whole-model tree loads them",
     ),
+    "kv-scales-vllm-whole-pair": (
+        "vllm-ct-kv-v-scale-missing-runs-default",
+        {"layout": {"kv_scales": "self_attn"}},
+        "both of the pair: vLLM's FP8 KV cache runs with the stored k and v scales, exactly",
+    ),
     "orphan-scale": (
         "ct-module-without-scale-loads",
         {"perturb": {"disagreement": "orphan-scale"}},

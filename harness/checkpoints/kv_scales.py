@@ -4,7 +4,8 @@ real checkpoints use, and the config fragment that declares them.
 - `self_attn`: `self_attn.k_scale` / `self_attn.v_scale` (compressed-tensors' kv_cache_scheme today);
 - `output_scale`: `self_attn.k_proj.output_scale` / `v_proj.output_scale` (older compressed-tensors);
 - `proj`: `self_attn.k_proj.k_scale` / `v_proj.v_scale` (ModelOpt);
-- `k-only`: `self_attn.k_scale` without its `v_scale`: half of the pair (exact-or-refuse).
+- `k-only`: `self_attn.k_scale` without its `v_scale`: half of the pair (exact-or-refuse);
+- `declared-only`: the config declares the FP8 cache, no layer stores a scale (exact-or-refuse).
 
 A scale is kv_amax / 448 (the FP8 e4m3 maximum), float32, shaped as its producer writes it:
 [1] (a compressed-tensors parameter), [] (ModelOpt's export). `proj` goes with ModelOpt formats,
@@ -21,7 +22,7 @@ import torch
 
 from harness.core.errors import HarnessError
 
-CHOICES = ("none", "self_attn", "output_scale", "proj", "k-only")
+CHOICES = ("none", "self_attn", "output_scale", "proj", "k-only", "declared-only")
 FP8_MAX = 448.0
 #: tensor-name endings that are KV-cache scales, under every naming above
 SUFFIXES = (
@@ -86,4 +87,8 @@ def declare(kind: str, quantization_config: dict) -> None:
 
 NOTES = {
     "k-only": ("exact-or-refuse", "only k_scale of the KV pair is present: refuse, never run v with a default scale"),
+    "declared-only": (
+        "exact-or-refuse",
+        "the config declares an FP8 KV cache and no k/v scale is stored: refuse, never run it with default scales",
+    ),
 }

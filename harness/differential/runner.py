@@ -25,6 +25,7 @@ from harness.core.naming import canonical_name
 from harness.core.tolerances import load_tolerances
 from harness.differential.compare import compare_logprobs, compare_weight, perplexity
 from harness.differential.known_issues import KnownIssues
+from harness.differential.kv_scales import judge_kv_scales
 from harness.differential.misreadings import CheckpointMisreadings
 from harness.differential.probe import probe_engine, reference_probe
 from harness.differential.relations import Load, check_relations, check_shard_relations
@@ -312,8 +313,9 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
         missing = {canonical_name(k).rpartition(".")[0] for k in outcome.report.get("missing", [])}
         judged = {n: t for n, t in judgement.truth.items() if n.rpartition(".")[0] not in missing}
         judge_held_weights(judgement, engine, held, judged)
-        if anomalies:
-            outcome.detail = "logits not judged: the load report already explains them"
+        explained = _logits_explained(judgement, engine, worker, anomalies)
+        if explained:
+            outcome.detail = f"logits not judged: {explained}"
         rows = worker.logprobs(judgement.sequences, judgement.scratch_file(engine, "logprobs"))
         if engine == REFERENCE:
             _activation_candidate(judgement, worker)
@@ -339,6 +341,16 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
             metrics={"traceback_tail": error.traceback[-1500:]},
         )
     return None
+
+
+def _logits_explained(judgement: Judgement, engine: str, worker: EngineProcess, anomalies: bool) -> str:
+    """What already explains the engine's logits, if anything: its load report's anomalies, or the
+    KV-cache scales it uses (judged here unless the load report spoke)."""
+    if anomalies:
+        return "the load report already explains them"
+    if engine != REFERENCE and judge_kv_scales(judgement, engine, worker):
+        return "the KV-cache scales it uses already explain them"
+    return ""
 
 
 def _activation_candidate(judgement: Judgement, worker: EngineProcess) -> None:

@@ -76,6 +76,11 @@ class Engine:
     def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         raise NotImplementedError
 
+    def kv_cache_scales(self) -> dict[str, tuple[float, float]]:
+        """Attention module (HF name) -> (k_scale, v_scale) the engine quantizes its KV cache with,
+        as it holds them; empty when its cache is not quantized (harness.differential.kv_scales)."""
+        raise EngineUnsupported(f"{self.name} does not tell which scales its KV cache uses")
+
     def unload(self) -> None:
         """Free the loaded model so the next load starts clean."""
 

@@ -109,6 +109,16 @@ class HFModelEngine(Engine):
     def probe_linears(self, inputs):
         return run_linears(self.model, inputs)
 
+    def kv_cache_scales(self):
+        """compressed-tensors' kv_cache_scheme gives each attention module `k_scale` and `v_scale`
+        parameters (in the model dtype), which its cache hooks quantize with."""
+        held = {}
+        for name, module in self.model.named_modules():
+            own = dict(module.named_parameters(recurse=False))
+            if "k_scale" in own and "v_scale" in own:
+                held[name] = tuple(float(own[s].detach().reshape(-1)[0]) for s in ("k_scale", "v_scale"))
+        return held
+
     def unload(self):
         self.model = None
 

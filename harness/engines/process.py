@@ -206,6 +206,10 @@ class EngineProcess:
         self.request("probe", inputs=str(into), out=str(out))
         return load_file(str(out))
 
+    def kv_cache_scales(self) -> dict[str, tuple[float, float]]:
+        """Attention module -> (k_scale, v_scale) the engine's KV cache uses (Engine.kv_cache_scales)."""
+        return {name: tuple(pair) for name, pair in self.request("kv_cache_scales")["scales"].items()}
+
     def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         return self.request("generate", prompt=list(prompt), max_new_tokens=max_new_tokens)["tokens"]
 

@@ -58,6 +58,17 @@ class ReferenceEngine(HFModelEngine):
         with self.activations.installed(self.model):
             return run_linears(self.model, inputs)
 
+    def kv_cache_scales(self):
+        """As an engine under judgement (`runs_specified`), its cache is quantized as the plan says,
+        with the checkpoint's own scales; the reference's weight-only forward quantizes none."""
+        if not self.runs_specified:
+            raise EngineUnsupported("the reference's forward leaves its KV cache unquantized (weight-only)")
+        if isinstance(self.activations, str):
+            return {}
+        return {
+            name: (float(k.reshape(-1)[0]), float(v.reshape(-1)[0])) for name, (k, v) in self.activations.kv.items()
+        }
+
     def activation_logprobs(self, sequences, variant: str = "float64"):
         """The checkpoint's full definition: weights as dequantized, each quantized Linear's input
         and the KV cache quantized as its config specifies (harness.oracle.specified); `variant`:

@@ -470,6 +470,25 @@ class VllmEngine(Engine):
 
         return self.llm.apply_model(run)[0]
 
+    def kv_cache_scales(self):
+        """vLLM's Attention layers (`<attention module>.attn`) quantize their cache when its dtype
+        is FP8, with the scales process_weights_after_loading settled on (`_k_scale_float`,
+        `_v_scale_float`: vLLM's kv_cache.py chooses them from what the checkpoint held)."""
+        from vllm.utils.torch_utils import is_quantized_kv_cache
+
+        self.require_forward()
+
+        def run(model):
+            return {
+                name.removesuffix(".attn"): (float(layer._k_scale_float), float(layer._v_scale_float))
+                for name, layer in model.named_modules()
+                if isinstance(getattr(layer, "kv_cache_dtype", None), str)
+                and hasattr(layer, "_k_scale_float")
+                and is_quantized_kv_cache(layer.kv_cache_dtype)
+            }
+
+        return self.llm.apply_model(run)[0]
+
     def require_forward(self) -> None:
         if self.forward_unsupported:
             raise EngineUnsupported(self.forward_unsupported)

@@ -106,6 +106,8 @@ def handle(engine, op: str, request: dict) -> dict:
         outputs = engine.probe_linears(load_file(request["inputs"]))
         save_file({name: t.detach().to("cpu").contiguous() for name, t in outputs.items()}, request["out"])
         return {"count": len(outputs)}
+    if op == "kv_cache_scales":  # the scales the engine's FP8 KV cache uses (harness.differential.kv_scales)
+        return {"scales": {name: list(pair) for name, pair in engine.kv_cache_scales().items()}}
     if op == "generate":
         return {"tokens": engine.generate(request["prompt"], request["max_new_tokens"])}
     raise ValueError(f"unknown op {op!r}")

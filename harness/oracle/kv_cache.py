@@ -55,6 +55,27 @@ def kv_scales(attention_modules: list[str], names: set[str]) -> dict[str, tuple[
     return found
 
 
+def attention_modules(config: Mapping, names: list[str]) -> list[str]:
+    """The attention module of every layer the config declares, under the checkpoint's key prefix."""
+    layers = int(config.get("num_hidden_layers", 0))
+    prefix = next((n.split("layers.")[0] for n in names if ".layers." in n), "model.")
+    return [f"{prefix}layers.{layer}.self_attn" for layer in range(layers)]
+
+
+def stored_kv_scales(checkpoint) -> dict[str, tuple[float | None, float | None]]:
+    """attention module -> (k_scale, v_scale) as the checkpoint stores them, None for one it lacks,
+    under the first naming that holds either; every attention module of the config is present."""
+    names = set(checkpoint.names())
+    stored = {}
+    for module in attention_modules(checkpoint.config, sorted(names)):
+        pairs = [(f"{module}.{k}", f"{module}.{v}") for k, v in NAMINGS]
+        pair = next((p for p in pairs if p[0] in names or p[1] in names), pairs[0])
+        stored[module] = tuple(
+            float(checkpoint.tensor(name).reshape(-1)[0]) if name in names else None for name in pair
+        )
+    return stored
+
+
 class _QuantizingCache:
     """Stands in for the model's cache inside one attention forward: quantizes what enters it."""
 

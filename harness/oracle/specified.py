@@ -137,11 +137,8 @@ def plan(checkpoint) -> Plan | str:
     if refusal:
         return refusal
     if kv:
-        layers = int(checkpoint.config.get("num_hidden_layers", 0))
-        prefix = next((n.split("layers.")[0] for n in names if ".layers." in n), "model.")
-        attention = [f"{prefix}layers.{layer}.self_attn" for layer in range(layers)]
         try:
-            pairs = kv_cache.kv_scales(attention, set(names))
+            pairs = kv_cache.kv_scales(kv_cache.attention_modules(checkpoint.config, names), set(names))
         except HarnessError as error:
             return str(error)
         result.kv = {canonical_name(m): (checkpoint.tensor(k), checkpoint.tensor(v)) for m, (k, v) in pairs.items()}

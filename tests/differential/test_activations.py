@@ -18,6 +18,8 @@ SPECIFIED = f"{DOUBLES}:ActivationsAsSpecifiedEngine"
 IGNORED = f"{DOUBLES}:ActivationsIgnoredEngine"
 INVERTED = f"{DOUBLES}:InvertedInputScaleEngine"
 KV_IGNORED = f"{DOUBLES}:KVCacheIgnoredEngine"
+KV_IGNORED_UNTOLD = f"{DOUBLES}:KVCacheIgnoredUntoldEngine"
+KV_DEFAULT = f"{DOUBLES}:KVScalesDefaultEngine"
 
 
 def test_fp8_activations_land_on_scaled_e4m3_values_and_saturate():
@@ -65,7 +67,8 @@ def test_the_schemes_the_formats_declare_are_read():
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
     pytest.importorskip("transformers")
-    session = EngineSession(["reference", SPECIFIED, IGNORED, INVERTED, KV_IGNORED], tmp_path_factory.mktemp("engines"))
+    engines = ["reference", SPECIFIED, IGNORED, INVERTED, KV_IGNORED, KV_IGNORED_UNTOLD, KV_DEFAULT]
+    session = EngineSession(engines, tmp_path_factory.mktemp("engines"))
     yield session
     session.close()
 
@@ -101,13 +104,18 @@ def test_seed_002s_bug_class_is_caught_on_the_tiny_models_w4a4_variant(session, 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_declared_fp8_kv_cache_is_part_of_the_definition(session, tmp_path, seed):
     """With `kv_cache_scheme` and k/v scales, the specified forward quantizes the cache: an engine
-    that applies the Linears' activation quantization but not the cache is caught (float32)."""
+    that applies the Linears' activation quantization but not the cache is caught (float32): by its
+    logits where it does not tell which scales its cache uses, by those scales where it does; one
+    that quantizes the cache with scale 1.0 is caught by its scales (its logits are within the bound)."""
     layout = {"dtype": "float32", "kv_scales": "self_attn"}
     generate(Recipe(format="ct-fp8-channel", arch="llama", seed=seed, layout=layout), tmp_path / "c")
     result = evaluate(tmp_path / "c", session)
     kinds = {(f.engine.rpartition(":")[2], f.kind): f.message for f in result.findings}
     assert not [engine for engine, _ in kinds if engine in ("reference", "ActivationsAsSpecifiedEngine")], kinds
-    assert "FP8 KV cache" in kinds[("KVCacheIgnoredEngine", "activations")]
+    assert "FP8 KV cache" in kinds[("KVCacheIgnoredUntoldEngine", "activations")]
+    assert "KV cache not quantized" in kinds[("KVCacheIgnoredEngine", "kv-scales")]
+    assert "k_scale 1 where the checkpoint stores" in kinds[("KVScalesDefaultEngine", "kv-scales")]
+    assert {kind for engine, kind in kinds if engine.startswith("KV")} == {"activations", "kv-scales"}
     assert ("ActivationsIgnoredEngine", "activations") in kinds  # within 2x the wider bound: not named "not applied"
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from harness.engines.base import LoadReport
+from harness.engines.base import EngineUnsupported, LoadReport
 from harness.engines.reference_engine import ReferenceEngine
 
 
@@ -192,12 +192,18 @@ class KVScaleNamingEngine(ReferenceEngine):
     def load(self, directory):
         from harness.checkpoints.kv_scales import is_kv_scale
         from harness.checkpoints.reader import Checkpoint
+        from harness.oracle.kv_cache import declares_fp8_kv_cache
 
         report = super().load(directory)
-        names = [n for n in Checkpoint(directory).names() if is_kv_scale(n)]
+        checkpoint = Checkpoint(directory)
+        names = [n for n in checkpoint.names() if is_kv_scale(n)]
         report.unexpected += [n for n in names if not n.endswith(("self_attn.k_scale", "self_attn.v_scale"))]
-        layers = {n.split(".self_attn.")[0] for n in names}
-        for layer in sorted(layers):
+        # where the config declares the cache, every layer's attention registers the pair
+        declared = declares_fp8_kv_cache(checkpoint.quantization_config)
+        layers = (
+            [f"model.layers.{layer}" for layer in range(checkpoint.config["num_hidden_layers"])] if declared else []
+        )
+        for layer in layers:
             for half in ("k_scale", "v_scale"):
                 if f"{layer}.self_attn.{half}" not in names:
                     report.missing.append(f"{layer}.self_attn.{half}")
@@ -220,6 +226,9 @@ class ActivationsAsSpecifiedEngine(ReferenceEngine):
 
     def probe_linears(self, inputs):
         return self._with_plan(lambda: super(ActivationsAsSpecifiedEngine, self).probe_linears(inputs))
+
+    def kv_cache_scales(self):
+        return self._with_plan(lambda: super(ActivationsAsSpecifiedEngine, self).kv_cache_scales())
 
     def _with_plan(self, run):
         plan = self.activations
@@ -260,6 +269,28 @@ class KVCacheIgnoredEngine(ActivationsAsSpecifiedEngine):
 
     def forward_plan(self):
         return dataclasses.replace(self.activations, kv={})
+
+
+class KVCacheIgnoredUntoldEngine(KVCacheIgnoredEngine):
+    """Bug class as KVCacheIgnoredEngine, in an engine that does not tell which scales its cache uses
+    (a user's loader): only its logits can show it."""
+
+    name = "double-kv-cache-ignored-untold"
+
+    def kv_cache_scales(self):
+        raise EngineUnsupported("this double does not tell which scales its KV cache uses")
+
+
+class KVScalesDefaultEngine(ActivationsAsSpecifiedEngine):
+    """Bug class: the FP8 KV cache quantized with scale 1.0 for keys and values (the checkpoint's
+    k/v scales never reach the attention layer, its placeholders' initial value stays), the
+    Linears' activations as specified."""
+
+    name = "double-kv-scales-default"
+
+    def forward_plan(self):
+        ones = {name: (torch.ones(1), torch.ones(1)) for name in self.activations.kv}
+        return dataclasses.replace(self.activations, kv=ones)
 
 
 class FusedPartInputScaleEngine(ActivationsAsSpecifiedEngine):

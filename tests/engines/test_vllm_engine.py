@@ -9,6 +9,7 @@ anywhere: they feed the engine tensors laid out as vLLM's loader lays them out.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -19,7 +20,8 @@ from safetensors.torch import load_file
 from harness.checkpoints.reader import Checkpoint
 from harness.checkpoints.recipe import Recipe
 from harness.checkpoints.writer import TRUTH_FILE, generate
-from harness.engines.process import EngineProcess, Limits
+from harness.core.errors import first_line
+from harness.engines.process import EngineError, EngineProcess, Limits
 from harness.engines.vllm_capability import CACHE_FILE, PROBE_SHAPE, missing_kernel
 from harness.engines.vllm_engine import VllmEngine, find_vllm_python
 from harness.formats import FORMAT_NAMES
@@ -177,6 +179,33 @@ def test_the_activation_probe_runs_vllms_own_layers(tmp_path):
         pytest.skip(result.outcomes["vllm"].detail)
     assert result.outcomes["vllm"].activation_probe == "14/14 quantized Linear(s) as specified"
     assert not [f for f in result.findings if f.kind == "activations"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_the_kv_cache_scales_vllm_uses_are_read_back(engine, tmp_path):
+    """vLLM quantizes its cache with the stored k/v pair, exactly; with half a pair (k_scale only) it
+    runs the FP8 cache with v_scale 1.0, its placeholder's initial value
+    (cases/known_issues.toml: vllm-ct-kv-v-scale-missing-runs-default)."""
+    from harness.oracle.kv_cache import stored_kv_scales
+
+    held = {}
+    for kind in ("self_attn", "k-only"):
+        directory = tmp_path / kind
+        recipe = Recipe(format="ct-int4", arch="llama", config={**ALIGNED, "num_hidden_layers": 2})
+        generate(dataclasses.replace(recipe, layout={"kv_scales": kind}), directory)
+        try:
+            engine.load(directory)
+        except EngineError as error:
+            pytest.skip(f"vLLM does not run ct-int4 here: {first_line(error)}")
+        stored = stored_kv_scales(Checkpoint(directory))
+        held[kind] = (stored, engine.kv_cache_scales())
+    stored, used = held["self_attn"]
+    assert used == stored and len(used) == 2
+    stored, used = held["k-only"]
+    assert used == {module: (k, 1.0) for module, (k, v) in stored.items()} and all(
+        v is None for _, v in stored.values()
+    )
 
 
 def test_young_collections_only_skips_full_collections_inside_and_restores_the_collector():

@@ -398,6 +398,8 @@ def render_script(reproducer: Reproducer) -> Script:
         )
     elif reproducer.relation:
         expected += f"; and {RELATIONS[reproducer.relation].holds}"
+    elif reproducer.engine == "vllm" and resolved.layout["kv_scales"] != "none":  # parts/engine_vllm.py
+        expected += "; its FP8 KV cache quantized with the stored k/v scales, none made up"
     layout = reproducer.recipe.layout
     values = {
         "ISSUE": reproducer.id,

@@ -28,12 +28,13 @@ EXTREME_FACTORS = {"none": 1.0, "tiny": 1e-4, "huge": 1e3}
 
 
 #: FP8 KV-cache scales under each naming real checkpoints use (LAYOUT["kv_scales"]): compressed-tensors
-#: today, older compressed-tensors, ModelOpt, and half a pair
+#: today, older compressed-tensors, ModelOpt, half a pair, and none (the cache declared only)
 KV_SCALE_NAMES = {
     "self_attn": ("self_attn.k_scale", "self_attn.v_scale"),
     "output_scale": ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
     "proj": ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"),
     "k-only": ("self_attn.k_scale",),
+    "declared-only": (),
 }
 
 

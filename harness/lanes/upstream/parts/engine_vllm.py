@@ -2,16 +2,17 @@
 
 With the settings the harness's vllm engine uses on CPU (the checkpoint's dtype, eager, a small KV
 cache), without a tokenizer (token ids in, log-probabilities out). vLLM repacks weights for its
-kernels, so what it holds is judged by its layers' sizes against config.json and by a forward pass."""
+kernels, so what it holds is judged by its layers' sizes against config.json and by a forward pass;
+where the checkpoint declares an FP8 KV cache, by the scales its attention layers quantize it with."""
 
 from __future__ import annotations
 
 import math
 import os
 
-from harness.lanes.upstream.parts.checkpoint import tensor_layout
+from harness.lanes.upstream.parts.checkpoint import KV_SCALE_NAMES, kv_scales, tensor_layout
 from harness.lanes.upstream.parts.common import PROMPT
-from harness.lanes.upstream.parts.parameters import CONFIG
+from harness.lanes.upstream.parts.parameters import CONFIG, LAYOUT
 
 # ---- reproduce.py ----
 
@@ -67,11 +68,45 @@ def size_problems(sizes) -> list[str]:
     return problems
 
 
+def kv_cache_scales(model) -> dict[str, tuple[float, float]]:
+    """Each attention layer with an FP8 KV cache: the k and v scales it quantizes the cache with."""
+    return {
+        name: (float(layer._k_scale_float), float(layer._v_scale_float))
+        for name, layer in model.named_modules()
+        if hasattr(layer, "_k_scale_float") and "fp8" in str(getattr(layer, "kv_cache_dtype", ""))
+    }
+
+
+def kv_scale_problems(used: dict[str, tuple[float, float]]) -> list[str]:
+    """The scales vLLM's FP8 KV cache uses against those the checkpoint stores (LAYOUT["kv_scales"]):
+    the stored pair exactly, and a scale the checkpoint lacks never made up."""
+    if LAYOUT["kv_scales"] == "none":
+        return []
+    if not used:
+        return ["the KV cache is not FP8, though the config declares an FP8 KV cache"]
+    stored, names, problems = kv_scales(CONFIG), KV_SCALE_NAMES[LAYOUT["kv_scales"]], []
+    for name, pair in sorted(used.items()):
+        layer = "model.layers." + name.partition("layers.")[2].partition(".")[0]
+        for index, (part, value) in enumerate(zip(("k_scale", "v_scale"), pair, strict=True)):
+            key = f"{layer}.{names[index]}" if index < len(names) else None
+            if key not in stored:
+                problems.append(
+                    f"{name}: its FP8 KV cache runs with {part} {value:.6g}, which the checkpoint does not hold"
+                )
+            elif value != float(stored[key].reshape(-1)[0]):
+                want = float(stored[key].reshape(-1)[0])
+                problems.append(
+                    f"{name}: its FP8 KV cache runs with {part} {value:.6g}, the checkpoint stores {want:.6g}"
+                )
+    return problems
+
+
 def check_loaded(llm):
     """(None: vLLM's repacked weights are not read, problems, notes)."""
     from vllm import SamplingParams
 
     problems = size_problems(llm.apply_model(layer_sizes)[0])
+    problems += kv_scale_problems(llm.apply_model(kv_cache_scales)[0])
     try:
         params = SamplingParams(max_tokens=1, prompt_logprobs=5, detokenize=False)
         output = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
