@@ -248,6 +248,62 @@ def test_experts_sharded_correctly_are_exact_and_a_wrong_scale_rank_is_caught(mi
     assert wrong[0, "experts.1.w13"].status == EXACT and wrong[1, "experts.1.w2"].status == EXACT
 
 
+def place_experts(truth, ep: int, owners=None, content=lambda expert: expert) -> list[Shard]:
+    """TEST DOUBLE: what an expert-parallel loader holds: rank r of `ep` holds whole experts, each
+    the whole checkpoint tensors of `content(expert)`. `owners(expert)`: the ranks holding it
+    (default: vLLM's linear placement, the remainder to the first ranks); a correct loader holds
+    each expert's own tensors on exactly one rank, anything else is deliberately wrong."""
+    experts = [linear for linear in decoder_linears(truth.config) if linear.expert is not None]
+    count = len(experts) // 2
+    if owners is None:
+        base, extra = divmod(count, ep)
+        starts = [r * base + min(r, extra) for r in range(ep + 1)]
+        owners = lambda expert: [r for r in range(ep) if starts[r] <= expert < starts[r + 1]]  # noqa: E731
+    shards = []
+    for linear in experts:
+        source = {e.name: e for e in experts}[linear.name.replace(f"{linear.expert}.", f"{content(linear.expert)}.", 1)]
+        held = {
+            suffix: torch.cat([truth.raw[f"{source.part_module(truth.layer, part)}.{suffix}"] for part in source.parts])
+            for suffix in ("weight", "weight_scale")
+        }
+        sizes = [part.rows for part in linear.parts] if linear.kind != "row" else []
+        shards += [Shard(ep, rank, linear, sizes, None, held, parallel="ep") for rank in owners(linear.expert)]
+    return shards
+
+
+def test_expert_parallel_placement_is_judged_whole_expert_by_whole_expert(mixtral_channel_checkpoint):
+    """Each expert held whole on one rank is exact; an expert held in its neighbour's slot, one held
+    by no rank and one held twice are each caught (labelled doubles)."""
+    truth = load_truth(mixtral_channel_checkpoint, 0)
+    for ep in (2, 3, 4):
+        verdicts = judge(place_experts(truth, ep), truth, [ep])
+        assert {v.status for v in verdicts} == {EXACT}, [v.line() for v in verdicts if v.status != EXACT]
+    shifted = judge(place_experts(truth, 2, content=lambda expert: (expert + 1) % 3), truth, [2])
+    assert all(v.status == FINDING and "differs from the reference" in v.details[0] for v in shifted)
+    dropped = judge(place_experts(truth, 2, owners=lambda expert: [0] if expert < 2 else []), truth, [2])
+    assert [v.line() for v in dropped if v.status == FINDING] == [
+        "ep 2 experts.2.w13: finding: held by no rank of 2",
+        "ep 2 experts.2.w2: finding: held by no rank of 2",
+    ]
+    twice = judge(place_experts(truth, 2, owners=lambda expert: [0, 1] if expert == 1 else [expert // 2]), truth, [2])
+    assert "ep 2 experts.1.w13: finding: held by ranks 0, 1 of 2" in [v.line() for v in twice]
+
+
+@needs_vllm
+def test_vllm_places_experts_whole_at_expert_parallel_sizes(mixtral_channel_checkpoint):
+    """vLLM's FusedMoE with enable_expert_parallel under a mocked rank: 3 experts over 2, 3 and 4
+    ranks (one rank of 4 holds none), each expert read from the slot its expert_map gives."""
+    result = check_tensor_parallel(mixtral_channel_checkpoint, [1], ep_sizes=[2, 3, 4])
+    assert [(o.parallel, o.tp, o.status) for o in result.outcomes] == [
+        ("tp", 1, EXACT),
+        ("ep", 2, EXACT),
+        ("ep", 3, EXACT),
+        ("ep", 4, EXACT),
+    ], [line for o in result.outcomes for line in o.reasons + o.findings]
+    placed = [v for v in result.verdicts if v.parallel == "ep"]
+    assert len(placed) == 3 * 3 * 2 and {v.rank for v in placed if v.tp == 4} == {0, 1, 2}
+
+
 @needs_vllm
 def test_vllm_experts_are_exact_at_tp_2_and_4(mixtral_channel_checkpoint):
     """vLLM's FusedMoE under a mocked rank, fed each expert by its own weight_loader."""

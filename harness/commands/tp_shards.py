@@ -1,6 +1,7 @@
-"""`tp-shards DIR --tp-sizes 2,4 [--report OUT]`: shard one decoder layer in vLLM as if tensor
-parallel size were each size, for every rank, and judge each rank's weights and scales against
-the reference's slice (docs/tensor-parallel.md).
+"""`tp-shards DIR --tp-sizes 2,4 [--ep-sizes 2,4] [--report OUT]`: shard one decoder layer in vLLM
+as if tensor parallel size were each size, for every rank, and judge each rank's weights and scales
+against the reference's slice; a layer's routed experts are also placed at each expert-parallel
+size (docs/tensor-parallel.md).
 
 Exit 0: every rank of every size exact or refused by vLLM with a reason; 1: some rank holds
 other values than its slice; 2: unusable input, or no vLLM to run (one line)."""
@@ -27,6 +28,12 @@ def add_parser(commands) -> None:
         "directory", help="checkpoint directory (llama, qwen2, mixtral, qwen2_moe, qwen3_moe, llama4 or deepseek_v3)"
     )
     parser.add_argument("--tp-sizes", default="2,4", help="comma-separated tensor-parallel sizes (default 2,4)")
+    parser.add_argument(
+        "--ep-sizes",
+        default="2,4",
+        help="comma-separated expert-parallel sizes a layer with routed experts is also placed at "
+        "(vLLM's enable_expert_parallel; default 2,4; 'none' for none)",
+    )
     parser.add_argument("--layer", type=int, default=0, help="decoder layer to shard (default 0)")
     parser.add_argument("--report", metavar="OUT", help="write OUT/tp-shards.json and OUT/tp-shards.md here")
     parser.set_defaults(run=command_tp_shards)
@@ -36,13 +43,14 @@ def command_tp_shards(args) -> int:
     from harness.engines.tensor_parallel import FINDING, check_tensor_parallel, parse_tp_sizes
 
     sizes = parse_tp_sizes(args.tp_sizes)
+    ep_sizes = [] if args.ep_sizes.strip().lower() == "none" else parse_tp_sizes(args.ep_sizes, "--ep-sizes")
     directory = Path(args.directory)
     if not directory.is_dir():
         raise HarnessError(f"{directory}: not a directory")
     report = Path(args.report) if args.report else None
     if report:
         report.mkdir(parents=True, exist_ok=True)
-    result = check_tensor_parallel(directory, sizes, args.layer, report)
+    result = check_tensor_parallel(directory, sizes, args.layer, report, ep_sizes=ep_sizes)
     print(f"{directory}: vLLM {result.vllm}, decoder layer {args.layer}")
     for outcome in result.outcomes:
         print(outcome.line())
@@ -56,8 +64,14 @@ def command_tp_shards(args) -> int:
         path.with_suffix(".md").write_text(markdown(result))
         print(f"report: {path} and {path.with_suffix('.md')}")
     if result.findings:
-        sizes = ",".join(str(o.tp) for o in result.outcomes if o.status == FINDING)
-        print(f"reproduce: python -m harness tp-shards {directory} --tp-sizes {sizes} --layer {args.layer}")
+        wrong = {
+            parallel: ",".join(str(o.tp) for o in result.outcomes if o.status == FINDING and o.parallel == parallel)
+            for parallel in ("tp", "ep")
+        }
+        print(
+            f"reproduce: python -m harness tp-shards {directory} --tp-sizes {wrong['tp'] or 1} "
+            f"--ep-sizes {wrong['ep'] or 'none'} --layer {args.layer}"
+        )
         return EXIT_FINDING
     return EXIT_OK
 
@@ -68,11 +82,12 @@ def markdown(result) -> str:
         "",
         f"vLLM {result.vllm}.",
         "",
-        "| tp | rank | Linear | status | details |",
+        "| split | rank | Linear | status | details |",
     ]
     lines.append("|---|---|---|---|---|")
     for verdict in result.verdicts:
         details = "; ".join(verdict.details).replace("|", "\\|")
-        lines.append(f"| {verdict.tp} | {verdict.rank} | {verdict.module} | {verdict.status} | {details} |")
+        rank = verdict.rank if verdict.rank >= 0 else "all"
+        lines.append(f"| {verdict.parallel} {verdict.tp} | {rank} | {verdict.module} | {verdict.status} | {details} |")
     lines += ["", *[f"- {note}" for note in result.kernel_notes]]
     return "\n".join(lines) + "\n"

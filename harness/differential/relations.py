@@ -113,7 +113,8 @@ RELATIONS: dict[str, Relation] = {
         Relation(
             "tensor-parallel",
             "vLLM's own weight loaders, run for every rank at tensor-parallel sizes 1, 2 and 4 (one decoder layer "
-            "under a mocked rank, as vLLM's own loading tests mock it), give each rank exactly its slice of the "
+            "under a mocked rank, as vLLM's own loading tests mock it), and for routed experts at expert-parallel "
+            "sizes 2 and 4 (whole experts, one rank each), give each rank exactly its slice of the "
             "checkpoint's values, or refuse the split; checked whatever vLLM's one-device load did (no kernel runs)",
             SHARDS,
             ("shards",),
@@ -125,6 +126,8 @@ RELATIONS: dict[str, Relation] = {
 RELATION_NAMES = tuple(RELATIONS)
 #: the tensor-parallel sizes the tensor-parallel relation shards at (1: the one-device baseline)
 TP_SIZES = (1, 2, 4)
+#: the expert-parallel sizes it places a layer's routed experts at (vLLM's enable_expert_parallel)
+EP_SIZES = (2, 4)
 #: the campaign checks one relation on every CAMPAIGN_EVERY-th example, the relations in turn
 CAMPAIGN_EVERY = 10
 #: the relations the main job checks by default: all six. round-trip, dequantize, offload and
@@ -204,10 +207,11 @@ def check_shard_relations(judgement: Judgement, engines: list[str]) -> None:
 
 def _check_shards(relation: Relation, judgement: Judgement, engine: str) -> str:
     """tp-shards at TP_SIZES on the checkpoint's first decoder layer, and its first layer with
-    routed experts where that is another (DeepSeek-V3's dense first layers); the smallest size at
-    which a rank holds other values than its slice is one finding (the others in its metrics)."""
+    routed experts where that is another (DeepSeek-V3's dense first layers), whose experts are also
+    placed at EP_SIZES; the smallest tensor-parallel size (else expert-parallel) at which a rank
+    holds other values than its slice is one finding (the others in its metrics)."""
     from harness.engines.tensor_parallel import FINDING, REFUSED, WORKER_SPEC, check_tensor_parallel
-    from harness.engines.tensor_parallel.layout import first_sparse_layer
+    from harness.engines.tensor_parallel.layout import EP, TP, first_sparse_layer
 
     why = relation.inapplicable(judgement.config)
     if why or judgement.hazards:
@@ -218,28 +222,33 @@ def _check_shards(relation: Relation, judgement: Judgement, engine: str) -> str:
         if worker is None:
             return f"not checked: {judgement.session.unavailable.get(engine, engine + ' unavailable')}"
         results = {
-            layer: check_tensor_parallel(judgement.directory, list(TP_SIZES), layer, judgement.scratch, worker)
+            layer: check_tensor_parallel(
+                judgement.directory, list(TP_SIZES), layer, judgement.scratch, worker, list(EP_SIZES)
+            )
             for layer in layers
         }
     except EngineFailure as failure:
         return f"not checked: the tensor-parallel worker cannot start: {first_line(failure)}"
     except HarnessError as error:  # the reference refuses the checkpoint, or the worker failed
         return f"not checked: {first_line(error)}"
+    outcomes = [(layer, o) for layer, result in results.items() for o in result.outcomes]
     wrong = sorted(
-        ((o.tp, layer, o) for layer, result in results.items() for o in result.outcomes if o.status == FINDING),
-        key=lambda item: item[:2],
+        ((o.parallel, o.tp, layer, o) for layer, o in outcomes if o.status == FINDING),
+        key=lambda item: (item[0] != TP, *item[1:3]),  # tensor-parallel first, the smallest size first
     )
     if not wrong:
-        refused = sorted({o.tp for result in results.values() for o in result.outcomes if o.status == REFUSED})
+        refused: dict[str, set[int]] = {}
+        for _, o in outcomes:
+            if o.status == REFUSED:
+                refused.setdefault(o.parallel, set()).add(o.tp)
+        where = "; ".join(f"{parallel} {', '.join(map(str, sorted(sizes)))}" for parallel, sizes in refused.items())
         modules = sorted({v.module for result in results.values() for v in result.verdicts if v.status == REFUSED})
-        return "holds" + (
-            f" (vLLM refuses {', '.join(modules)} at tp {', '.join(map(str, refused))})" if refused else ""
-        )
-    tp, layer, first = wrong[0]
-    verdicts = [v for v in results[layer].verdicts if v.tp == tp and v.status == FINDING]
+        return "holds" + (f" (vLLM refuses {', '.join(modules)} at {where})" if refused else "")
+    parallel, tp, layer, first = wrong[0]
+    verdicts = [v for v in results[layer].verdicts if (v.parallel, v.tp) == (parallel, tp) and v.status == FINDING]
     module, shape = next(iter(verdicts[0].wrong.items()), (None, None))
     latent = bool(first.reasons)  # vLLM refuses another Linear of the layer: the model would not load
-    failure = f"{verdicts[0].module} at tp {tp}: a rank holds values other than its slice" + (
+    failure = f"{verdicts[0].module} at {parallel} {tp}: a rank holds values other than its slice" + (
         " (latent: vLLM refuses another Linear of the layer)" if latent else ""
     )
     metrics = {
@@ -247,8 +256,10 @@ def _check_shards(relation: Relation, judgement: Judgement, engine: str) -> str:
         "must_hold": relation.holds,
         "failure": failure,
         "tp": tp,
+        "parallel": parallel,
         "layer": layer,
-        "tp_sizes_wrong": sorted({size for size, _, _ in wrong}),
+        "tp_sizes_wrong": sorted({size for kind, size, _, _ in wrong if kind == TP}),
+        "ep_sizes_wrong": sorted({size for kind, size, _, _ in wrong if kind == EP}),
         "shape": shape,
         "latent": latent,
         "ranks": first.findings[:20],
@@ -256,7 +267,7 @@ def _check_shards(relation: Relation, judgement: Judgement, engine: str) -> str:
         "kernel_notes": sorted({note for result in results.values() for note in result.kernel_notes}),
     }
     more = len(first.findings) - 1
-    message = f"{relation.name}: {first.findings[0]}" + (f" (and {more} more at tp {tp})" if more else "")
+    message = f"{relation.name}: {first.findings[0]}" + (f" (and {more} more at {parallel} {tp})" if more else "")
     block = [judgement.knobs.get("block_rows"), judgement.knobs.get("block_cols")]
     if all(isinstance(b, int) for b in block):
         metrics["block"] = block  # a block format's grid: the known issues' `block_rows`

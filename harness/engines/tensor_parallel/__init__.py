@@ -2,7 +2,9 @@
 
 vLLM's parallel Linears of one decoder layer are built under a mocked rank for each tp size and
 rank, inside vLLM's interpreter (`worker`, started through `harness.engines.process`); what each
-rank holds is judged against the slice of the reference it must own (`judge`, `layout`).
+rank holds is judged against the slice of the reference it must own (`judge`, `layout`). A layer
+with routed experts is also placed at expert-parallel sizes (vLLM's enable_expert_parallel: each
+rank owns whole experts).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.core.errors import HarnessError
+from harness.engines.tensor_parallel.layout import EP, TP
 
 #: the worker, as an engine spec `harness.engines.worker` can host
 WORKER_SPEC = "harness.engines.tensor_parallel.worker:TensorParallelShards"
@@ -21,18 +24,19 @@ EXACT, FINDING, REFUSED = "exact", "finding", "refused"
 
 @dataclass
 class TpOutcome:
-    """One tp size: exact (every rank of every Linear), refused (vLLM would not load the layer at
-    this size: its reasons), or finding (some rank holds values other than its slice)."""
+    """One tp (or ep) size: exact (every rank of every Linear), refused (vLLM would not load the
+    layer at this size: its reasons), or finding (some rank holds values other than its slice)."""
 
     tp: int
     status: str
     reasons: list[str] = field(default_factory=list)
     findings: list[str] = field(default_factory=list)
+    parallel: str = TP  # or EP: expert parallelism (layout)
 
     def line(self) -> str:
         if self.status == EXACT:
-            return f"tp {self.tp}: exact"
-        text = f"tp {self.tp}: {self.status}"
+            return f"{self.parallel} {self.tp}: exact"
+        text = f"{self.parallel} {self.tp}: {self.status}"
         if self.status == FINDING and self.reasons:
             text += " (latent: vLLM refuses another Linear of the layer at this size)"
         return text
@@ -60,23 +64,29 @@ class TpResult:
         }
 
 
-def parse_tp_sizes(text: str) -> list[int]:
+def parse_tp_sizes(text: str, option: str = "--tp-sizes") -> list[int]:
     try:
         sizes = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise HarnessError(f"--tp-sizes {text!r}: expected comma-separated integers, e.g. 2,4") from None
+        raise HarnessError(f"{option} {text!r}: expected comma-separated integers, e.g. 2,4") from None
     if not sizes or any(size < 1 for size in sizes):
-        raise HarnessError(f"--tp-sizes {text!r}: expected sizes >= 1, e.g. 2,4")
+        raise HarnessError(f"{option} {text!r}: expected sizes >= 1, e.g. 2,4")
     return sorted(set(sizes))
 
 
 def check_tensor_parallel(
-    directory: str | Path, tp_sizes: list[int], layer: int = 0, work: Path | None = None, process=None
+    directory: str | Path,
+    tp_sizes: list[int],
+    layer: int = 0,
+    work: Path | None = None,
+    process=None,
+    ep_sizes: list[int] = (),
 ):
-    """Shard one decoder layer at each tp size in vLLM and judge every rank; a TpResult. `process`:
-    a started EngineProcess hosting WORKER_SPEC to use (left running), else one of its own."""
+    """Shard one decoder layer at each tp size in vLLM and judge every rank; with routed experts in
+    the layer, also place its experts at each expert-parallel size in `ep_sizes`; a TpResult.
+    `process`: a started EngineProcess hosting WORKER_SPEC to use (left running), else one of its own."""
     from harness.engines.tensor_parallel.judge import judge, load_truth, shards_from_worker
-    from harness.engines.tensor_parallel.layout import decoder_linears
+    from harness.engines.tensor_parallel.layout import decoder_linears, sparse
 
     directory = Path(directory)
     truth = load_truth(directory, layer)  # a CheckpointError (exit 2) for an unusable checkpoint
@@ -86,18 +96,26 @@ def check_tensor_parallel(
         raise HarnessError(f"{directory}: cannot lay out its decoder layer ({error})") from None
     if not any(name.startswith(f"model.layers.{layer}.") for name in truth.raw):
         raise HarnessError(f"{directory}: no tensors of decoder layer {layer}")
+    ep_sizes = sorted(set(ep_sizes)) if sparse(truth.config, layer) else []
     with tempfile.TemporaryDirectory(prefix="tp-shards-") as scratch:
-        report, tensors = run_worker(directory, tp_sizes, layer, Path(scratch), work, process)
-    verdicts = judge(shards_from_worker(report, tensors, truth.config), truth)
-    return TpResult(str(directory), report["vllm"], summarize(verdicts, tp_sizes), verdicts, report["kernel_notes"])
+        report, tensors = run_worker(directory, tp_sizes, layer, Path(scratch), work, process, ep_sizes)
+    verdicts = judge(shards_from_worker(report, tensors, truth.config), truth, ep_sizes)
+    outcomes = summarize(verdicts, tp_sizes) + summarize(verdicts, ep_sizes, EP)
+    return TpResult(str(directory), report["vllm"], outcomes, verdicts, report["kernel_notes"])
 
 
-def run_worker(directory: Path, tp_sizes: list[int], layer: int, scratch: Path, work: Path | None, process=None):
+def run_worker(
+    directory: Path, tp_sizes: list[int], layer: int, scratch: Path, work: Path | None, process=None, ep_sizes=()
+):
     from harness.engines.process import EngineError, EngineFailure, EngineProcess, Limits
     from harness.engines.vllm_engine import find_vllm_python
 
     job = scratch / "job.json"
-    job.write_text(json.dumps({"checkpoint": str(directory.resolve()), "tp_sizes": tp_sizes, "layer": layer}))
+    job.write_text(
+        json.dumps(
+            {"checkpoint": str(directory.resolve()), "tp_sizes": tp_sizes, "ep_sizes": list(ep_sizes), "layer": layer}
+        )
+    )
     own = process is None
     if own:
         python = find_vllm_python()
@@ -118,14 +136,14 @@ def run_worker(directory: Path, tp_sizes: list[int], layer: int, scratch: Path, 
     return report, tensors
 
 
-def summarize(verdicts: list, tp_sizes: list[int]) -> list[TpOutcome]:
-    """Per tp size: its findings (one line per rank and Linear) and vLLM's refusals (one line per
-    Linear and reason, naming the ranks)."""
+def summarize(verdicts: list, sizes: list[int], parallel: str = TP) -> list[TpOutcome]:
+    """Per tp (or ep) size: its findings (one line per rank and Linear) and vLLM's refusals (one
+    line per Linear and reason, naming the ranks)."""
     from harness.engines.tensor_parallel.judge import ranges
 
     outcomes = []
-    for tp in tp_sizes:
-        mine = [v for v in verdicts if v.tp == tp]
+    for tp in sizes:
+        mine = [v for v in verdicts if v.tp == tp and v.parallel == parallel]
         refusals: dict[tuple[str, str], list[int]] = {}
         for verdict in mine:
             if verdict.status == REFUSED:
@@ -133,5 +151,5 @@ def summarize(verdicts: list, tp_sizes: list[int]) -> list[TpOutcome]:
         reasons = [f"{module} (rank {ranges(ranks)}): {reason}" for (module, reason), ranks in refusals.items()]
         findings = [v.line() for v in mine if v.status == FINDING]
         status = FINDING if findings else REFUSED if reasons else EXACT
-        outcomes.append(TpOutcome(tp, status, reasons, findings))
+        outcomes.append(TpOutcome(tp, status, reasons, findings, parallel))
     return outcomes

@@ -7,6 +7,10 @@ of the whole checkpoint, sliced by `layout.owned_slice`. The held bytes of the q
 of every per-row scale are compared with the checkpoint's slice too, and a block grid's rows are
 traced back to the checkpoint grid rows they were copied from, so a finding says which scale a
 rank got and which it needed.
+
+Under expert parallelism a rank owns whole routed experts: each expert it holds (in the slot vLLM's
+expert_map gives it) must be that expert, all of it, and every expert must be held by exactly one
+rank of the group (`expert_coverage`).
 """
 
 from __future__ import annotations
@@ -16,23 +20,34 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.core.errors import FormatError
-from harness.engines.tensor_parallel.layout import FusedLinear, Part, Slice, lane_linears, owned_slice, vocab_linears
+from harness.engines.tensor_parallel.layout import (
+    EP,
+    TP,
+    FusedLinear,
+    Part,
+    Slice,
+    lane_linears,
+    owned_slice,
+    vocab_linears,
+)
 
 EXACT, FINDING, REFUSED = "exact", "finding", "refused"
 
 
 @dataclass
 class RankVerdict:
-    tp: int
-    rank: int
+    tp: int  # the group's size (tensor- or expert-parallel)
+    rank: int  # -1: the group as a whole (expert_coverage)
     module: str  # vLLM's fused name: qkv_proj, o_proj, gate_up_proj, down_proj
     status: str  # exact, finding or refused
     details: list[str] = field(default_factory=list)
     #: the checkpoint modules whose slice this rank holds wrong -> their whole weight's shape
     wrong: dict[str, list[int]] = field(default_factory=dict)
+    parallel: str = TP
 
     def line(self) -> str:
-        return f"tp {self.tp} rank {self.rank} {self.module}: {self.status}" + (
+        who = f"rank {self.rank} " if self.rank >= 0 else ""
+        return f"{self.parallel} {self.tp} {who}{self.module}: {self.status}" + (
             f": {'; '.join(self.details)}" if self.details else ""
         )
 
@@ -49,6 +64,11 @@ class Shard:
     held: dict[str, torch.Tensor]
     unwritten: dict[str, int] = field(default_factory=dict)
     refused: dict | None = None
+    parallel: str = TP
+
+    def split(self) -> tuple[int, int]:
+        """(size, rank) the module is sliced by: a whole expert under expert parallelism."""
+        return (1, 0) if self.parallel == EP else (self.tp, self.rank)
 
 
 def shards_from_worker(report: dict, tensors: dict[str, torch.Tensor], config: dict) -> list[Shard]:
@@ -56,9 +76,9 @@ def shards_from_worker(report: dict, tensors: dict[str, torch.Tensor], config: d
     shards = []
     for entry in report["shards"]:
         linear = {linear.name: linear for linear in lane_linears(config, entry["layer"])}[entry["module"]]
-        held, unwritten = {}, {}
+        held, unwritten, parallel = {}, {}, entry.get("parallel", TP)
         for name, meta in entry.get("params", {}).items():
-            key = f"tp{entry['tp']}/rank{entry['rank']}/{linear.module(entry['layer'])}.{name}"
+            key = f"{parallel}{entry['tp']}/rank{entry['rank']}/{linear.module(entry['layer'])}.{name}"
             held[name] = tensors[key].to(getattr(torch, meta["dtype"]))
             unwritten[name] = meta["unwritten"]
         shards.append(
@@ -71,6 +91,7 @@ def shards_from_worker(report: dict, tensors: dict[str, torch.Tensor], config: d
                 held,
                 unwritten,
                 entry.get("refused"),
+                parallel,
             )
         )
     return shards
@@ -106,18 +127,36 @@ def load_truth(directory, layer: int) -> Truth:
     return Truth(config, fmt, knobs, layer, raw, reference)
 
 
-def judge(shards: list[Shard], truth: Truth) -> list[RankVerdict]:
-    return [judge_shard(shard, truth) for shard in shards]
+def judge(shards: list[Shard], truth: Truth, ep_sizes: list[int] = ()) -> list[RankVerdict]:
+    return [judge_shard(shard, truth) for shard in shards] + expert_coverage(shards, truth, ep_sizes)
+
+
+def expert_coverage(shards: list[Shard], truth: Truth, ep_sizes: list[int]) -> list[RankVerdict]:
+    """Per expert-parallel size that vLLM did not refuse: every routed expert's w13 and w2 held by
+    exactly one rank (a finding names the expert and the ranks, none or several)."""
+    modules = [linear.name for linear in lane_linears(truth.config, truth.layer) if linear.expert is not None]
+    verdicts = []
+    for size in ep_sizes:
+        mine = [shard for shard in shards if shard.parallel == EP and shard.tp == size]
+        if not modules or any(shard.refused for shard in mine):
+            continue
+        holders = {module: sorted(s.rank for s in mine if s.linear.name == module) for module in modules}
+        for module, ranks in holders.items():
+            if len(ranks) != 1:
+                held = f"held by ranks {', '.join(map(str, ranks))}" if ranks else "held by no rank"
+                verdicts.append(RankVerdict(size, -1, module, FINDING, [f"{held} of {size}"], parallel=EP))
+    return verdicts
 
 
 def judge_shard(shard: Shard, truth: Truth) -> RankVerdict:
-    verdict = RankVerdict(shard.tp, shard.rank, shard.linear.name, EXACT)
+    verdict = RankVerdict(shard.tp, shard.rank, shard.linear.name, EXACT, parallel=shard.parallel)
     if shard.refused:
         verdict.status = REFUSED
         verdict.details.append(f"in {shard.refused['stage']}: {shard.refused['error']}")
         return verdict
     problems = [f"{count} element(s) of {name} never written" for name, count in shard.unwritten.items() if count]
-    slices = [owned_slice(shard.linear, part, shard.tp, shard.rank, truth.config) for part in shard.linear.parts]
+    size, rank = shard.split()
+    slices = [owned_slice(shard.linear, part, size, rank, truth.config) for part in shard.linear.parts]
     if any(s is None for s in slices):
         problems.append(f"vLLM loaded a tp {shard.tp} split of {shard.linear.name} that has no even layout")
     else:
@@ -176,7 +215,7 @@ def dequantize_held(shard: Shard, truth: Truth) -> dict[str, torch.Tensor]:
     layout = part_rows(shard, quantized[fmt.suffixes[0]].shape[0])
     # int4's weight_shape is vLLM's bookkeeping of one part, not what the rank holds: the kernel
     # reads the held rows and the rank's input columns
-    columns = shard.linear.input_size // (shard.tp if shard.linear.kind == "row" else 1)
+    columns = shard.linear.input_size // (shard.split()[0] if shard.linear.kind == "row" else 1)
     shaped = "weight_shape" in quantized
     quantized.pop("weight_shape", None)
     per_part = len(layout) > 1 and any(t.dim() == 1 and t.numel() == len(layout) for t in quantized.values())

@@ -45,6 +45,10 @@ MLA = ("DeepseekV3ForCausalLM",)
 ARCHITECTURES = DENSE + tuple(MOE)
 #: qkv biased whatever the config says (vLLM's Qwen2 and Qwen2-MoE)
 QKV_BIASED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+#: how a size splits a layer: tensor parallelism (every Linear and routed expert sliced), or expert
+#: parallelism (vLLM's enable_expert_parallel: each routed expert held whole by one rank of the
+#: group, attention and shared experts still tensor-parallel)
+TP, EP = "tp", "ep"
 
 
 @dataclass(frozen=True)

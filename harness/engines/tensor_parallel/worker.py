@@ -22,7 +22,7 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 
 from harness.engines.base import Engine
-from harness.engines.tensor_parallel.layout import lane_linears
+from harness.engines.tensor_parallel.layout import EP, TP, lane_linears
 from harness.engines.vllm_capability import missing_kernel
 
 #: vLLM modules that imported a kernel chooser by name (the chooser raises where no kernel fits)
@@ -139,14 +139,25 @@ class TensorParallelShards(Engine):
                         report.shards += self.load_experts(
                             checkpoint, experts, config, job["layer"], tp, rank, quant_config, dtype
                         )
+            for ep in job.get("ep_sizes", []) if experts else []:
+                for rank in range(ep):
+                    report.shards += self.load_experts(
+                        checkpoint, experts, config, job["layer"], ep, rank, quant_config, dtype, EP
+                    )
         return report
 
-    def load_experts(self, checkpoint, experts, config, layer: int, tp: int, rank: int, quant_config, dtype):
+    def load_experts(
+        self, checkpoint, experts, config, layer: int, tp: int, rank: int, quant_config, dtype, parallel: str = TP
+    ):
         """Every routed expert of the layer through one FusedMoE, as vLLM's MoE models build it, fed
         each expert's tensors by its own `weight_loader` with the expert id and shard (w1, w3, w2);
-        one entry per expert and w13/w2, holding that expert's slice of each stacked parameter."""
-        entries = [{"tp": tp, "rank": rank, "layer": layer, "module": linear.name} for linear in experts]
-        with mocked_rank(rank, tp):
+        one entry per expert and w13/w2, holding that expert's slice of each stacked parameter. With
+        `parallel` EP (vLLM's enable_expert_parallel: the group's ranks own whole experts), one entry
+        per expert the rank owns, read from the local slot vLLM's expert_map gives it."""
+        entries = [
+            {"tp": tp, "rank": rank, "layer": layer, "module": linear.name, "parallel": parallel} for linear in experts
+        ]
+        with mocked_rank(rank, tp, expert_parallel=parallel == EP), expert_parallel_enabled(parallel == EP):
             try:
                 module = build_experts(experts, config, layer, tp, quant_config, dtype)
             except Exception as error:  # vLLM's own refusal: its reason is the measurement
@@ -156,12 +167,15 @@ class TensorParallelShards(Engine):
             except LoadFailure as error:
                 return [entry | {"refused": {"stage": "weight_loader", "error": str(error)}} for entry in entries]
         passes = [{name.rpartition(".")[2]: tensor for name, tensor in held.items()} for held in passes]
-        method = getattr(module, "routed_experts", module).quant_method
+        routed = getattr(module, "routed_experts", module)
+        method = routed.quant_method
+        slots = local_slots(routed, len(experts) // 2)
+        owned = [(linear, entry) for linear, entry in zip(experts, entries, strict=True) if slots[linear.expert] >= 0]
         # the grid the scales are held on: vLLM refines the checkpoint's block where a rank's share
         # is not a whole number of blocks ("the loader upsamples the checkpoint scales")
         block = getattr(method, "moe_block_shape", None) or getattr(method, "weight_block_size", None)
         names = checkpoint.names()
-        for linear, entry in zip(experts, entries, strict=True):
+        for linear, entry in owned:
             group = linear.name.rpartition(".")[2]  # w13 or w2
             stored = {
                 n.rpartition(".")[2]
@@ -174,18 +188,21 @@ class TensorParallelShards(Engine):
                 suffix = name.removeprefix(f"{group}_")
                 if not name.startswith(f"{group}_") or tensor.dim() == 0 or suffix not in stored:
                     continue  # another group's, or vLLM's own (e.g. an input scale a W4A16 checkpoint lacks)
-                mine = tensor[linear.expert]
+                slot = slots[linear.expert]
+                mine = tensor[slot]
                 entry["params"][suffix] = {
                     "dtype": str(mine.dtype).removeprefix("torch."),
                     "shape": list(mine.shape),
-                    "unwritten": never_written(passes[0][name][linear.expert], mine),
+                    "unwritten": never_written(passes[0][name][slot], mine),
                 }
-                self.held[f"tp{tp}/rank{rank}/{linear.module(layer)}.{suffix}"] = mine.clone()
+                self.held[f"{parallel}{tp}/rank{rank}/{linear.module(layer)}.{suffix}"] = mine.clone()
             weight = next((entry["params"][w] for w in ("weight", "weight_packed") if w in entry["params"]), {})
             rows = weight.get("shape", [0])[0]
             entry["partition_sizes"] = [rows // len(linear.parts)] * len(linear.parts)
             entry["block"] = [int(b) for b in block] if block else None
-        return entries
+            if parallel == EP:
+                entry["slot"] = slots[linear.expert]
+        return [entry for _, entry in owned]
 
     def load_rank(self, checkpoint, linear, layer: int, tp: int, rank: int, quant_config, dtype) -> dict:
         entry = {"tp": tp, "rank": rank, "layer": layer, "module": linear.name}
@@ -227,10 +244,33 @@ class TensorParallelShards(Engine):
         self.held = {}
 
 
+def local_slots(routed, experts: int) -> list[int]:
+    """Global expert -> the slot of the stacked parameters that holds it on this rank (-1: another
+    rank's), as vLLM's expert_map says; every expert in its own slot without expert parallelism."""
+    expert_map = getattr(routed, "_expert_map", None)
+    return list(range(experts)) if expert_map is None else [int(slot) for slot in expert_map.tolist()]
+
+
 @contextmanager
-def mocked_rank(rank: int, tp: int):
+def expert_parallel_enabled(enabled: bool):
+    """vLLM's parallel config with enable_expert_parallel set (as `--enable-expert-parallel` sets
+    it) while a FusedMoE is built; restored afterwards."""
+    from vllm.config import get_current_vllm_config
+
+    parallel = get_current_vllm_config().parallel_config
+    previous = parallel.enable_expert_parallel
+    parallel.enable_expert_parallel = enabled
+    try:
+        yield
+    finally:
+        parallel.enable_expert_parallel = previous
+
+
+@contextmanager
+def mocked_rank(rank: int, tp: int, expert_parallel: bool = False):
     """vLLM's tensor-parallel group answering as rank `rank` of `tp` (data, context and expert
-    parallelism one each, where nothing set them), restored afterwards."""
+    parallelism one each, where nothing set them; with `expert_parallel`, the expert group is the
+    tensor-parallel one, as vLLM makes it), restored afterwards."""
     from vllm.distributed import parallel_state
 
     names = ("_TP", "_DP", "_PCP", "_EP")
@@ -238,6 +278,8 @@ def mocked_rank(rank: int, tp: int):
     parallel_state._TP = FakeGroup(rank, tp)
     for name in names[1:]:
         setattr(parallel_state, name, previous[name] or FakeGroup(0, 1))
+    if expert_parallel:
+        parallel_state._EP = FakeGroup(rank, tp)
     try:
         yield
     finally:
