@@ -237,6 +237,8 @@ class _Explorer:
         self.minimal_key: dict[tuple, str] = {}
         #: the relations the campaign samples (harness.differential.relations)
         self.relations: tuple[str, ...] = relations
+        #: (format, architecture) -> relation -> how often it was checked there (least checked first)
+        self.relations_checked: dict[tuple[str, str], dict[str, int]] = {}
         #: cells not visited yet, besides the one being visited: under an example budget, shrinking
         #: leaves one example to each (a first finding's shrink must not starve the other cells)
         self.unvisited = 0
@@ -306,7 +308,10 @@ class _Explorer:
         directory = self.examples_dir / f"{campaign.examples:05d}"
         generate(recipe, directory)
         config = json.loads((directory / "config.json").read_text())
-        relations = sampled(campaign.examples, self.relations, config=config)
+        checked = self.relations_checked.setdefault((recipe.format, recipe.arch), {})
+        relations = sampled(campaign.examples, self.relations, config=config, checked=checked)
+        for name in relations:
+            checked[name] = checked.get(name, 0) + 1
         relations += tuple(sorted(state.relations - set(relations))) if state.shrinking else ()
         try:
             result = evaluate(directory, self.session, self.known, relations=relations)

@@ -73,7 +73,7 @@ def command_run(args) -> int:
         f"campaign: {len(mine)} cells (format x arch x dtype x family){shard}, engines {', '.join(engines)}, "
         f"profile {args.profile}, {' or '.join(bounds)}"
         + ("" if args.shrink else ", no shrinking")
-        + (f"; relations {', '.join(relations)} in turn on every {CAMPAIGN_EVERY}th example" if relations else "")
+        + (f"; relations {', '.join(relations)}, one on every {CAMPAIGN_EVERY}th example" if relations else "")
     )
     with tempfile.TemporaryDirectory(prefix="harness-run-") as scratch:
         report = Path(args.report).resolve() if args.report else None

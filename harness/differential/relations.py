@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -150,18 +151,28 @@ def parse_relations(text: str | None) -> tuple[str, ...]:
 
 
 def sampled(
-    example: int, names: tuple[str, ...] = RELATION_NAMES, every: int = CAMPAIGN_EVERY, config: dict | None = None
+    example: int,
+    names: tuple[str, ...] = RELATION_NAMES,
+    every: int = CAMPAIGN_EVERY,
+    config: dict | None = None,
+    checked: Mapping[str, int] | None = None,
 ) -> tuple[str, ...]:
     """The relations the campaign checks on its `example`-th example (1-based): one, in turn, on
     every `every`-th, so that the relations cost about 1/`every` of the campaign's loads. Given the
     example's `config`, a turn whose relation says nothing about it passes to the next one that
-    does (no sampled load wasted on a relation that does not apply)."""
+    does (no sampled load wasted on a relation that does not apply). Given `checked` (relation ->
+    how often it was checked on checkpoints like this one: the campaign counts per format and
+    architecture), the least checked of those goes first, ties in turn: each relation reaches each
+    format and architecture, not only the ones its turns happen to fall on."""
     if not names or every <= 0 or example % every:
         return ()
     turn = (example // every - 1) % len(names)
     in_turn = names[turn:] + names[:turn]
     applicable = [name for name in in_turn if config is None or not RELATIONS[name].inapplicable(config)]
-    return tuple((applicable or in_turn)[:1])
+    pool = applicable or in_turn
+    if checked is not None:
+        pool = sorted(pool, key=lambda name: checked.get(name, 0))  # stable: the turn order breaks ties
+    return tuple(pool[:1])
 
 
 @dataclass

@@ -43,6 +43,20 @@ def test_the_campaign_samples_each_relation_in_turn_on_a_fixed_fraction():
     assert sampled(CAMPAIGN_EVERY, ()) == () and sampled(CAMPAIGN_EVERY - 1) == ()
 
 
+def test_the_least_checked_relation_goes_first_on_checkpoints_like_this_one():
+    """Counted per format and architecture (the campaign's `checked`): a relation never checked
+    there goes before one whose turn it is; ties keep the turn order."""
+    turn = CAMPAIGN_EVERY  # the first relation's turn
+    first, second = RELATION_NAMES[0], RELATION_NAMES[1]
+    assert sampled(turn, checked={}) == sampled(turn) == (first,)
+    assert sampled(turn, checked={first: 1}) == (second,)
+    everyone = {name: 2 for name in RELATION_NAMES} | {RELATION_NAMES[-1]: 1}
+    assert sampled(turn, checked=everyone) == (RELATION_NAMES[-1],)
+    modelopt = {"quantization_config": {"quant_method": "modelopt"}}
+    unchecked_but_inapplicable = {name: 1 for name in RELATION_NAMES} | {"dequantize": 0}
+    assert sampled(turn, config=modelopt, checked=unchecked_but_inapplicable) == (first,)
+
+
 def test_a_turn_whose_relation_does_not_apply_passes_to_the_next_that_does():
     """dequantize applies to compressed-tensors and FineGrainedFP8 only: on a ModelOpt checkpoint its
     turn goes to the next relation in order; on a compressed-tensors one it keeps it."""
