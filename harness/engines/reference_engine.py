@@ -124,23 +124,32 @@ class ReferenceEngine(HFModelEngine):
         return probe | self.probe_experts(plan, rows)
 
     def probe_experts(self, plan, rows: int) -> dict:
-        """For each packed experts module (float32 models only, harness.differential.probe):
-        `NAME#experts`, purpose-built rows for its gate and up; per expert E, `NAME#experts.E.specified`
-        and `.weights_only`, what expert E computes from them with its Linears' inputs quantized as
-        specified, or not (its down input, act(gate) * up, is no purpose-built row: judged where
-        rounding is far below quantization)."""
+        """For each packed experts module (harness.differential.probe): `NAME#experts`, purpose-built
+        rows (in the model dtype) for its gate and up; per expert E, `NAME#experts.E.specified` and
+        `.weights_only`, what expert E computes from them with its Linears' inputs quantized as
+        specified, or not, computed in float32 from the model's weights and rounded once to the model
+        dtype (its down input, act(gate) * up, is no purpose-built row: in a reduced-precision model
+        the engine's own rounding of it moves the specified output nearly as far as quantizing does,
+        which the judge accounts for)."""
+        import copy
+
         import torch
 
         from harness.oracle.expert_activations import EXPERTS, each_expert_candidates
         from harness.oracle.probe_inputs import probe_input
 
-        if not plan.experts or self.model.dtype != torch.float32:
+        if not plan.experts:
             return {}
+        dtype = self.model.dtype
         modules, probe = dict(self.model.named_modules()), {}
         hidden_size = self.model.config.get_text_config().hidden_size
         for seed, (name, scales) in enumerate(sorted(plan.experts.items()), start=len(plan.inputs)):
-            rows_in = probe_input(plan.scheme, scales[0][0], hidden_size, rows, torch.float32, seed)
-            candidates = each_expert_candidates(modules[name], plan.scheme, scales, rows_in)
+            rows_in = probe_input(plan.scheme, scales[0][0], hidden_size, rows, dtype, seed)
+            module = modules[name] if dtype == torch.float32 else copy.deepcopy(modules[name]).float()
+            candidates = [
+                tuple(t.to(dtype) for t in pair)
+                for pair in each_expert_candidates(module, plan.scheme, scales, rows_in.float())
+            ]
             if not all(torch.isfinite(t).all() for pair in candidates for t in pair):
                 continue
             probe[f"{name}{EXPERTS}"] = rows_in

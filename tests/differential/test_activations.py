@@ -322,6 +322,23 @@ def test_the_probe_judges_each_routed_expert_in_float32(session, tmp_path, arch)
     )
 
 
+def test_the_probe_names_routed_experts_not_applied_in_bfloat16(session, tmp_path):
+    """bfloat16 MoE: an expert's down input rounded in the model dtype moves the specified output
+    about as far as quantizing does, so only "not applied" is judged there
+    (docs/measurements/expert-probe-precision.json): the double that ignores activations is caught at
+    every expert, the control is not judged and never flagged."""
+    layout = {"dtype": "bfloat16"}
+    recipe = Recipe(format="ct-fp8-tensor", arch="qwen3_moe", config={"num_hidden_layers": 1}, layout=layout)
+    generate(recipe, tmp_path / "c")
+    result = evaluate(tmp_path / "c", session)
+    experts = [f for f in result.findings if "routed expert(s)" in f.message]
+    assert [f.engine.rpartition(":")[2] for f in experts] == ["ActivationsIgnoredEngine"], [f.message for f in experts]
+    assert "activation quantization not applied" in experts[0].message and "at 3/3 routed" in experts[0].message
+    assert "routed experts in a reduced-precision model: 0/3 not applied, the others not judged" in (
+        result.outcomes[SPECIFIED].activation_probe
+    )
+
+
 @pytest.mark.parametrize(
     "fmt, knobs",
     [("ct-fp8-tensor", {"input_scale": True}), ("ct-nvfp4", {}), ("modelopt-fp8", {}), ("ct-fp8-block", {})],
