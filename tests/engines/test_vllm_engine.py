@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
 
 import pytest
 import torch
@@ -206,6 +207,47 @@ def test_the_kv_cache_scales_vllm_uses_are_read_back(engine, tmp_path):
     assert used == {module: (k, 1.0) for module, (k, v) in stored.items()} and all(
         v is None for _, v in stored.values()
     )
+
+
+@needs_vllm
+def test_sentinel_parameters_fill_the_model_vllms_loader_creates():
+    """In vLLM's interpreter: inside `sentinel_parameters`, BaseModelLoader.create_model hands back
+    its model with every parameter's bytes 0xFF (NaN), and restores vLLM's own method after."""
+    script = """
+import torch
+from vllm.model_executor.model_loader import base_loader
+from harness.engines.vllm_engine import sentinel_parameters
+base_loader.initialize_model = lambda **kwargs: torch.nn.Linear(3, 2)
+base_loader.log_online_quantization = base_loader.log_model_inspection = lambda *args: None
+original = base_loader.BaseModelLoader.create_model
+with sentinel_parameters():
+    model = base_loader.BaseModelLoader.create_model(object(), None, None)
+assert all(torch.isnan(p).all() for p in model.parameters())
+assert base_loader.BaseModelLoader.create_model is original
+assert not torch.isnan(original(object(), None, None).weight).any()
+print("filled")
+"""
+    done = subprocess.run([VLLM_PYTHON, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "filled" in done.stdout, done.stderr[-2000:]
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_vllm_writes_every_element_it_holds_when_loaded_into_sentinels(engine, tmp_path, arch):
+    """The `sentinel` relation's second load (parameters 0xFF-filled before loading, the test
+    above): vLLM writes every element the harness reads back, dense and routed experts alike, so
+    the held weights equal the plain load's bit for bit."""
+    directory = tmp_path / "c"
+    config = {**ALIGNED, "vocab_size": 300} | ({"num_hidden_layers": 1} if arch == "mixtral" else {})
+    generate(Recipe(format="ct-fp8-channel", arch=arch, seed=2, config=config), directory)
+    engine.load(directory)
+    plain = engine.weights(tmp_path / "plain.safetensors")
+    engine.load(directory, variant="sentinel")
+    filled = engine.weights(tmp_path / "sentinel.safetensors")
+    assert sorted(filled) == sorted(plain)
+    for name, tensor in plain.items():
+        assert torch.equal(filled[name].view(torch.uint8), tensor.view(torch.uint8)), name
 
 
 def test_young_collections_only_skips_full_collections_inside_and_restores_the_collector():
