@@ -29,7 +29,7 @@ from harness.differential.kv_scales import judge_kv_scales
 from harness.differential.misreadings import CheckpointMisreadings
 from harness.differential.probe import probe_engine, reference_probe
 from harness.differential.relations import Load, check_relations, check_shard_relations
-from harness.engines import REFERENCE, engine_spec
+from harness.engines import ENGINES, REFERENCE, engine_spec
 from harness.engines.environments import engine_python
 from harness.engines.process import EngineError, EngineFailure, EngineProcess, Limits
 from harness.oracle.reference import dequantize_checkpoint, format_and_knobs
@@ -102,7 +102,11 @@ class EngineSession:
         if python is None:
             self.unavailable[engine] = why
             return None
-        worker = EngineProcess(spec, python, self.work / "logs" / f"{key.replace(':', '_')}.log", self.limits)
+        entry = ENGINES.get(engine)
+        overrides = entry.overrides if entry is not None and spec == entry.spec else ()  # not a helper's
+        worker = EngineProcess(
+            spec, python, self.work / "logs" / f"{key.replace(':', '_')}.log", self.limits, overrides
+        )
         self.started.append((key, worker))
         try:
             info = worker.start()

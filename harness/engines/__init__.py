@@ -18,12 +18,24 @@ class EngineEntry:
     #: interpreters under the project root (e.g. `.tox/vllm-cpu/bin/python`) to try when the
     #: current one lacks `package`; $HARNESS_<ENGINE>_PYTHON comes first (environments.py)
     environments: tuple[str, ...] = ()
+    #: (variable, value) pairs the worker's environment sets over the user's, which it otherwise
+    #: inherits unchanged: each only because correctness needs it (say why where it is used)
+    overrides: tuple[tuple[str, str], ...] = ()
 
 
+#: the CPU engines run with no GPU visible: where one is, transformers' FineGrainedFP8 keeps FP8
+#: weights for its CUDA kernel instead of its CPU path, and every fp8-block load of the CPU
+#: `transformers` engine failed at its first forward (measured on an H200, issue 16). The GPU
+#: lane's engines (`harness.engines.transformers_cuda_engine`) are not registry entries and see it.
+CPU_ONLY = (("CUDA_VISIBLE_DEVICES", ""),)
 ENGINES: dict[str, EngineEntry] = {
-    "reference": EngineEntry("harness.engines.reference_engine:ReferenceEngine", "transformers"),
-    "transformers": EngineEntry("harness.engines.transformers_engine:TransformersEngine", "transformers"),
-    "compressed-tensors": EngineEntry("harness.engines.ct_engine:CompressedTensorsEngine", "compressed_tensors"),
+    "reference": EngineEntry("harness.engines.reference_engine:ReferenceEngine", "transformers", overrides=CPU_ONLY),
+    "transformers": EngineEntry(
+        "harness.engines.transformers_engine:TransformersEngine", "transformers", overrides=CPU_ONLY
+    ),
+    "compressed-tensors": EngineEntry(
+        "harness.engines.ct_engine:CompressedTensorsEngine", "compressed_tensors", overrides=CPU_ONLY
+    ),
     "vllm": EngineEntry(
         "harness.engines.vllm_engine:VllmEngine", "vllm", (".venv-vllm/bin/python", ".tox/vllm-cpu/bin/python")
     ),

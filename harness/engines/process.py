@@ -1,8 +1,10 @@
 """Run an engine in a worker subprocess that stays alive across checkpoints.
 
-The worker inherits the user's environment unchanged (PYTHONPATH, HF_HOME,
-CUDA_VISIBLE_DEVICES, ...). It is killed, and the failure reported, when it crashes, answers
-nothing within the timeout, or its resident memory passes the limit; the run goes on.
+The worker inherits the user's environment (PYTHONPATH, HF_HOME, CUDA_VISIBLE_DEVICES, ...),
+unchanged but for the overrides its registry entry names because correctness needs them
+(harness.engines.EngineEntry.overrides: the CPU engines hide GPUs). It is killed, and the failure
+reported, when it crashes, answers nothing within the timeout, or its resident memory passes the
+limit; the run goes on.
 """
 
 from __future__ import annotations
@@ -65,8 +67,11 @@ def resident_mb(pid: int) -> float:
 
 
 class EngineProcess:
-    def __init__(self, spec: str, python: str | None, log_path: Path, limits: Limits):
+    def __init__(
+        self, spec: str, python: str | None, log_path: Path, limits: Limits, overrides: tuple[tuple[str, str], ...] = ()
+    ):
         self.spec = spec
+        self.overrides = dict(overrides)
         self.python = python or sys.executable
         self.log_path = Path(log_path)
         self.limits = limits
@@ -87,6 +92,7 @@ class EngineProcess:
             start_new_session=True,
             text=True,
             bufsize=1,
+            env={**os.environ, **self.overrides} if self.overrides else None,
         )
         started = time.monotonic()
         try:
