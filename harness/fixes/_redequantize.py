@@ -101,9 +101,10 @@ def weight_tolerance(dtype: torch.dtype, format_name: str) -> tuple[float, float
 
 def mismatches(live: torch.Tensor, want: torch.Tensor, rel: float, abs_: float) -> int:
     """Elements where |live - want_rounded| > abs + rel * |want_rounded|, want rounded once to the
-    live dtype (the comparison rule of cases/tolerances.toml); NaN counts as a mismatch."""
-    rounded = want.to(live.dtype).to(torch.float64)
-    delta = (live.detach().to(torch.float64) - rounded).abs()
+    live dtype (the comparison rule of cases/tolerances.toml); NaN counts as a mismatch. Compared on
+    the CPU, wherever the live weight is (a model on CUDA against the checkpoint's reading)."""
+    rounded = want.detach().to(device="cpu").to(live.dtype).to(torch.float64)
+    delta = (live.detach().to(device="cpu", dtype=torch.float64) - rounded).abs()
     return int((~(delta <= abs_ + rel * rounded.abs())).sum())
 
 
