@@ -182,6 +182,9 @@ class Load:
     report: dict
     weights: dict[str, torch.Tensor]
     logprobs: list[torch.Tensor] = field(default_factory=list)
+    #: False where the engine has no kernel for the forward here (vLLM's MoE on a CPU without one):
+    #: what it loaded is still compared, log-probabilities are neither computed nor compared
+    forward: bool = True
 
 
 def check_relations(judgement: Judgement, engine: str, worker: EngineProcess, first: Load) -> None:
@@ -293,13 +296,15 @@ def _check(relation: Relation, judgement: Judgement, engine: str, worker: Engine
     missing = first.report.get("missing", [])
     if missing:  # parameters left as initialised (random) differ between any two loads: that finding is already made
         return f"not checked: the first load reports {len(missing)} missing key(s), left as initialised"
+    if not first.forward and set(relation.compares) <= {"logprobs"}:
+        return "not checked: the engine has no kernel for the forward here"
     saved = judgement.scratch / f"{engine.replace(':', '_')}-{relation.name}"
     step = "saving the loaded model failed"
     try:
         if relation.second == "saved":
             worker.save(saved)
         step = "the second load failed where the first loaded"
-        second = _second_load(relation, judgement, engine, worker, saved)
+        second = _second_load(relation, judgement, engine, worker, saved, first.forward)
     except EngineError as error:
         if error.unsupported:
             return f"not checked: {first_line(error)}"
@@ -326,8 +331,11 @@ def _check(relation: Relation, judgement: Judgement, engine: str, worker: Engine
     return "does not hold"
 
 
-def _second_load(relation: Relation, judgement: Judgement, engine: str, worker: EngineProcess, saved) -> Load:
-    """The second load (of the saved copy for `saved`, by the engine's variant path for a variant)."""
+def _second_load(
+    relation: Relation, judgement: Judgement, engine: str, worker: EngineProcess, saved, forward: bool = True
+) -> Load:
+    """The second load (of the saved copy for `saved`, by the engine's variant path for a variant);
+    its log-probabilities only where the engine runs a forward here (`forward`)."""
     if relation.second in ("again", "saved"):
         report = worker.load(saved if relation.second == "saved" else judgement.directory)
     else:
@@ -336,9 +344,9 @@ def _second_load(relation: Relation, judgement: Judgement, engine: str, worker: 
     if "weights" in relation.compares:
         weights = worker.weights(judgement.scratch_file(engine, f"{relation.name}-weights"))
     rows = []
-    if "logprobs" in relation.compares:
+    if "logprobs" in relation.compares and forward:
         rows = worker.logprobs(judgement.sequences, judgement.scratch_file(engine, f"{relation.name}-logprobs"))
-    return Load(report, weights, rows)
+    return Load(report, weights, rows, forward)
 
 
 def first_difference(relation: Relation, first: Load, second: Load) -> tuple[str, dict] | None:
@@ -357,7 +365,7 @@ def first_difference(relation: Relation, first: Load, second: Load) -> tuple[str
         found = _weights_difference(relation, first.weights, second.weights, missing)
         if found:
             return found[0], metrics | found[1]
-    if "logprobs" in relation.compares:
+    if "logprobs" in relation.compares and first.forward:
         found = _logprobs_difference(first.logprobs, second.logprobs)
         if found:
             return found[0], metrics | found[1]

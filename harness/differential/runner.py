@@ -320,7 +320,7 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
         explained = _logits_explained(judgement, engine, worker, anomalies)
         if explained:
             outcome.detail = f"logits not judged: {explained}"
-        rows = worker.logprobs(judgement.sequences, judgement.scratch_file(engine, "logprobs"))
+        rows = _logprobs(judgement, engine, worker, Load(outcome.report, held, forward=False))
         if engine == REFERENCE:
             _activation_candidate(judgement, worker)
             reference_probe(judgement, worker, outcome)
@@ -345,6 +345,18 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
             metrics={"traceback_tail": error.traceback[-1500:]},
         )
     return None
+
+
+def _logprobs(judgement: Judgement, engine: str, worker: EngineProcess, loaded: Load) -> list[torch.Tensor]:
+    """The engine's log-probabilities. Where it has no kernel for the forward here (EngineError,
+    unsupported: vLLM's MoE on this CPU), the relations still compare what it `loaded` before the
+    error goes on (the engine is then "partly unsupported")."""
+    try:
+        return worker.logprobs(judgement.sequences, judgement.scratch_file(engine, "logprobs"))
+    except EngineError as error:
+        if error.unsupported and judgement.relations:
+            check_relations(judgement, engine, worker, loaded)
+        raise
 
 
 def _logits_explained(judgement: Judgement, engine: str, worker: EngineProcess, anomalies: bool) -> str:

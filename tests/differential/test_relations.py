@@ -151,6 +151,28 @@ def test_buggy_doubles_are_caught_as_relation_findings(session, tmp_path, engine
     assert result.outcomes["reference"].relations == {relation: "holds"}
 
 
+def test_an_engine_without_a_forward_here_is_still_held_to_what_it_loaded(tmp_path):
+    """vLLM's MoE on a CPU without a kernel: loaded, no forward. The relations compare what it
+    loaded (load-twice holds, an unwritten parameter is caught by sentinel), a relation of
+    log-probabilities only is not checked, and the engine stays "partly unsupported"."""
+    pytest.importorskip("transformers")
+    no_forward, unwritten = f"{DOUBLES}:NoForwardEngine", f"{DOUBLES}:NoForwardUnwrittenParameterEngine"
+    directory = small_checkpoint(tmp_path / "c", "float32", fmt="fp8-block")
+    session = EngineSession(["reference", no_forward, unwritten], tmp_path / "engines")
+    try:
+        result = evaluate(directory, session, relations=("load-twice", "sentinel", "offload"))
+    finally:
+        session.close()
+    assert result.outcomes[no_forward].relations == {
+        "load-twice": "holds",
+        "sentinel": "holds",
+        "offload": "not checked: the engine has no kernel for the forward here",
+    }
+    assert result.outcomes[no_forward].detail.startswith("partly unsupported")
+    found = [f for f in result.findings if f.kind == "relation"]
+    assert [(f.engine, f.metrics["relation"]) for f in found] == [(unwritten, "sentinel")], [f.message for f in found]
+
+
 def test_compare_checks_the_relations_it_is_asked_for(tmp_path):
     pytest.importorskip("transformers")
     directory = small_checkpoint(tmp_path / "c", "float32")

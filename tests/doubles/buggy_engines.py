@@ -353,6 +353,26 @@ class UnwrittenParameterEngine(ReferenceEngine):
             torch.nn.Module.load_state_dict = original
 
 
+class NoForwardEngine(ReferenceEngine):
+    """NOT BUGGY in its weights: an engine that loads correctly but has no kernel for the forward
+    here (as vLLM's MoE on a CPU without one): every forward is EngineUnsupported."""
+
+    name = "double-no-forward"
+
+    def logprobs(self, sequences):
+        raise EngineUnsupported("this double has no kernel for the forward here")
+
+
+class NoForwardUnwrittenParameterEngine(UnwrittenParameterEngine):
+    """Bug class of UnwrittenParameterEngine, in an engine with no kernel for the forward here: what
+    it loaded is still compared."""
+
+    name = "double-no-forward-unwritten-parameter"
+
+    def logprobs(self, sequences):
+        raise EngineUnsupported("this double has no kernel for the forward here")
+
+
 class LossySaveEngine(ReferenceEngine):
     """Bug class for the relation `round-trip`: saving rounds every weight through float16 (a save
     path that casts to a default dtype), so the reloaded model is not the one that was loaded."""
