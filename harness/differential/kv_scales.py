@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from harness.checkpoints.reader import Checkpoint
 from harness.core.dtypes import MODEL_DTYPES
 from harness.core.errors import HarnessError
 from harness.core.naming import canonical_name
 from harness.engines.process import EngineError, EngineProcess
-from harness.oracle.kv_cache import declares_fp8_kv_cache, stored_kv_scales
+from harness.oracle.kv_cache import declares_fp8_kv_cache
 
 PARTS = ("k_scale", "v_scale")
 
@@ -42,7 +41,7 @@ def judge_kv_scales(judgement, engine: str, worker: EngineProcess) -> bool:
         if error.unsupported:
             return False
         raise
-    stored = {_module(name): pair for name, pair in stored_kv_scales(Checkpoint(judgement.directory)).items()}
+    stored = {_module(name): pair for name, pair in judgement.stored_kv_scales.items()}
     problems = [
         problem
         for module, pair in sorted(stored.items())

@@ -4,6 +4,7 @@ against the truth (weights) and against the reference engine (log-probabilities)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ from harness.checkpoints.architectures import architecture_name
 from harness.checkpoints.manifest import read_manifest, read_truth
 from harness.checkpoints.reader import (
     CONFIG_FILE,
+    Checkpoint,
     Hazard,
     contained_file,
     declared_format,
@@ -32,6 +34,7 @@ from harness.differential.relations import Load, check_relations, check_shard_re
 from harness.engines import ENGINES, REFERENCE, engine_spec
 from harness.engines.environments import engine_python
 from harness.engines.process import EngineError, EngineFailure, EngineProcess, Limits
+from harness.oracle.kv_cache import stored_kv_scales
 from harness.oracle.reference import dequantize_checkpoint, format_and_knobs
 
 PROBE_LENGTH, PROBE_COUNT, GENERATE_TOKENS = 24, 3, 8
@@ -220,6 +223,11 @@ class Judgement:
             CheckpointMisreadings(directory, fmt.name),
             hazards,
         )
+
+    @cached_property
+    def stored_kv_scales(self) -> dict[str, tuple[float | None, float | None]]:
+        """The checkpoint's KV-cache scales by attention module, read once for every engine judged."""
+        return stored_kv_scales(Checkpoint(self.directory))
 
     def finding(self, engine: str, kind: str, message: str, **extra) -> Finding:
         item = Finding(

@@ -157,7 +157,7 @@ class TensorParallelShards(Engine):
         entries = [
             {"tp": tp, "rank": rank, "layer": layer, "module": linear.name, "parallel": parallel} for linear in experts
         ]
-        with mocked_rank(rank, tp, expert_parallel=parallel == EP), expert_parallel_enabled(parallel == EP):
+        with mocked_rank(rank, tp, expert_parallel=parallel == EP):
             try:
                 module = build_experts(experts, config, layer, tp, quant_config, dtype)
             except Exception as error:  # vLLM's own refusal: its reason is the measurement
@@ -252,39 +252,30 @@ def local_slots(routed, experts: int) -> list[int]:
 
 
 @contextmanager
-def expert_parallel_enabled(enabled: bool):
-    """vLLM's parallel config with enable_expert_parallel set (as `--enable-expert-parallel` sets
-    it) while a FusedMoE is built; restored afterwards."""
-    from vllm.config import get_current_vllm_config
-
-    parallel = get_current_vllm_config().parallel_config
-    previous = parallel.enable_expert_parallel
-    parallel.enable_expert_parallel = enabled
-    try:
-        yield
-    finally:
-        parallel.enable_expert_parallel = previous
-
-
-@contextmanager
 def mocked_rank(rank: int, tp: int, expert_parallel: bool = False):
     """vLLM's tensor-parallel group answering as rank `rank` of `tp` (data, context and expert
-    parallelism one each, where nothing set them; with `expert_parallel`, the expert group is the
-    tensor-parallel one, as vLLM makes it), restored afterwards."""
+    parallelism one each, where nothing set them), restored afterwards. With `expert_parallel`, as
+    `--enable-expert-parallel` sets it: the parallel config's enable_expert_parallel on, and the
+    expert group the tensor-parallel one, as vLLM makes it."""
+    from vllm.config import get_current_vllm_config
     from vllm.distributed import parallel_state
 
     names = ("_TP", "_DP", "_PCP", "_EP")
     previous = {name: getattr(parallel_state, name, None) for name in names}
+    parallel = get_current_vllm_config().parallel_config
+    was_enabled = parallel.enable_expert_parallel
     parallel_state._TP = FakeGroup(rank, tp)
     for name in names[1:]:
         setattr(parallel_state, name, previous[name] or FakeGroup(0, 1))
     if expert_parallel:
         parallel_state._EP = FakeGroup(rank, tp)
+    parallel.enable_expert_parallel = expert_parallel
     try:
         yield
     finally:
         for name, group in previous.items():
             setattr(parallel_state, name, group)
+        parallel.enable_expert_parallel = was_enabled
 
 
 def load_twice(module, load) -> list[dict[str, torch.Tensor]]:

@@ -89,12 +89,12 @@ def kv_scale_problems(used: dict[str, tuple[float, float]]) -> list[str]:
         layer = "model.layers." + name.partition("layers.")[2].partition(".")[0]
         for index, (part, value) in enumerate(zip(("k_scale", "v_scale"), pair, strict=True)):
             key = f"{layer}.{names[index]}" if index < len(names) else None
-            if key not in stored:
+            want = float(stored[key].reshape(-1)[0]) if key in stored else None
+            if want is None:
                 problems.append(
                     f"{name}: its FP8 KV cache runs with {part} {value:.6g}, which the checkpoint does not hold"
                 )
-            elif value != float(stored[key].reshape(-1)[0]):
-                want = float(stored[key].reshape(-1)[0])
+            elif value != want:
                 problems.append(
                     f"{name}: its FP8 KV cache runs with {part} {value:.6g}, the checkpoint stores {want:.6g}"
                 )
