@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 from harness.campaign.strategies import recipes
 from harness.checkpoints.architectures import ARCHITECTURES
-from harness.checkpoints.disagreements import DISAGREEMENTS
+from harness.checkpoints.disagreements import DISAGREEMENTS, INDEX_EDITS
 from harness.checkpoints.kv_scales import is_kv_scale
-from harness.checkpoints.reader import INDEX_FILE, SINGLE_FILE, Checkpoint
+from harness.checkpoints.reader import INDEX_FILE, SINGLE_FILE, Checkpoint, read_safetensors_header
 from harness.checkpoints.recipe import Recipe, home_architecture
 from harness.checkpoints.writer import MANIFEST_FILE, TRUTH_FILE, generate
 from harness.core.dtypes import MODEL_DTYPES as DTYPES
@@ -49,6 +49,9 @@ def assert_tensors_equal(got: dict[str, torch.Tensor], truth: dict[str, torch.Te
 def assert_refusal_is_justified(error: CheckpointError, manifest: dict) -> None:
     """The reference only refuses a module the manifest does not call exact."""
     __tracebackhide__ = True
+    if manifest["resolved"]["perturb"].get("disagreement") in INDEX_EDITS:
+        assert "index" in error.problem or "shard" in error.problem, error  # the index is what is wrong
+        return
     module = error.problem.partition(":")[0]
     assert module in manifest["modules"], f"the reference refused something other than a module: {error}"
     expectation = manifest["modules"][module]["expectation"]
@@ -101,18 +104,22 @@ def assert_disagreement(directory: Path, manifest: dict) -> None:
     kind = manifest["resolved"]["perturb"]["disagreement"]
     note = DISAGREEMENTS[kind].note
     (target,) = [m for m, info in manifest["modules"].items() if note in info["notes"]]
-    checkpoint = Checkpoint(directory)
-    stored = {name for header in checkpoint.headers.values() for name in header}
+    shards = {p.name: read_safetensors_header(p) for p in directory.glob("*.safetensors")}
+    stored = {name for header in shards.values() for name in header if name != "__metadata__"}
+    weight_map = (
+        json.loads((directory / INDEX_FILE).read_text())["weight_map"] if (directory / INDEX_FILE).is_file() else {}
+    )
     fmt = get_format(manifest["format"])
     suffixes = [n.removeprefix(f"{target}.") for n in stored if n.startswith(f"{target}.")]
-    quantization = checkpoint.quantization_config
+    quantization = json.loads((directory / "config.json").read_text())["quantization_config"]
     if kind == "ignored-but-quantized":
         assert target in quantization.get("ignore", quantization.get("modules_to_not_convert", []))
         assert fmt.marker in suffixes
     elif kind == "plain-not-ignored":
         assert (
             suffixes == ["weight"]
-            and checkpoint.tensor(f"{target}.weight").dtype == DTYPES[manifest["resolved"]["layout"]["dtype"]]
+            and Checkpoint(directory).tensor(f"{target}.weight").dtype
+            == DTYPES[manifest["resolved"]["layout"]["dtype"]]
         )
     elif kind in ("missing-scale", "scale-renamed"):
         # one of the format's own scales is gone (a renamed one is stored under a name it does not use)
@@ -120,9 +127,13 @@ def assert_disagreement(directory: Path, manifest: dict) -> None:
         assert fmt.marker not in suffixes or len(set(scales) & set(suffixes)) < len(scales), suffixes
         if kind == "scale-renamed":
             assert {"weight_scale", "weight_scale_inv"} & set(suffixes) - set(fmt.suffixes), suffixes
-    elif kind == "index-omits-tensor":
-        (omitted,) = stored - set(checkpoint.names())
-        assert omitted.startswith(f"{target}.")
+    elif kind in INDEX_EDITS:  # the index misstates exactly one tensor, the target's scale
+        misstated = {n for n in stored | set(weight_map) if n not in shards.get(weight_map.get(n), {})}
+        (name,) = misstated
+        assert name.startswith(f"{target}.") and name != f"{target}.{fmt.suffixes[0]}", name
+        how = INDEX_EDITS[kind]
+        assert (name in weight_map) == (how != "omit") and (name in stored) == (how != "absent-tensor")
+        assert how == "omit" or (weight_map[name] in shards) == (how != "absent-shard")
     elif kind == "status-not-compressed":
         assert quantization["quantization_status"] == "frozen"
     elif kind == "orphan-scale":

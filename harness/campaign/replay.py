@@ -6,11 +6,14 @@ from pathlib import Path
 
 from harness.checkpoints.recipe import Recipe
 from harness.checkpoints.writer import generate
-from harness.core.findings import Finding
+from harness.core.findings import CONSEQUENCE_KINDS, Finding
 from harness.differential.known_issues import KnownIssue, KnownIssues
 from harness.differential.relations import RELATION_NAMES
 from harness.differential.runner import CheckpointResult, EngineSession, evaluate
 from harness.engines import judged_with_reference
+
+#: finding kinds an engine shows only by running its forward (logits, activations, its KV cache)
+SEEN_IN_FORWARD = (*CONSEQUENCE_KINDS, "activations", "kv-scales")
 
 
 def replay_recipe(
@@ -40,4 +43,20 @@ def reproduce_known_issue(issue: KnownIssue, session: EngineSession, work: Path)
     relations = RELATION_NAMES if "relation" in issue.kinds else ()  # a relation finding shows only when checked
     result = replay_recipe(recipe, work / issue.id, session, KnownIssues([issue]), engines, relations)
     matching = [f for f in result.findings if f.known_issue == issue.id]
+    if not matching and _cannot_show_here(issue, result.outcomes.get(issue.engine)):
+        outcome = result.outcomes[issue.engine]
+        return f"skipped: {issue.engine} cannot run it here ({outcome.detail or outcome.status})", []
     return ("reproduced" if matching else "gone"), matching
+
+
+def _cannot_show_here(issue: KnownIssue, outcome) -> bool:
+    """Whether the machine or the engine's build kept the reproducer from showing the issue: the
+    engine has no kernel for the checkpoint, or loaded it but cannot run its forward (vLLM's FP8 KV
+    cache on an AVX2-only CPU) while the issue is seen only through the forward. Unknown here, not gone."""
+    if outcome is None:
+        return False
+    if outcome.status == "unsupported":
+        return True
+    kv_cache = issue.reproducer.get("layout", {}).get("kv_scales", "none") != "none"  # judged on the cache's scales
+    seen_in_forward = kv_cache or any(kind in SEEN_IN_FORWARD for kind in issue.kinds)
+    return outcome.detail.startswith("partly unsupported") and seen_in_forward

@@ -46,6 +46,17 @@ DISAGREEMENTS = {
         "its scale is in a shard but the index does not list it: refuse, or find it and load exactly",
         needs_index=True,
     ),
+    "index-names-absent-shard": Disagreement(
+        "exact-or-refuse",
+        "the index places its scale in a shard file that is not on disk (the tensor is stored in another "
+        "shard, as a stale index after resharding says): refuse, or find it and load exactly",
+        needs_index=True,
+    ),
+    "index-lists-absent-tensor": Disagreement(
+        "refuse",
+        "the index lists its scale but no shard holds it: a loader must refuse, never use an initial value",
+        needs_index=True,
+    ),
     "status-not-compressed": Disagreement(
         "exact-or-refuse",
         "quantization_status is 'frozen' while the tensors are compressed: decompress them or refuse",
@@ -91,11 +102,11 @@ def main_scale(suffixes: list[str], marker: str) -> str:
 def edit_tensors(kind: str, module: str, tensors: dict[str, torch.Tensor], marker: str) -> list[str]:
     """Apply a tensor-level disagreement to `tensors` (checkpoint names) in place; the names a
     correct loader leaves unused (an orphan scale) are returned."""
-    if kind not in ("missing-scale", "scale-renamed", "orphan-scale"):
+    if kind not in ("missing-scale", "index-lists-absent-tensor", "scale-renamed", "orphan-scale"):
         return []
     suffixes = [name.removeprefix(f"{module}.") for name in tensors if name.startswith(f"{module}.")]
     scale = main_scale(suffixes, marker)
-    if kind == "missing-scale":
+    if kind in ("missing-scale", "index-lists-absent-tensor"):
         del tensors[f"{module}.{scale}"]
     elif kind == "scale-renamed":
         other = "weight_scale" if scale == "weight_scale_inv" else "weight_scale_inv"
@@ -107,9 +118,24 @@ def edit_tensors(kind: str, module: str, tensors: dict[str, torch.Tensor], marke
     return []
 
 
-def omitted_from_index(kind: str, module: str, names: list[str], marker: str) -> set[str]:
-    """The names the index leaves out (index-omits-tensor: the target's main scale)."""
-    if kind != "index-omits-tensor":
-        return set()
+#: how the index misstates the target's main scale, by disagreement: left out, placed in a shard
+#: file that is not on disk, or listed (in the target's weight's shard) though no shard holds it
+INDEX_EDITS = {
+    "index-omits-tensor": "omit",
+    "index-names-absent-shard": "absent-shard",
+    "index-lists-absent-tensor": "absent-tensor",
+}
+
+
+def index_edits(kind: str, module: str, names: list[str], marker: str) -> dict[str, str]:
+    """{the target's main scale: how the index misstates it (INDEX_EDITS)}, or {} for a kind
+    that leaves the index true. `names`: the checkpoint's names before edit_tensors."""
+    if kind not in INDEX_EDITS:
+        return {}
     suffixes = [n.removeprefix(f"{module}.") for n in names if n.startswith(f"{module}.")]
-    return {f"{module}.{main_scale(suffixes, marker)}"}
+    return {f"{module}.{main_scale(suffixes, marker)}": INDEX_EDITS[kind]}
+
+
+def absent_shard(shards: int) -> str:
+    """The shard file a stale index names: one past the last that is written."""
+    return f"model-{shards + 1:05d}-of-{shards + 1:05d}.safetensors"

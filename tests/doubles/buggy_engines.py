@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -131,10 +133,10 @@ class ConfigTrustingEngine(ReferenceEngine):
     """Trusts the config over the tensors, the bug class every config/tensor disagreement
     (harness.checkpoints.disagreements) probes: a module the ignore list names gets its stored
     values as weights; a quantized module whose scale never arrived (absent, renamed, left out of
-    the index) gets the scale's initial value 1 and loads anyway; a module stored plain but not
-    ignored is forced through FP8; a "frozen" status makes every stored value a weight; an orphan
-    scale is applied to the sibling module whose name it shares the prefix of. It reads the
-    manifest to know which disagreement the checkpoint carries."""
+    the index, or placed by it where it is not) gets the scale's initial value 1 and loads anyway;
+    a module stored plain but not ignored is forced through FP8; a "frozen" status makes every
+    stored value a weight; an orphan scale is applied to the sibling module whose name it shares
+    the prefix of. It reads the manifest to know which disagreement the checkpoint carries."""
 
     name = "double-config-trusting"
 
@@ -144,9 +146,10 @@ class ConfigTrustingEngine(ReferenceEngine):
         from harness.engines.hf_common import checkpoint_dtype, unquantized_model
         from harness.oracle.reference import format_and_knobs, group_modules
 
-        checkpoint = Checkpoint(directory)
         manifest = json.loads((Path(directory) / "harness_manifest.json").read_text())
         kind = manifest["resolved"]["perturb"]["disagreement"]
+        self._copy = tempfile.TemporaryDirectory(prefix="double-config-trusting-")  # removed with the engine
+        checkpoint = Checkpoint(_index_entries_it_can_open(Path(directory), Path(self._copy.name)))
         fmt, knobs = format_and_knobs(checkpoint)
         modules, plain = group_modules(checkpoint.names(), fmt, checkpoint.storage_dtypes())
         config = checkpoint.quantization_config
@@ -179,6 +182,32 @@ class ConfigTrustingEngine(ReferenceEngine):
         result = self.model.load_state_dict({canonical_name(n): t.to(dtype) for n, t in state.items()}, strict=False)
         report.unexpected = sorted(result.unexpected_keys)
         return report
+
+
+def _index_entries_it_can_open(directory: Path, scratch: Path) -> Path:
+    """`directory`, or where its index names a shard file or tensor that is not there, a copy in
+    `scratch` whose index skips those entries (what ConfigTrustingEngine loads)."""
+    from safetensors import safe_open
+
+    index_path = directory / "model.safetensors.index.json"
+    if not index_path.is_file():
+        return directory
+    index = json.loads(index_path.read_text())
+
+    def there(name: str, shard: str) -> bool:
+        if not (directory / shard).is_file():
+            return False
+        with safe_open(str(directory / shard), "pt") as stored:
+            return name in stored.keys()
+
+    kept = {name: shard for name, shard in index["weight_map"].items() if there(name, shard)}
+    if kept == index["weight_map"]:
+        return directory
+    copy = scratch / "index-entries-it-can-open"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(directory, copy)
+    (copy / index_path.name).write_text(json.dumps(index | {"weight_map": kept}))
+    return copy
 
 
 class KVScaleNamingEngine(ReferenceEngine):

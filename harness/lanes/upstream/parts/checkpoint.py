@@ -115,26 +115,37 @@ def kv_scales(config) -> dict[str, torch.Tensor]:
     return scales
 
 
-def disagree(tensors: dict[str, torch.Tensor]) -> set[str]:
+#: how the index misstates the target's scale, by disagreement (omitted; placed in a shard file
+#: that is not on disk; listed in the first shard though no shard holds it)
+INDEX_EDITS = {
+    "index-omits-tensor": "omit",
+    "index-names-absent-shard": "absent-shard",
+    "index-lists-absent-tensor": "absent-tensor",
+}
+
+
+def disagree(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """The config/tensor disagreement on DISAGREEMENT's module, in the stored tensors: its scale
     deleted, stored under the other convention's name, or copied to a module the model lacks.
-    Returns the names the index leaves out (index-omits-tensor). The config's side (the ignore
+    Returns {name: how the index misstates it} (INDEX_EDITS). The config's side (the ignore
     list, quantization_status) is in CONFIG as written."""
     kind, module, scale = PERTURB["disagreement"], DISAGREEMENT["module"], DISAGREEMENT["scale"]
     name = f"{module}.{scale}"
-    if kind == "missing-scale":
+    if kind in ("missing-scale", "index-lists-absent-tensor"):
         del tensors[name]
     elif kind == "scale-renamed":
         other = "weight_scale" if scale == "weight_scale_inv" else "weight_scale_inv"
         tensors[f"{module}.{other}"] = tensors.pop(name)
     elif kind == "orphan-scale":
         tensors[f"{module.rpartition('.')[0]}.unused_proj.{scale}"] = tensors[name].clone()
-    return {name} if kind == "index-omits-tensor" else set()
+    return {name: INDEX_EDITS[kind]} if kind in INDEX_EDITS else {}
 
 
-def write_tensors(directory, tensors: dict[str, torch.Tensor], scales: dict[str, str], unlisted=()) -> None:
+def write_tensors(directory, tensors: dict[str, torch.Tensor], scales: dict[str, str], misstated=None) -> None:
     """One model.safetensors, or LAYOUT['shards'] files with an index (with split_scale, each
-    scale in the shard after its weight's) that lists every tensor but `unlisted`."""
+    scale in the shard after its weight's) that lists every tensor where it is, but as
+    `misstated` says (disagree)."""
+    misstated = misstated or {}
     shards = LAYOUT["shards"]
     if shards == 1:
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
@@ -146,8 +157,13 @@ def write_tensors(directory, tensors: dict[str, torch.Tensor], scales: dict[str,
     for index, file in enumerate(files):
         chunk = {name: tensor for name, tensor in tensors.items() if place[name] == index}
         save_file(chunk, str(directory / file), metadata={"format": "pt"})
-    listed = sorted(set(tensors) - set(unlisted))
-    index = {"metadata": {}, "weight_map": {name: files[place[name]] for name in listed}}
+    weight_map = {name: files[place[name]] for name in tensors if misstated.get(name) != "omit"}
+    for name, how in misstated.items():
+        if how == "absent-shard":
+            weight_map[name] = f"model-{shards + 1:05d}-of-{shards + 1:05d}.safetensors"
+        elif how == "absent-tensor":
+            weight_map[name] = files[0]
+    index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
@@ -180,11 +196,11 @@ def build_checkpoint(directory) -> dict[str, torch.Tensor]:
             names = list(tensors)
             scales[rename(f"{module}.{names[1]}")] = rename(f"{module}.{names[0]}")
     stored |= kv_scales(CONFIG)
-    unlisted = disagree(stored) if target else set()
+    misstated = disagree(stored) if target else {}
     if FORMAT == "mxfp4":  # gpt-oss: experts packed on disk, one tensor per projection
         stored, scales = pack_experts(stored), {}
     stored = {rename(name): tensor for name, tensor in stored.items()}
     scales = {scale: weight for scale, weight in scales.items() if scale in stored}
-    write_tensors(directory, stored, scales, {rename(name) for name in unlisted})
+    write_tensors(directory, stored, scales, {rename(name): how for name, how in misstated.items()})
     (directory / "config.json").write_text(json.dumps(CONFIG, indent=2))
     return expected
