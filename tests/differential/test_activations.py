@@ -20,6 +20,7 @@ INVERTED = f"{DOUBLES}:InvertedInputScaleEngine"
 KV_IGNORED = f"{DOUBLES}:KVCacheIgnoredEngine"
 KV_IGNORED_UNTOLD = f"{DOUBLES}:KVCacheIgnoredUntoldEngine"
 KV_DEFAULT = f"{DOUBLES}:KVScalesDefaultEngine"
+FUSED = f"{DOUBLES}:FusedPartInputScaleEngine"
 
 
 def test_fp8_activations_land_on_scaled_e4m3_values_and_saturate():
@@ -69,6 +70,25 @@ def session(tmp_path_factory):
     pytest.importorskip("transformers")
     engines = ["reference", SPECIFIED, IGNORED, INVERTED, KV_IGNORED, KV_IGNORED_UNTOLD, KV_DEFAULT]
     session = EngineSession(engines, tmp_path_factory.mktemp("engines"))
+    yield session
+    session.close()
+
+
+@pytest.fixture(scope="module")
+def fused_session(tmp_path_factory):
+    pytest.importorskip("transformers")
+    session = EngineSession(["reference", FUSED], tmp_path_factory.mktemp("fused"))
+    yield session
+    session.close()
+
+
+@pytest.fixture(scope="module")
+def real_session(tmp_path_factory):
+    """The reference and the two real CPU engines, started once for the module (each test names
+    the engines it judges)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    session = EngineSession(["reference", "transformers", "compressed-tensors"], tmp_path_factory.mktemp("real"))
     yield session
     session.close()
 
@@ -162,20 +182,15 @@ def test_an_moe_checkpoints_experts_are_part_of_the_definition(session, tmp_path
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_an_input_scale_taken_from_the_wrong_fused_part_is_caught(tmp_path, dtype):
+def test_an_input_scale_taken_from_the_wrong_fused_part_is_caught(fused_session, tmp_path, dtype):
     """q/k/v and gate/up with distinct static input scales (as a calibration writes them): the double
     that quantizes every part's input with the first part's scale is caught by the activation probe
     at exactly the sibling parts, in float32 and in bfloat16 (where the logits alone are within
     their noise); in float32 the logits say so too (0.29 from the definition, bound 0.1)."""
-    pytest.importorskip("transformers")
-    fused = f"{DOUBLES}:FusedPartInputScaleEngine"
-    session = EngineSession(["reference", fused], tmp_path / "engines")
-    try:
-        layout = {"dtype": dtype, "fused_scales": "distinct-inputs"}
-        generate(Recipe(format="modelopt-fp8", arch="llama", layout=layout), tmp_path / "c")
-        result = evaluate(tmp_path / "c", session)
-    finally:
-        session.close()
+    fused = FUSED
+    layout = {"dtype": dtype, "fused_scales": "distinct-inputs"}
+    generate(Recipe(format="modelopt-fp8", arch="llama", layout=layout), tmp_path / "c")
+    result = evaluate(tmp_path / "c", fused_session)
     assert {(f.engine, f.kind) for f in result.findings} == {(fused, "activations")}
     (probe,) = [f for f in result.findings if f.message.startswith("activation probe")]
     siblings = {m.rpartition(".")[2] for m in probe.metrics["modules"]}
@@ -218,14 +233,12 @@ def test_the_rounding_variants_nudge_only_quantized_weights_and_put_them_back(tm
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-def test_an_ill_conditioned_checkpoint_is_not_an_activation_finding(tmp_path):
+def test_an_ill_conditioned_checkpoint_is_not_an_activation_finding(real_session, tmp_path):
     """Run 7's false alarm (docs/campaign.md): x1000 weights in bfloat16 with dynamic per-token FP8
     activations. transformers quantizes the activations exactly as the "model" variant does and
     holds weights one bfloat16 ulp off (its scale cast to bfloat16), and this model turns that ulp
     into logits 6.3 apart; the weight variants show the reference itself moving as far, so the
     activation bound widens and nothing is claimed, while the weights are still judged exactly."""
-    pytest.importorskip("transformers")
-    session = EngineSession(["reference", "transformers"], tmp_path / "engines")
     config = {"hidden_size": 30, "intermediate_size": 18, "num_attention_heads": 1, "num_key_value_heads": 1}
     config |= {"head_dim": 32, "num_hidden_layers": 1, "tie_word_embeddings": False}
     recipe = Recipe(
@@ -236,11 +249,8 @@ def test_an_ill_conditioned_checkpoint_is_not_an_activation_finding(tmp_path):
         layout={"dtype": "bfloat16"},
         perturb={"extreme_amax": "huge"},
     )
-    try:
-        generate(recipe, tmp_path / "c")
-        result = evaluate(tmp_path / "c", session)
-    finally:
-        session.close()
+    generate(recipe, tmp_path / "c")
+    result = evaluate(tmp_path / "c", real_session, engines=["reference", "transformers"])
     assert result.outcomes["transformers"].status == "loaded"
     assert not result.findings, [(f.engine, f.kind, f.message) for f in result.findings]
 
@@ -379,20 +389,14 @@ CANCELLING = {"hidden_size": 18, "intermediate_size": 1, "num_attention_heads": 
     ],
 )
 def test_transformers_and_compressed_tensors_quantize_every_probed_linear_as_specified(
-    tmp_path, fmt, knobs, dtype, arch, config
+    real_session, tmp_path, fmt, knobs, dtype, arch, config
 ):
     """Measured, not assumed: both real engines quantize each Linear's input as the definition does
     on the probe's inputs (with float32 scales the weights sit one ulp off and the probe still
     judges the activation path against the engine's own weights; with a static scale both hold it,
     and each dequantized input value, in the model dtype)."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("compressed_tensors")
-    session = EngineSession(["reference", "transformers", "compressed-tensors"], tmp_path / "engines")
-    try:
-        generate(Recipe(format=fmt, arch=arch, config=config, knobs=knobs, layout={"dtype": dtype}), tmp_path / "c")
-        result = evaluate(tmp_path / "c", session)
-    finally:
-        session.close()
+    generate(Recipe(format=fmt, arch=arch, config=config, knobs=knobs, layout={"dtype": dtype}), tmp_path / "c")
+    result = evaluate(tmp_path / "c", real_session)
     for engine in ("transformers", "compressed-tensors"):
         assert result.outcomes[engine].activation_probe == "14/14 quantized Linear(s) as specified", engine
     assert not [f for f in result.findings if f.kind == "activations"]

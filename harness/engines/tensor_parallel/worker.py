@@ -114,6 +114,7 @@ class TensorParallelShards(Engine):
         self.held: dict[str, torch.Tensor] = {}
 
     def load(self, directory: str) -> ShardReport:
+        self.held = {}  # one job's shards: a worker serves every checkpoint of a session
         job = json.loads(open(directory).read())
         from harness.checkpoints.reader import Checkpoint
 
