@@ -519,7 +519,7 @@ def test_upstream_usage_errors_exit_2(argv, tmp_path, capsys):
 #: reproducers the scripts cannot express (an issue's recipe changed): each is refused in one line
 UNEXPRESSIBLE_CHANGES = {
     "fused-part scales": ("transformers-fp8-block-grid-inferred-from-shape", {"layout": {"fused_scales": "shared"}}),
-    "quantized embeddings": ("ct-nvfp4-global-scale-convention-unchecked", {"layout": {"quantize_embeddings": True}}),
+    "expert weights in vLLM": ("vllm-ct-moe-expert-without-scale-loads", {"kinds": ["weight-mismatch"]}),
     "ct-int4": ("transformers-fp8-block-grid-inferred-from-shape", {"format": "ct-int4"}),
     "activations in bfloat16": (
         "transformers-fp8-block-cpu-activations-unquantized",

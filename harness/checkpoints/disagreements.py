@@ -136,6 +136,13 @@ def index_edits(kind: str, module: str, names: list[str], marker: str) -> dict[s
     return {f"{module}.{main_scale(suffixes, marker)}": INDEX_EDITS[kind]}
 
 
+def misstates_its_index(manifest: dict | None) -> bool:
+    """Whether a checkpoint the harness wrote disagrees with its own index on purpose (its reader
+    then refuses it, and the engines are judged by what the manifest expects)."""
+    perturb = ((manifest or {}).get("resolved") or {}).get("perturb") or {}
+    return perturb.get("disagreement") in INDEX_EDITS and INDEX_EDITS[perturb["disagreement"]] != "omit"
+
+
 def absent_shard(shards: int) -> str:
     """The shard file a stale index names: one past the last that is written."""
     return f"model-{shards + 1:05d}-of-{shards + 1:05d}.safetensors"

@@ -159,12 +159,15 @@ def command_compare(args) -> int:
     relations = parse_relations(args.relations)
     known = KnownIssues.load()
     if not args.hostile:  # unusable input stops here, before any engine's worker starts
+        from harness.checkpoints.disagreements import misstates_its_index
+        from harness.checkpoints.manifest import read_manifest
         from harness.checkpoints.reader import declared_format
         from harness.checkpoints.writer import MANIFEST_FILE
         from harness.oracle.reference import format_and_knobs
 
-        # one the harness wrote may disagree with its own index on purpose: its config must be usable
-        (declared_format if (directory / MANIFEST_FILE).is_file() else format_and_knobs)(directory)
+        # one the harness wrote to disagree with its own index: its config must be usable
+        manifest = read_manifest(directory) if (directory / MANIFEST_FILE).is_file() else None
+        (declared_format if misstates_its_index(manifest) else format_and_knobs)(directory)
     with tempfile.TemporaryDirectory(prefix="harness-") as scratch:
         work = Path(args.report) if args.report else Path(scratch)
         session = EngineSession(engines, work / "work", Limits(args.timeout, args.memory_mb))

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from harness.checkpoints.architectures import architecture_name
+from harness.checkpoints.disagreements import misstates_its_index
 from harness.checkpoints.manifest import read_manifest, read_truth
 from harness.checkpoints.reader import (
     CONFIG_FILE,
@@ -188,7 +189,7 @@ class Judgement:
         try:
             fmt, knobs = format_and_knobs(directory)
         except CheckpointError as error:
-            if not (hostile or manifest):  # one the harness wrote says what a loader must do with it
+            if not (hostile or misstates_its_index(manifest)):  # its manifest says what a loader must do
                 raise
             fmt, knobs = _format_despite(directory, error)
             if hostile:

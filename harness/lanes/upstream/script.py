@@ -311,7 +311,16 @@ def perturbation_notes(manifest: dict) -> list[str]:
 #: the engines that read routed experts back per expert (transformers' packed 3-D experts, split by
 #: PACKED_EXPERTS); the compressed-tensors piece builds Linears, vLLM's experts are not read
 SCRIPT_EXPERT_ENGINES = ("transformers",)
-SCRIPT_LAYOUT = ("dtype", "key_prefix", "shards", "split_scale", "activation_amax", "quantize_lm_head", "kv_scales")
+SCRIPT_LAYOUT = (
+    "dtype",
+    "key_prefix",
+    "shards",
+    "split_scale",
+    "activation_amax",
+    "quantize_lm_head",
+    "quantize_embeddings",
+    "kv_scales",
+)
 #: finding kinds a script judges from whether the engine loads at all (no weight read back)
 LOAD_ONLY_KINDS = {"accepted-invalid"}
 #: the relations a script holds an engine to (parts/relation_transformers.py), by engine
@@ -329,6 +338,8 @@ def unscriptable(reproducer: Reproducer) -> str | None:
     if why:
         return why
     reads_weights = not set(reproducer.kinds) <= LOAD_ONLY_KINDS
+    if reproducer.engine == "vllm" and reproducer.recipe.layout.get("quantize_embeddings"):
+        reads_weights = False  # vLLM's script reads the embedding alone (parts/engine_vllm.py), never an expert
     experts = any(".experts." in name for name in tensor_table(reproducer))
     if reads_weights and experts and reproducer.engine not in SCRIPT_EXPERT_ENGINES:
         return f"routed experts ({reproducer.recipe.arch}) with {reproducer.engine}"
@@ -417,6 +428,7 @@ def render_script(reproducer: Reproducer) -> Script:
             "split_scale": layout.get("split_scale", False),
             "activation_amax": resolved.layout["activation_amax"],
             "quantize_lm_head": resolved.layout["quantize_lm_head"],
+            "quantize_embeddings": resolved.layout["quantize_embeddings"],
             "kv_scales": resolved.layout["kv_scales"],
         },
         "PERTURB": resolved.perturb,

@@ -172,7 +172,9 @@ def build_checkpoint(directory) -> dict[str, torch.Tensor]:
     format's definition (float64), the values a correct loader holds."""
     stored, expected, scales = {}, {}, {}
     first = True
-    quantized = {"linear", "lm_head"} if LAYOUT["quantize_lm_head"] else {"linear"}
+    quantized = {"linear"} | {
+        role for role, key in (("lm_head", "quantize_lm_head"), ("embedding", "quantize_embeddings")) if LAYOUT[key]
+    }
     target = DISAGREEMENT and DISAGREEMENT["module"]
     layout = tensor_layout()
     for name, weight in float_weights().items():

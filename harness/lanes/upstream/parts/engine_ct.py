@@ -82,8 +82,9 @@ def load_model(directory):
     return model, result
 
 
-def check_loaded(loaded):
-    """(held weights, problems, notes): each Linear's forward on a random input."""
+def check_loaded(loaded, expected):
+    """(held weights, problems, notes): each Linear's forward on a random input (`expected` is
+    judged by main)."""
     model, result = loaded
     notes = [f"load_state_dict: missing {result.missing_keys[:4]}"] if result.missing_keys else []
     notes += [f"load_state_dict: unexpected {result.unexpected_keys[:4]}"] if result.unexpected_keys else []

@@ -22,8 +22,8 @@ def load_model(directory):
     return model.eval(), info
 
 
-def check_loaded(loaded):
-    """(held weights, problems, notes). compressed-tensors formats decompress on the first forward,
+def check_loaded(loaded, expected):
+    """(held weights, problems, notes); every weight is read (`expected` is judged by main). compressed-tensors formats decompress on the first forward,
     so the weights are read after it."""
     model, info = loaded
     notes = [

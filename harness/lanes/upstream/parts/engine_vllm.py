@@ -3,15 +3,19 @@
 With the settings the harness's vllm engine uses on CPU (the checkpoint's dtype, eager, a small KV
 cache), without a tokenizer (token ids in, log-probabilities out). vLLM repacks weights for its
 kernels, so what it holds is judged by its layers' sizes against config.json and by a forward pass;
-where the checkpoint declares an FP8 KV cache, by the scales its attention layers quantize it with."""
+where the checkpoint declares an FP8 KV cache, by the scales its attention layers quantize it with;
+a quantized embedding (never repacked) by its values."""
 
 from __future__ import annotations
 
 import math
 import os
 
+import torch
+
 from harness.lanes.upstream.parts.checkpoint import KV_SCALE_NAMES, kv_scales, tensor_layout
-from harness.lanes.upstream.parts.common import PROMPT
+from harness.lanes.upstream.parts.common import PROMPT, weight_problems
+from harness.lanes.upstream.parts.fp8 import scale_block  # or nvfp4: the format piece
 from harness.lanes.upstream.parts.parameters import CONFIG, LAYOUT
 
 # ---- reproduce.py ----
@@ -101,11 +105,20 @@ def kv_scale_problems(used: dict[str, tuple[float, float]]) -> list[str]:
     return problems
 
 
-def check_loaded(llm):
-    """(None: vLLM's repacked weights are not read, problems, notes)."""
+def embedding(model) -> torch.Tensor:
+    """The embedding vLLM holds (never repacked), its real vocabulary rows."""
+    return model.model.embed_tokens.weight.detach()[: CONFIG["vocab_size"]].clone()
+
+
+def check_loaded(llm, expected):
+    """(None: vLLM's repacked Linear weights are not read, problems, notes). A quantized
+    embedding, which vLLM keeps as it loads it, is judged against `expected` here."""
     from vllm import SamplingParams
 
     problems = size_problems(llm.apply_model(layer_sizes)[0])
+    if LAYOUT["quantize_embeddings"]:
+        held = {"model.embed_tokens": llm.apply_model(embedding)[0]}
+        problems += weight_problems(held, {"model.embed_tokens": expected["model.embed_tokens"]}, scale_block)
     problems += kv_scale_problems(llm.apply_model(kv_cache_scales)[0])
     try:
         params = SamplingParams(max_tokens=1, prompt_logprobs=5, detokenize=False)

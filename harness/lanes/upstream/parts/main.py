@@ -155,7 +155,7 @@ def reproduce() -> tuple[int, list[str]]:
                 return code, header + lines
             recorder = ActivationRecorder(loaded[0], expected) if JUDGE_ACTIVATIONS else nullcontext()
             with recorder:
-                held, problems, notes = check_loaded(loaded)
+                held, problems, notes = check_loaded(loaded, expected)
         if held is not None and EXPECTATION != "refuse":
             problems += weight_problems(held, expected, scale_block)
         if JUDGE_ACTIVATIONS and held is not None:

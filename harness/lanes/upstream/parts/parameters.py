@@ -65,6 +65,7 @@ LAYOUT = {
     "split_scale": False,
     "activation_amax": 4.0,
     "quantize_lm_head": False,
+    "quantize_embeddings": False,
     "kv_scales": "none",
 }
 PERTURB = {
