@@ -1,18 +1,87 @@
-"""`python -m harness ...` in a subprocess, as a user runs it: offline, the caller's environment
-plus whatever variables a test adds."""
+"""`python -m harness ...` as a user runs it: offline, the caller's environment plus whatever
+variables a test adds, its own process, stdout, stderr and exit status.
+
+Each call is a fresh process forked from a server that has already imported the CLI (and so
+torch): importing them costs a new interpreter several seconds, and the suite makes dozens of
+calls. The child takes the call's environment and working directory, writes to its own stdout and
+stderr files (so its engine workers' output lands there as well) and exits with `main`'s status,
+as `harness/__main__.py` does; a harness that fails to import would fail the server, and every
+call with it. `fresh=True` runs a new interpreter instead (`python -m harness`), for what import
+time decides.
+"""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+
+#: what a command imports before its work starts (torch among them), imported once by the server
+PRELOADED = [
+    "harness.commands.cli",
+    *(
+        f"harness.commands.{name}"
+        for name in ("audit", "bisect", "check", "gate", "merge_reports", "run", "tp_shards", "upstream")
+    ),
+    "harness.differential.runner",
+    "harness.checkpoints.writer",
+]
+_context = None
 
 
-def run_cli(*args, timeout: float = 900, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "harness", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
-    )
+def run_cli(*args, timeout: float = 900, fresh: bool = False, **env: str) -> subprocess.CompletedProcess:
+    argv = [*map(str, args)]
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
+    if fresh:
+        return subprocess.run(
+            [sys.executable, "-m", "harness", *argv], capture_output=True, text=True, timeout=timeout, env=environment
+        )
+    with tempfile.TemporaryDirectory(prefix="harness-cli-") as scratch:
+        out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
+        child = _forkserver().Process(target=_main, args=(argv, environment, os.getcwd(), str(out), str(err)))
+        child.start()
+        child.join(timeout)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+            raise subprocess.TimeoutExpired(
+                ["python", "-m", "harness", *argv], timeout, out.read_text(), err.read_text()
+            )
+        return subprocess.CompletedProcess(
+            ["python", "-m", "harness", *argv], child.exitcode, out.read_text(), err.read_text()
+        )
+
+
+def _forkserver():
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOADED)
+    return _context
+
+
+def _main(argv: list[str], environment: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """In the forked child: the call's environment, directory and output files, then the CLI."""
+    os.environ.clear()
+    os.environ.update(environment)
+    os.chdir(cwd)
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115  (fd 1 itself; closed with the process)
+    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    sys.stdin = open(os.devnull)  # noqa: SIM115
+    from harness.commands.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as done:  # argparse's usage errors, as under `python -m harness`
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(code)

@@ -61,7 +61,9 @@ def test_compare_finding_exits_1_with_heatmap_and_a_command_that_reproduces_it(c
 
 
 def test_compare_refuses_bad_engine_names_in_one_line(checkpoint):
-    result = cli("compare", checkpoint, "--engines", "nope")
+    """Through the real entry point, `python -m harness` in a new interpreter (the other calls fork
+    a server that has imported the CLI: tests/cli.py)."""
+    result = cli("compare", checkpoint, "--engines", "nope", fresh=True)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
 
 

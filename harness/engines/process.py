@@ -78,12 +78,14 @@ class EngineProcess:
         self.process: subprocess.Popen | None = None
         self.info: dict = {}
         self.peak_mb = 0.0
+        self.asked_to_quit = False  # asked once: close() after a session's ask_to_quit() does not ask again
         #: seconds spent waiting on each request op (start included): where a campaign's time goes
         self.busy: dict[str, float] = {}
 
     def start(self) -> dict:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
+        self.asked_to_quit = False
         self.process = subprocess.Popen(
             [self.python, "-m", "harness.engines.worker", self.spec],
             stdin=subprocess.PIPE,
@@ -236,7 +238,8 @@ class EngineProcess:
     def ask_to_quit(self) -> None:
         """Tell the worker to exit, without waiting (close() waits): a session's workers then shut
         down side by side."""
-        if self.process and self.process.poll() is None:
+        if self.process and self.process.poll() is None and not self.asked_to_quit:
+            self.asked_to_quit = True
             try:
                 self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 self.process.stdin.flush()
