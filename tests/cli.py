@@ -5,8 +5,8 @@ Each call is a fresh process forked from a server that has already imported the 
 torch): importing them costs a new interpreter several seconds, and the suite makes dozens of
 calls. The child takes the call's environment and working directory, writes to its own stdout and
 stderr files (so its engine workers' output lands there as well) and exits with `main`'s status,
-as `harness/__main__.py` does; a harness that fails to import would fail the server, and every
-call with it. `fresh=True` runs a new interpreter instead (`python -m harness`), for what import
+as `harness/__main__.py` does (a module the server could not import is imported, and fails, in the
+child, with its traceback and status 1, as in a new interpreter). `fresh=True` runs a new interpreter instead (`python -m harness`), for what import
 time decides.
 """
 
@@ -34,6 +34,7 @@ _context = None
 
 def run_cli(*args, timeout: float = 900, fresh: bool = False, **env: str) -> subprocess.CompletedProcess:
     argv = [*map(str, args)]
+    command = ["python", "-m", "harness", *argv]
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
     if fresh:
         return subprocess.run(
@@ -47,12 +48,8 @@ def run_cli(*args, timeout: float = 900, fresh: bool = False, **env: str) -> sub
         if child.exitcode is None:
             child.kill()
             child.join()
-            raise subprocess.TimeoutExpired(
-                ["python", "-m", "harness", *argv], timeout, out.read_text(), err.read_text()
-            )
-        return subprocess.CompletedProcess(
-            ["python", "-m", "harness", *argv], child.exitcode, out.read_text(), err.read_text()
-        )
+            raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(command, child.exitcode, out.read_text(), err.read_text())
 
 
 def _forkserver():
@@ -78,10 +75,7 @@ def _main(argv: list[str], environment: dict[str, str], cwd: str, out: str, err:
     from harness.commands.cli import main
 
     try:
-        code = main(argv)
-    except SystemExit as done:  # argparse's usage errors, as under `python -m harness`
-        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        sys.exit(main(argv))  # multiprocessing turns SystemExit (argparse's too) into the exit status
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-    sys.exit(code)
