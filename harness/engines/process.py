@@ -4,7 +4,8 @@ The worker inherits the user's environment (PYTHONPATH, HF_HOME, CUDA_VISIBLE_DE
 unchanged but for the overrides its registry entry names because correctness needs them
 (harness.engines.EngineEntry.overrides: the CPU engines hide GPUs). It is killed, and the failure
 reported, when it crashes, answers nothing within the timeout, or its resident memory passes the
-limit; the run goes on.
+limit; the run goes on. A worker in the harness's own interpreter is forked from a preloaded
+zygote of the same environment (harness.engines.zygote) rather than started afresh.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from harness.engines.zygote import ForkedWorker, forked_worker
 
 
 def sequence_key(index: int) -> str:
@@ -75,7 +78,7 @@ class EngineProcess:
         self.python = python or sys.executable
         self.log_path = Path(log_path)
         self.limits = limits
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen | ForkedWorker | None = None
         self.info: dict = {}
         self.peak_mb = 0.0
         self.asked_to_quit = False  # asked once: close() after a session's ask_to_quit() does not ask again
@@ -86,17 +89,20 @@ class EngineProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
         self.asked_to_quit = False
-        self.process = subprocess.Popen(
-            [self.python, "-m", "harness.engines.worker", self.spec],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            start_new_session=True,
-            text=True,
-            bufsize=1,
-            env={**os.environ, **self.overrides} if self.overrides else None,
-        )
         started = time.monotonic()
+        env = {**os.environ, **self.overrides}
+        self.process = forked_worker(self.python, env, self.spec, self._log.fileno(), self.limits.timeout_s)
+        if self.process is None:
+            self.process = subprocess.Popen(
+                [self.python, "-m", "harness.engines.worker", self.spec],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._log,
+                start_new_session=True,
+                text=True,
+                bufsize=1,
+                env=env,
+            )
         try:
             self.info = self._receive(self.limits.timeout_s)
         finally:

@@ -1,0 +1,318 @@
+"""A preloaded parent for engine workers (a zygote): it imports torch and transformers once and
+forks a worker per request, so a worker starts in a fraction of a second instead of importing
+them again (about 10 s per worker on a slow 2-core host, most of a short check's time).
+
+`python -m harness.engines.zygote FD` is started by `Zygote` (below) in the interpreter, the
+environment and the directory its workers would get; FD is its end of a socket pair. A request
+carries the worker's spec and three file descriptors (SCM_RIGHTS): the worker's stdin, stdout and
+stderr. The zygote forks; the child starts a session of its own, takes the three descriptors and
+runs `harness.engines.worker.serve(spec)` exactly as `python -m harness.engines.worker` would.
+The zygote answers each request with the child's pid and reports each child's exit status.
+
+Forking is safe only where no thread pool the child would use has started: the zygote computes
+nothing (no OpenMP region, no CUDA), and it refuses to serve when preloading started more native
+threads than importing numpy alone does (numpy's OpenBLAS pool, which re-creates itself after a
+fork). When its socket closes (its parent is done with it or gone) it waits for the workers it
+forked, which end when their stdin closes, and exits: none is left for an init that reaps nothing.
+
+What a forked worker shares with the zygote and a fresh one would not: the modules in PRELOAD,
+already imported (the warnings they print at import appear once, in no worker's log), the hash
+seed, and its initial environment block (/proc/PID/environ) for the VOLATILE variables (its
+os.environ is exactly what a fresh worker's would be). Python's `random` is reseeded in each
+child. `ps` shows a forked worker under the zygote's command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+#: imported once by the zygote: what every CPU engine worker imports before it can answer
+PRELOAD = (
+    "numpy",
+    "torch",
+    "safetensors.torch",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.llama.modeling_llama",
+    "compressed_tensors",
+    "harness.engines.worker",
+    "harness.engines.base",
+)
+#: the most file descriptors a request carries
+CARRIED = 3
+#: variables that change from call to call and that no preloaded module reads: a zygote is keyed
+#: by the environment without them, and each worker still gets their values (pytest sets its own
+#: PYTEST_CURRENT_TEST for every test: keyed by it, every test would start a zygote)
+VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _preload() -> dict:
+    """Import PRELOAD; the greeting: whether forking is safe here, and why not."""
+    failed, native = {}, None
+    for module in PRELOAD:
+        try:
+            __import__(module)
+        except Exception as error:  # an engine that needs it will say so in its worker
+            failed[module] = f"{type(error).__name__}: {error}"
+        if module == "numpy":
+            native = _thread_count()
+    threads = _thread_count()
+    why = ""
+    if threading.active_count() > 1:
+        why = f"preloading started {threading.active_count() - 1} Python thread(s)"
+    elif native is not None and threads > native:
+        why = f"preloading started {threads - native} native thread(s) beyond numpy's"
+    return {"ready": not why, "why": why, "pid": os.getpid(), "threads": threads, "failed": failed}
+
+
+def _send(channel: socket.socket, **message) -> None:
+    try:
+        channel.send(json.dumps(message).encode())
+    except OSError:  # the harness has gone: the next receive says so
+        pass
+
+
+def serve(channel: socket.socket) -> tuple[dict, list[int]] | None:
+    """Fork a worker per request until the channel closes (returns None), or, in a child, return
+    the request and its descriptors for the child to become that worker."""
+    greeting = _preload()
+    _send(channel, **greeting)
+    if not greeting["ready"]:
+        return None
+    children: set[int] = set()
+    while True:
+        readable, _, _ = select.select([channel], [], [], 0.1 if children else None)
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            children.discard(pid)
+            _send(channel, exited=pid, status=os.waitstatus_to_exitcode(status))
+        if not readable:
+            continue
+        try:
+            message, fds, _, _ = socket.recv_fds(channel, 65536, CARRIED)
+        except ConnectionError:
+            message = b""
+        if not message:  # the harness is done with this zygote: reap what it forked, then go
+            for pid in children:
+                os.waitpid(pid, 0)
+            return None
+        request = json.loads(message)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            channel.close()
+            return request, fds
+        for fd in fds:
+            os.close(fd)
+        children.add(pid)
+        _send(channel, started=request["id"], pid=pid)
+
+
+def become_worker(request: dict, fds: list[int]) -> int:
+    """In a forked child: what `python -m harness.engines.worker SPEC` would be, on these descriptors."""
+    import random
+
+    os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds) - {0, 1, 2}:
+        os.close(fd)
+    sys.argv = [sys.argv[0], request["spec"]]
+    os.environ.clear()
+    os.environ.update(request["env"])
+    random.seed()
+    from harness.engines.worker import serve as serve_engine
+
+    return serve_engine(request["spec"])
+
+
+class ForkedWorker:
+    """A worker forked by a zygote, with the part of subprocess.Popen's interface EngineProcess uses."""
+
+    def __init__(self, zygote: Zygote, pid: int, stdin, stdout):
+        self.zygote, self.pid, self.stdin, self.stdout = zygote, pid, stdin, stdout
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_status(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_status(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+        return self.returncode
+
+
+class Zygote:
+    """The harness's side of one zygote: start it, ask it for workers, learn how they ended."""
+
+    def __init__(self, python: str, env: dict[str, str], timeout_s: float):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.channel, self.statuses, self.started, self.requests = ours, {}, {}, 0
+        self.forked: set[int] = set()
+        #: why this zygote cannot serve ("" while it can)
+        self.why = ""
+        self.process = subprocess.Popen(
+            [python, "-m", "harness.engines.zygote", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        theirs.close()
+        greeting = self._next(timeout_s) or {"ready": False, "why": f"no greeting within {timeout_s:.0f} s"}
+        if not greeting.get("ready"):
+            self.why = self.why or greeting.get("why", "it stopped before greeting")
+        if self.why:
+            self.close()
+
+    def _next(self, timeout: float | None) -> dict | None:
+        """The zygote's next message within `timeout` (None: wait), or None; records what it says."""
+        ready, _, _ = select.select([self.channel], [], [], timeout)
+        if not ready:
+            return None
+        try:
+            message = self.channel.recv(65536)
+        except OSError:
+            message = b""
+        if not message:
+            self.why = self.why or "the zygote exited"
+            return None
+        message = json.loads(message)
+        if "exited" in message:
+            self.statuses[message["exited"]] = message["status"]
+        if "started" in message:
+            self.started[message["started"]] = message["pid"]
+        return message
+
+    def spawn(self, spec: str, env: dict[str, str], stderr: int, timeout_s: float = 60.0) -> ForkedWorker | None:
+        """A forked worker serving `spec` with `env` as its os.environ (the zygote's but for VOLATILE),
+        its stderr on descriptor `stderr`; None if the zygote fails."""
+        stdin_read, stdin_write = os.pipe()
+        stdout_read, stdout_write = os.pipe()
+        self.requests += 1
+        request = self.requests
+        try:
+            socket.send_fds(
+                self.channel,
+                [json.dumps({"id": request, "spec": spec, "env": env}).encode()],
+                [stdin_read, stdout_write, stderr],
+            )
+        except OSError as error:
+            self.why = f"the zygote cannot be asked: {error}"
+        finally:
+            os.close(stdin_read)
+            os.close(stdout_write)
+        while not self.why and request not in self.started:
+            if self._next(timeout_s) is None and request not in self.started:
+                self.why = self.why or f"the zygote forked nothing within {timeout_s:.0f} s"
+        if self.why:
+            os.close(stdin_write)
+            os.close(stdout_read)
+            return None
+        pid = self.started.pop(request)
+        self.forked.add(pid)
+        return ForkedWorker(self, pid, open(stdin_write, "w", buffering=1), open(stdout_read))
+
+    def exit_status(self, pid: int, timeout: float | None) -> int | None:
+        """`pid`'s exit status once the zygote has reaped it, waiting up to `timeout` (None: as long
+        as it takes); None if it still runs. Where the zygote is gone, init reaps the worker and
+        nobody learns its status: a worker that no longer exists then ended with status -1."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pid not in self.statuses:
+            if deadline is not None and time.monotonic() >= deadline and timeout != 0:
+                return None
+            if self.why:
+                if not _alive(pid):
+                    self.forked.discard(pid)
+                    return -1
+                if timeout == 0:
+                    return None
+                time.sleep(0.1)
+            else:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if self._next(left) is None and timeout == 0 and pid not in self.statuses:
+                    return None
+        self.forked.discard(pid)
+        return self.statuses.pop(pid)
+
+    def alive(self) -> bool:
+        return not self.why and self.process.poll() is None
+
+    def busy(self) -> bool:
+        """Whether a worker it forked may still run (its exit status is learnt only from the zygote)."""
+        while not self.why and self._next(0) is not None:
+            pass
+        return any(pid not in self.statuses and _alive(pid) for pid in self.forked)
+
+    def close(self) -> None:
+        while not self.why and self._next(0) is not None:  # statuses already sent stay known
+            pass
+        self.why = self.why or "closed"
+        self.channel.close()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+#: at most this many zygotes are kept in a process (each holds about 0.5 GB of imported modules);
+#: the one used least recently closes first, once no worker it forked runs
+KEPT = 2
+_zygotes: dict[tuple, Zygote] = {}
+
+
+def forked_worker(python: str, env: dict[str, str], spec: str, stderr: int, timeout_s: float) -> ForkedWorker | None:
+    """A worker for `spec` forked from the zygote of (`python`, `env`, this directory), started
+    on first use; None where workers are not forked: another interpreter than this one (vLLM's
+    imports its own stack), $HARNESS_FORK_WORKERS=0, or a zygote that cannot serve (its reason is
+    kept, and it is not retried)."""
+    if os.environ.get("HARNESS_FORK_WORKERS", "1") == "0" or python != sys.executable:
+        return None
+    key = (python, os.getcwd(), tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE)))
+    zygote = _zygotes.pop(key, None) or Zygote(python, env, timeout_s)
+    _zygotes[key] = zygote
+    for idle in [k for k, z in _zygotes.items() if k != key and not z.busy()][: max(0, len(_zygotes) - KEPT)]:
+        _zygotes.pop(idle).close()
+    return zygote.spawn(spec, env, stderr) if zygote.alive() else None
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    child = serve(socket.socket(fileno=int(sys.argv[1])))
+    if child is None:
+        sys.exit(0)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
+    sys.exit(become_worker(*child))

@@ -1,0 +1,125 @@
+"""Workers forked from a preloaded zygote (harness.engines.zygote) must be indistinguishable from
+workers started afresh: same greeting, same numbers, same failures reported; and where a zygote
+cannot serve, workers start afresh."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.checkpoints.recipe import Recipe
+from harness.checkpoints.writer import generate
+from harness.engines.process import EngineFailure, EngineProcess, Limits
+from harness.engines.zygote import ForkedWorker
+
+pytestmark = pytest.mark.usefixtures("needs_transformers")
+
+
+@pytest.fixture
+def needs_transformers():
+    pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zygote") / "checkpoint"
+    generate(Recipe(format="ct-fp8-tensor", arch="llama", seed=3), out)
+    return out
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+def started(spec: str, log: Path) -> EngineProcess:
+    worker = EngineProcess(spec, None, log, Limits(timeout_s=300))
+    worker.start()
+    return worker
+
+
+def test_a_forked_worker_answers_exactly_as_a_fresh_one(checkpoint, tmp_path, monkeypatch):
+    forked = started("reference", tmp_path / "forked.log")
+    monkeypatch.setenv("HARNESS_FORK_WORKERS", "0")
+    fresh = started("reference", tmp_path / "fresh.log")
+    try:
+        assert isinstance(forked.process, ForkedWorker) and isinstance(fresh.process, subprocess.Popen)
+        assert forked.info == fresh.info
+        sequences = [[1, 5, 9, 2, 7], [3, 3, 8]]
+        answers = []
+        for name, worker in (("forked", forked), ("fresh", fresh)):
+            worker.load(checkpoint)
+            answers.append(
+                (
+                    worker.weights(tmp_path / f"{name}-w.safetensors"),
+                    worker.logprobs(sequences, tmp_path / f"{name}.st"),
+                )
+            )
+        (forked_weights, forked_rows), (fresh_weights, fresh_rows) = answers
+        assert forked_weights.keys() == fresh_weights.keys()
+        assert all(torch.equal(forked_weights[k], fresh_weights[k]) for k in fresh_weights)
+        assert all(torch.equal(a, b) for a, b in zip(forked_rows, fresh_rows, strict=True))
+    finally:
+        forked.close()
+        fresh.close()
+    assert forked.process.returncode == 0 == fresh.process.returncode
+
+
+def test_workers_of_one_environment_share_a_zygote_and_another_environment_gets_its_own(tmp_path, monkeypatch):
+    first, second = started("reference", tmp_path / "a.log"), started("transformers", tmp_path / "b.log")
+    monkeypatch.setenv("HARNESS_TEST_ZYGOTE", "other")
+    third = started("reference", tmp_path / "c.log")
+    try:
+        parents = [parent_of(w.process.pid) for w in (first, second, third)]
+        assert parents[0] == parents[1] != parents[2]
+        assert os.getpid() not in parents
+        environ = Path(f"/proc/{third.process.pid}/environ").read_bytes().split(b"\0")
+        assert b"HARNESS_TEST_ZYGOTE=other" in environ
+    finally:
+        for worker in (first, second, third):
+            worker.close()
+
+
+def test_a_killed_forked_worker_is_reported_with_its_signal(tmp_path):
+    worker = started("reference", tmp_path / "killed.log")
+    try:
+        os.kill(worker.process.pid, signal.SIGKILL)
+        with pytest.raises(EngineFailure) as failure:
+            worker.request("unsupported", format="fp8-block")
+        assert failure.value.kind == "crash"
+        assert worker.process.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        worker.close()
+
+
+def test_workers_start_afresh_once_their_zygote_is_gone(tmp_path, monkeypatch):
+    monkeypatch.setenv("HARNESS_TEST_ZYGOTE", "killed")  # a zygote of its own
+    running = started("reference", tmp_path / "running.log")
+    os.kill(parent_of(running.process.pid), signal.SIGKILL)
+    later = started("reference", tmp_path / "later.log")
+    try:
+        assert isinstance(later.process, subprocess.Popen)
+        assert running.unsupported("fp8-block") is None  # the orphaned worker still serves
+    finally:
+        running.close()
+        later.close()
+    assert running.process.returncode is not None
+
+
+def test_a_zygote_refuses_to_serve_when_preloading_starts_a_thread(tmp_path):
+    (tmp_path / "starts_a_thread.py").write_text(
+        textwrap.dedent("""\
+            import threading, time
+            threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+        """)
+    )
+    probe = "import harness.engines.zygote as z; z.PRELOAD += ('starts_a_thread',); print(z._preload())"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    greeting = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert "'ready': False" in greeting.stdout and "Python thread" in greeting.stdout
