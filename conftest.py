@@ -1,11 +1,31 @@
-"""Root conftest: Hypothesis settings profiles, chosen by HYPOTHESIS_PROFILE (dev by default), and
-the `nightly` marker: tests too long for CI run only with --run-nightly (tox -e nightly)."""
+"""Root conftest: Hypothesis settings profiles, chosen by HYPOTHESIS_PROFILE (dev by default), the
+`nightly` marker: tests too long for CI run only with --run-nightly (tox -e nightly), and one
+directory of engine-worker zygotes for the whole session, the CLIs it runs included."""
+
+import os
+import shutil
+import tempfile
 
 import pytest
 
 from harness.campaign.profiles import load_profile
 
 load_profile()
+
+
+def pytest_configure(config):
+    """Engine workers fork from zygotes the whole session shares, the CLIs it runs included
+    ($HARNESS_ZYGOTES, harness.engines.zygote): torch and transformers are imported once per
+    environment, not once per command. Removing the directory at the end sends each zygote away."""
+    if "HARNESS_ZYGOTES" not in os.environ:
+        config.zygotes = tempfile.mkdtemp(prefix="harness-zygotes-")
+        os.environ["HARNESS_ZYGOTES"] = config.zygotes
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "zygotes", None):
+        shutil.rmtree(config.zygotes, ignore_errors=True)
+        del os.environ["HARNESS_ZYGOTES"]
 
 
 def pytest_addoption(parser):

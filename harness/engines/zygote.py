@@ -24,15 +24,21 @@ child. `ps` shows a forked worker under the zygote's command line.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import hashlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 #: imported once by the zygote: what every CPU engine worker imports before it can answer
 PRELOAD = (
@@ -87,43 +93,74 @@ def _send(channel: socket.socket, **message) -> None:
         pass
 
 
-def serve(channel: socket.socket) -> tuple[dict, list[int]] | None:
-    """Fork a worker per request until the channel closes (returns None), or, in a child, return
-    the request and its descriptors for the child to become that worker."""
-    greeting = _preload()
-    _send(channel, **greeting)
-    if not greeting["ready"]:
+def serve(path: str, linger_s: float) -> tuple[dict, list[int]] | None:
+    """Listen at `path`; fork a worker per request of any client until no client and no worker
+    has been left for `linger_s` seconds (or `path` is gone and nothing runs): returns None. In a
+    forked child, returns the request and its descriptors for the child to become that worker."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        listener.bind(path)
+    except OSError:  # another zygote already serves this path: its starter's race, lost
         return None
-    children: set[int] = set()
+    mine = os.stat(path).st_ino
+    listener.listen(16)
+    greeting = _preload()
+    clients: list[socket.socket] = []
+    owners: dict[int, socket.socket] = {}  # worker pid -> the connection that asked for it
+    idle_since = time.monotonic()
     while True:
-        readable, _, _ = select.select([channel], [], [], 0.1 if children else None)
-        while children:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+        readable, _, _ = select.select([listener, *clients], [], [], 0.1 if owners else 1.0)
+        _reap(owners)
+        for channel in readable:
+            if channel is listener:
+                client, _ = listener.accept()
+                _send(client, **greeting)
+                if greeting["ready"]:
+                    clients.append(client)
+                else:
+                    client.close()
+                continue
+            try:
+                message, fds, _, _ = socket.recv_fds(channel, 65536, CARRIED)
+            except ConnectionError:
+                message, fds = b"", []
+            if not message:
+                clients.remove(channel)
+                channel.close()
+                continue
+            request = json.loads(message)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
             if pid == 0:
-                break
-            children.discard(pid)
-            _send(channel, exited=pid, status=os.waitstatus_to_exitcode(status))
-        if not readable:
-            continue
-        try:
-            message, fds, _, _ = socket.recv_fds(channel, 65536, CARRIED)
-        except ConnectionError:
-            message = b""
-        if not message:  # the harness is done with this zygote: reap what it forked, then go
-            for pid in children:
-                os.waitpid(pid, 0)
+                for channel in [listener, *clients]:
+                    channel.close()
+                return request, fds
+            for fd in fds:
+                os.close(fd)
+            owners[pid] = channel
+            _send(channel, started=request["id"], pid=pid)
+        if clients or owners:
+            idle_since = time.monotonic()
+        elif not greeting["ready"] or time.monotonic() - idle_since >= linger_s or not _still_mine(path, mine):
+            if _still_mine(path, mine):
+                os.unlink(path)
             return None
-        request = json.loads(message)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
+
+
+def _reap(owners: dict[int, socket.socket]) -> None:
+    while owners:
+        pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
-            channel.close()
-            return request, fds
-        for fd in fds:
-            os.close(fd)
-        children.add(pid)
-        _send(channel, started=request["id"], pid=pid)
+            return
+        _send(owners.pop(pid), exited=pid, status=os.waitstatus_to_exitcode(status))
+
+
+def _still_mine(path: str, inode: int) -> bool:
+    try:
+        return os.stat(path).st_ino == inode
+    except OSError:
+        return False
 
 
 def become_worker(request: dict, fds: list[int]) -> int:
@@ -165,29 +202,45 @@ class ForkedWorker:
 
 
 class Zygote:
-    """The harness's side of one zygote: start it, ask it for workers, learn how they ended."""
+    """The harness's side of one zygote: reach it (starting it if nobody has), ask it for workers,
+    learn how they ended."""
 
-    def __init__(self, python: str, env: dict[str, str], timeout_s: float):
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.channel, self.statuses, self.started, self.requests = ours, {}, {}, 0
+    def __init__(self, python: str, env: dict[str, str], path: Path, linger_s: float, timeout_s: float):
+        self.statuses: dict[int, int] = {}
+        self.started: dict[int, int] = {}
         self.forked: set[int] = set()
+        self.requests = 0
         #: why this zygote cannot serve ("" while it can)
         self.why = ""
-        self.process = subprocess.Popen(
-            [python, "-m", "harness.engines.zygote", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        theirs.close()
-        greeting = self._next(timeout_s) or {"ready": False, "why": f"no greeting within {timeout_s:.0f} s"}
+        self.channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        if not self._connect(path):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # a socket nobody listens at: its zygote died
+            subprocess.Popen(
+                [python, "-m", "harness.engines.zygote", str(path), str(linger_s)],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            deadline = time.monotonic() + min(timeout_s, 60.0)
+            while not self._connect(path):
+                if time.monotonic() > deadline:
+                    self.why = f"the zygote at {path} did not listen within 60 s"
+                    return
+                time.sleep(0.05)
+        greeting = self._next(timeout_s) or {"why": self.why or f"no greeting within {timeout_s:.0f} s"}
         if not greeting.get("ready"):
             self.why = self.why or greeting.get("why", "it stopped before greeting")
-        if self.why:
-            self.close()
+            self.channel.close()
+
+    def _connect(self, path: Path) -> bool:
+        try:
+            self.channel.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            return False
+        return True
 
     def _next(self, timeout: float | None) -> dict | None:
         """The zygote's next message within `timeout` (None: wait), or None; records what it says."""
@@ -239,8 +292,8 @@ class Zygote:
 
     def exit_status(self, pid: int, timeout: float | None) -> int | None:
         """`pid`'s exit status once the zygote has reaped it, waiting up to `timeout` (None: as long
-        as it takes); None if it still runs. Where the zygote is gone, init reaps the worker and
-        nobody learns its status: a worker that no longer exists then ended with status -1."""
+        as it takes); None if it still runs. Where the zygote is gone, nobody learns the status: a
+        worker that no longer exists (or is a zombie nobody reaps) then ended with status -1."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while pid not in self.statuses:
             if deadline is not None and time.monotonic() >= deadline and timeout != 0:
@@ -260,24 +313,19 @@ class Zygote:
         return self.statuses.pop(pid)
 
     def alive(self) -> bool:
-        return not self.why and self.process.poll() is None
+        while not self.why and self._next(0) is not None:  # an exited zygote says so here
+            pass
+        return not self.why
 
     def busy(self) -> bool:
         """Whether a worker it forked may still run (its exit status is learnt only from the zygote)."""
-        while not self.why and self._next(0) is not None:
-            pass
-        return any(pid not in self.statuses and _alive(pid) for pid in self.forked)
+        return self.alive() and any(pid not in self.statuses and _alive(pid) for pid in self.forked)
 
     def close(self) -> None:
-        while not self.why and self._next(0) is not None:  # statuses already sent stay known
-            pass
+        """Hang up (statuses already sent stay known); the zygote goes once idle for its linger."""
+        self.alive()
         self.why = self.why or "closed"
         self.channel.close()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
 
 
 def _alive(pid: int) -> bool:
@@ -288,30 +336,51 @@ def _alive(pid: int) -> bool:
         return False
 
 
-#: at most this many zygotes are kept in a process (each holds about 0.5 GB of imported modules);
-#: the one used least recently closes first, once no worker it forked runs
+#: at most this many zygotes are kept connected by a process (each holds about 0.5 GB of imported
+#: modules); the one used least recently hangs up first, once no worker it forked runs
 KEPT = 2
+#: seconds a zygote in a shared directory ($HARNESS_ZYGOTES) waits, idle, for the next command's
+#: workers; a process's own zygotes (no such directory) go as soon as it hangs up
+LINGER_S = 120.0
 _zygotes: dict[tuple, Zygote] = {}
+_private: list[Path] = []
 
 
 def forked_worker(python: str, env: dict[str, str], spec: str, stderr: int, timeout_s: float) -> ForkedWorker | None:
-    """A worker for `spec` forked from the zygote of (`python`, `env`, this directory), started
-    on first use; None where workers are not forked: another interpreter than this one (vLLM's
-    imports its own stack), $HARNESS_FORK_WORKERS=0, or a zygote that cannot serve (its reason is
-    kept, and it is not retried)."""
+    """A worker for `spec` forked from the zygote of (`python`, `env`, this directory), reached or
+    started on first use; None where workers are not forked: another interpreter than this one
+    (vLLM's imports its own stack), $HARNESS_FORK_WORKERS=0, or a zygote that cannot serve (its
+    reason is kept, and it is not retried by this process)."""
     if os.environ.get("HARNESS_FORK_WORKERS", "1") == "0" or python != sys.executable:
         return None
     key = (python, os.getcwd(), tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE)))
-    zygote = _zygotes.pop(key, None) or Zygote(python, env, timeout_s)
+    zygote = _zygotes.pop(key, None)
+    if zygote is None:
+        directory, linger_s = _directory()
+        path = directory / f"{hashlib.sha256(repr(key).encode()).hexdigest()[:20]}.sock"
+        zygote = Zygote(python, env, path, linger_s, timeout_s)
     _zygotes[key] = zygote
     for idle in [k for k, z in _zygotes.items() if k != key and not z.busy()][: max(0, len(_zygotes) - KEPT)]:
         _zygotes.pop(idle).close()
     return zygote.spawn(spec, env, stderr) if zygote.alive() else None
 
 
+def _directory() -> tuple[Path, float]:
+    """Where this process's zygotes listen, and how long they outlive their last client: the
+    shared $HARNESS_ZYGOTES (created, private to this user), else a directory of its own."""
+    shared = os.environ.get("HARNESS_ZYGOTES")
+    if shared:
+        Path(shared).mkdir(mode=0o700, parents=True, exist_ok=True)
+        return Path(shared), LINGER_S
+    if not _private:
+        _private.append(Path(tempfile.mkdtemp(prefix="harness-zygotes-")))
+        atexit.register(shutil.rmtree, _private[0], True)
+    return _private[0], 0.0
+
+
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    child = serve(socket.socket(fileno=int(sys.argv[1])))
+    child = serve(sys.argv[1], float(sys.argv[2]))
     if child is None:
         sys.exit(0)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter

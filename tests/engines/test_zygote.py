@@ -5,10 +5,12 @@ cannot serve, workers start afresh."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,44 @@ def test_a_zygote_refuses_to_serve_when_preloading_starts_a_thread(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     greeting = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert "'ready': False" in greeting.stdout and "Python thread" in greeting.stdout
+
+
+PARENT_OF_A_WORKER = """
+import sys
+from pathlib import Path
+from harness.engines.process import EngineProcess, Limits
+worker = EngineProcess("reference", None, Path(sys.argv[1]), Limits(timeout_s=300))
+worker.start()
+print(Path(f"/proc/{worker.process.pid}/stat").read_text().rpartition(")")[2].split()[1])
+worker.close()
+"""
+
+
+def test_commands_share_the_zygotes_of_a_shared_directory_until_it_goes(tmp_path):
+    shared = tmp_path / "zygotes"
+    env = {**os.environ, "HARNESS_ZYGOTES": str(shared)}
+    parents = [
+        subprocess.run(
+            [sys.executable, "-c", PARENT_OF_A_WORKER, str(tmp_path / f"{n}.log")],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for n in range(2)
+    ]
+    assert parents[0] == parents[1]  # the second command's worker forked from the first's zygote
+    assert running(int(parents[0])) and [p.suffix for p in shared.iterdir()] == [".sock"]
+    shutil.rmtree(shared)
+    deadline = time.monotonic() + 30
+    while running(int(parents[0])):
+        assert time.monotonic() < deadline, "the zygote outlived its directory"
+        time.sleep(0.2)
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie nobody reaps has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
