@@ -32,17 +32,28 @@ PRELOADED = [
 _context = None
 
 
-def run_cli(*args, timeout: float = 900, fresh: bool = False, **env: str) -> subprocess.CompletedProcess:
+def run_cli(
+    *args, timeout: float = 900, fresh: bool = False, cwd: str | Path | None = None, **env: str
+) -> subprocess.CompletedProcess:
+    """`python -m harness ARGS` in directory `cwd` (this one by default), with variables `env` set
+    over this process's environment; TimeoutExpired past `timeout` (the call is killed)."""
     argv = [*map(str, args)]
     command = ["python", "-m", "harness", *argv]
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
+    cwd = str(cwd or os.getcwd())
     if fresh:
         return subprocess.run(
-            [sys.executable, "-m", "harness", *argv], capture_output=True, text=True, timeout=timeout, env=environment
+            [sys.executable, "-m", "harness", *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=environment,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
         )
     with tempfile.TemporaryDirectory(prefix="harness-cli-") as scratch:
         out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
-        child = _forkserver().Process(target=_main, args=(argv, environment, os.getcwd(), str(out), str(err)))
+        child = _forkserver().Process(target=_main, args=(argv, environment, cwd, str(out), str(err)))
         child.start()
         child.join(timeout)
         if child.exitcode is None:

@@ -1,7 +1,7 @@
 """Bad input through the real CLI: exit 2, one line on stderr naming the file and the problem.
 
 Every case copies a checkpoint written by the real `gen`, damages it, and runs
-`python -m harness dequant` (or `gen`) in a subprocess with a timeout. Each case lives in
+`python -m harness dequant` (or `gen`) in a process of its own with a timeout (tests.cli). Each case lives in
 its own sandbox directory, which is listed before and after the run: a refused input must
 leave it exactly as it was (no output, no `.partial`, nothing written into the checkpoint; only
 the output directory's mtime may move, as dequant streams into a `.partial` it then removes),
@@ -9,9 +9,9 @@ and nothing may appear beside the sandboxes either. Inputs that point outside th
 checkpoint point at a *valid* copy of the file, so only the containment check can refuse
 them, or at a FIFO, so that reading it would hang.
 
-The subprocesses (each ~3 CPU-seconds, nearly all of it importing torch) run in parallel
-in one module fixture, and the tests then check one recorded result each. Only the cases
-the issue lists, and those that could hang, pay for a subprocess; further variants of the
+The processes (forked from tests.cli's server, which has imported the CLI and torch) run in
+parallel in one module fixture, and the tests then check one recorded result each. Only the cases
+the issue lists, and those that could hang, pay for a process; further variants of the
 same damage call the same `harness.commands.cli.main` in this process (see `case`). Only the cases
 selected for this session (e.g. with -k) are run.
 """
@@ -25,7 +25,6 @@ import re
 import shutil
 import struct
 import subprocess
-import sys
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +34,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests import cli as forked_cli
+
 TIMEOUT_S = 120
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -73,25 +73,11 @@ SOURCES: dict[str, list[str]] = {
 }
 
 
-def cli_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "HARNESS_DEBUG"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", "1")  # several CLIs run at once
-    return env
-
-
 def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess | None:
-    """The real CLI in a subprocess; None when it ran past the timeout (a hang)."""
+    """The real CLI in a process of its own (tests.cli), without HARNESS_DEBUG's tracebacks; None
+    when it ran past the timeout (a hang)."""
     try:
-        return subprocess.run(
-            [sys.executable, "-m", "harness", *args],
-            cwd=cwd,
-            env=cli_env(),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-        )
+        return forked_cli.run_cli(*args, cwd=cwd, timeout=TIMEOUT_S, HARNESS_DEBUG="")
     except subprocess.TimeoutExpired:
         return None
 
@@ -209,7 +195,7 @@ class Expect:
 class Case:
     source: str
     damage: Callable[[Path, Path], Expect]
-    cli: bool  # run in a subprocess; else through harness.commands.cli.main in this process
+    cli: bool  # run in a process of its own; else through harness.commands.cli.main in this process
 
 
 CASES: dict[str, Case] = {}
@@ -217,9 +203,8 @@ CASES: dict[str, Case] = {}
 
 def case(name: str, source: str = "sharded", cli: bool = False):
     """Register a damage. `cli=True` for the cases the issue lists and for anything that could
-    hang (FIFOs): those run `python -m harness` in a subprocess with a timeout. The other
-    variants go through the same `main()` in this process, to keep the module fast (each
-    subprocess spends ~3 CPU-seconds importing torch)."""
+    hang (FIFOs): those run `python -m harness` in a process of its own with a timeout. The
+    other variants go through the same `main()` in this process, to keep the module fast."""
 
     def register(damage):
         assert name not in CASES, name

@@ -205,7 +205,7 @@ def write_campaign_report(
         "budget": args.budget or "",
         "counts": [{"signature": list(s), "seen": n, "new": s in campaign.minimal} for s, n in campaign.counts.items()],
         "known_issues_rediscovered": sorted(campaign.known_issue_ids()),
-        "seconds_per_worker_op": {k: {op: round(s, 1) for op, s in ops.items()} for k, ops in (spent or {}).items()},
+        "seconds_per_worker_op": {k: {op: round(s, 3) for op, s in ops.items()} for k, ops in (spent or {}).items()},
     }
     path = write_report(
         report,

@@ -4,8 +4,8 @@ The worker inherits the user's environment (PYTHONPATH, HF_HOME, CUDA_VISIBLE_DE
 unchanged but for the overrides its registry entry names because correctness needs them
 (harness.engines.EngineEntry.overrides: the CPU engines hide GPUs). It is killed, and the failure
 reported, when it crashes, answers nothing within the timeout, or its resident memory passes the
-limit; the run goes on. A worker in the harness's own interpreter is forked from a preloaded
-zygote of the same environment (harness.engines.zygote) rather than started afresh.
+limit; the run goes on. A worker is forked from a preloaded zygote of its interpreter and
+environment (harness.engines.zygote) rather than started afresh.
 """
 
 from __future__ import annotations

@@ -348,10 +348,10 @@ _private: list[Path] = []
 
 def forked_worker(python: str, env: dict[str, str], spec: str, stderr: int, timeout_s: float) -> ForkedWorker | None:
     """A worker for `spec` forked from the zygote of (`python`, `env`, this directory), reached or
-    started on first use; None where workers are not forked: another interpreter than this one
-    (vLLM's imports its own stack), $HARNESS_FORK_WORKERS=0, or a zygote that cannot serve (its
-    reason is kept, and it is not retried by this process)."""
-    if os.environ.get("HARNESS_FORK_WORKERS", "1") == "0" or python != sys.executable:
+    started on first use, in any interpreter (vLLM's imports vLLM after the fork, as a fresh worker
+    does); None where workers are not forked: $HARNESS_FORK_WORKERS=0, or a zygote that cannot
+    serve (its reason is kept, and it is not retried by this process)."""
+    if os.environ.get("HARNESS_FORK_WORKERS", "1") == "0":
         return None
     key = (python, os.getcwd(), tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE)))
     zygote = _zygotes.pop(key, None)

@@ -121,7 +121,7 @@ def test_a_zygote_refuses_to_serve_when_preloading_starts_a_thread(tmp_path):
             threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
         """)
     )
-    probe = "import harness.engines.zygote as z; z.PRELOAD += ('starts_a_thread',); print(z._preload())"
+    probe = "import harness.engines.zygote as z; z.PRELOAD = ('numpy', 'starts_a_thread'); print(z._preload())"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     greeting = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert "'ready': False" in greeting.stdout and "Python thread" in greeting.stdout

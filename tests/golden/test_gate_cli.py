@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from harness.lm import faults
+from tests.cli import run_cli
 
 pytestmark = pytest.mark.slow
 
 
-def harness(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "harness", *map(str, args)], capture_output=True, text=True, timeout=900
-    )
+def harness(*args, cwd=None):
+    return run_cli(*args, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +52,7 @@ def test_gate_passes_clean_and_fails_faulty(clean, tmp_path):
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=tmp_path)
+    done = harness(*args, cwd=tmp_path)
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "x").exists()
@@ -77,8 +73,6 @@ def test_gate_of_a_directory_not_made_from_a_tiny_model_is_an_error(tmp_path):
     ],
 )
 def test_golden_and_quantize_refuse_bad_input_before_any_work(args, tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "harness", *args], capture_output=True, text=True, cwd=tmp_path, timeout=120
-    )
+    done = harness(*args, cwd=tmp_path)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not any(tmp_path.iterdir()), "nothing written"
