@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -350,10 +351,29 @@ def engine_version(stdout: str) -> Version | None:
     return Version(found.group(1).split("+")[0]) if found else None
 
 
+@pytest.fixture(scope="module")
+def standalone_runs(request, tmp_path_factory):
+    """Every script test_script_reproduces_without_the_project runs in this session, started at
+    once, two at a time (each is mostly one interpreter importing torch on one core); the tests
+    then read one result each (a skip included)."""
+    issues = {
+        item.callspec.params["issue"].id: item.callspec.params["issue"].engine
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+        and getattr(item, "originalname", "") == "test_script_reproduces_without_the_project"
+        and not item.get_closest_marker("skip")
+    }
+    with ThreadPoolExecutor(2) as pool:
+        yield {
+            issue: pool.submit(run_standalone, script_text(issue), engine, tmp_path_factory.mktemp(issue))
+            for issue, engine in sorted(issues.items())
+        }
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("issue", RUN_SCRIPTS)
-def test_script_reproduces_without_the_project(issue, tmp_path):
-    done, imported = run_standalone(script_text(issue.id), issue.engine, tmp_path)
+def test_script_reproduces_without_the_project(issue, standalone_runs):
+    done, imported = standalone_runs[issue.id].result()
     assert imported, "no -X importtime output"
     assert not {m for m in imported if m == "harness" or m.startswith("harness.")}, "the script imported harness"
     output = f"{done.stdout[-4000:]}\n{done.stderr[-3000:]}"

@@ -73,19 +73,25 @@ def test_a_forked_worker_answers_exactly_as_a_fresh_one(checkpoint, tmp_path, mo
     assert forked.process.returncode == 0 == fresh.process.returncode
 
 
-def test_workers_of_one_environment_share_a_zygote_and_another_environment_gets_its_own(tmp_path, monkeypatch):
+def test_one_environment_shares_a_zygote_another_gets_its_own_and_a_gone_zygote_is_not_reused(tmp_path, monkeypatch):
     first, second = started("reference", tmp_path / "a.log"), started("transformers", tmp_path / "b.log")
     monkeypatch.setenv("HARNESS_TEST_ZYGOTE", "other")
     third = started("reference", tmp_path / "c.log")
+    workers = [first, second, third]
     try:
-        parents = [parent_of(w.process.pid) for w in (first, second, third)]
+        parents = [parent_of(w.process.pid) for w in workers]
         assert parents[0] == parents[1] != parents[2]
         assert os.getpid() not in parents
         environ = Path(f"/proc/{third.process.pid}/environ").read_bytes().split(b"\0")
         assert b"HARNESS_TEST_ZYGOTE=other" in environ
+        os.kill(parents[2], signal.SIGKILL)  # the other environment's zygote dies
+        workers.append(started("reference", tmp_path / "d.log"))
+        assert isinstance(workers[-1].process, subprocess.Popen)  # started afresh
+        assert third.unsupported("fp8-block") is None  # the orphaned worker still serves
     finally:
-        for worker in (first, second, third):
+        for worker in workers:
             worker.close()
+    assert third.process.returncode is not None
 
 
 def test_a_killed_forked_worker_is_reported_with_its_signal(tmp_path):
@@ -98,20 +104,6 @@ def test_a_killed_forked_worker_is_reported_with_its_signal(tmp_path):
         assert worker.process.wait(timeout=10) == -signal.SIGKILL
     finally:
         worker.close()
-
-
-def test_workers_start_afresh_once_their_zygote_is_gone(tmp_path, monkeypatch):
-    monkeypatch.setenv("HARNESS_TEST_ZYGOTE", "killed")  # a zygote of its own
-    running = started("reference", tmp_path / "running.log")
-    os.kill(parent_of(running.process.pid), signal.SIGKILL)
-    later = started("reference", tmp_path / "later.log")
-    try:
-        assert isinstance(later.process, subprocess.Popen)
-        assert running.unsupported("fp8-block") is None  # the orphaned worker still serves
-    finally:
-        running.close()
-        later.close()
-    assert running.process.returncode is not None
 
 
 def test_a_zygote_refuses_to_serve_when_preloading_starts_a_thread(tmp_path):
