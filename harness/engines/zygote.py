@@ -216,16 +216,20 @@ class Zygote:
         if not self._connect(path):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()  # a socket nobody listens at: its zygote died
-            subprocess.Popen(
-                [python, "-m", "harness.engines.zygote", str(path), str(linger_s)],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+            with path.with_suffix(".log").open("ab") as log:  # what the zygote itself says, e.g. a crash
+                process = subprocess.Popen(
+                    [python, "-m", "harness.engines.zygote", str(path), str(linger_s)],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    start_new_session=True,
+                )
             deadline = time.monotonic() + min(timeout_s, 60.0)
             while not self._connect(path):
+                if process.poll() is not None:  # and nobody else listens there either
+                    self.why = f"the zygote exited with status {process.returncode} before listening (log: {log.name})"
+                    return
                 if time.monotonic() > deadline:
                     self.why = f"the zygote at {path} did not listen within 60 s"
                     return

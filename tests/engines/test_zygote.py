@@ -19,7 +19,7 @@ import torch
 from harness.checkpoints.recipe import Recipe
 from harness.checkpoints.writer import generate
 from harness.engines.process import EngineFailure, EngineProcess, Limits
-from harness.engines.zygote import ForkedWorker
+from harness.engines.zygote import ForkedWorker, Zygote
 
 pytestmark = pytest.mark.usefixtures("needs_transformers")
 
@@ -144,7 +144,7 @@ def test_commands_share_the_zygotes_of_a_shared_directory_until_it_goes(tmp_path
         for n in range(2)
     ]
     assert parents[0] == parents[1]  # the second command's worker forked from the first's zygote
-    assert running(int(parents[0])) and [p.suffix for p in shared.iterdir()] == [".sock"]
+    assert running(int(parents[0])) and [p.suffix for p in shared.iterdir() if p.suffix != ".log"] == [".sock"]
     shutil.rmtree(shared)
     deadline = time.monotonic() + 30
     while running(int(parents[0])):
@@ -158,3 +158,12 @@ def running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_an_interpreter_that_cannot_run_a_zygote_is_told_at_once(tmp_path):
+    failing = tmp_path / "python"
+    failing.write_text("#!/bin/sh\necho 'no harness here' >&2\nexit 3\n")
+    failing.chmod(0o755)
+    zygote = Zygote(str(failing), dict(os.environ), tmp_path / "z.sock", 0.0, timeout_s=600)
+    assert zygote.why.startswith("the zygote exited with status 3 before listening"), zygote.why
+    assert "no harness here" in (tmp_path / "z.log").read_text()
