@@ -2,18 +2,19 @@
 forks a worker per request, so a worker starts in a fraction of a second instead of importing
 them again (about 10 s per worker on a slow 2-core host, most of a short check's time).
 
-`python -m harness.engines.zygote FD` is started by `Zygote` (below) in the interpreter, the
-environment and the directory its workers would get; FD is its end of a socket pair. A request
-carries the worker's spec and three file descriptors (SCM_RIGHTS): the worker's stdin, stdout and
-stderr. The zygote forks; the child starts a session of its own, takes the three descriptors and
+`python -m harness.engines.zygote SOCKET LINGER_S` is started by `Zygote` (below) in the
+interpreter, the environment and the directory its workers would get, and listens at the Unix
+socket SOCKET; each client process connects once. A request carries the worker's spec, its
+environment and three file descriptors (SCM_RIGHTS): the worker's stdin, stdout and stderr. The zygote forks; the child starts a session of its own, takes the three descriptors and
 runs `harness.engines.worker.serve(spec)` exactly as `python -m harness.engines.worker` would.
 The zygote answers each request with the child's pid and reports each child's exit status.
 
 Forking is safe only where no thread pool the child would use has started: the zygote computes
 nothing (no OpenMP region, no CUDA), and it refuses to serve when preloading started more native
 threads than importing numpy alone does (numpy's OpenBLAS pool, which re-creates itself after a
-fork). When its socket closes (its parent is done with it or gone) it waits for the workers it
-forked, which end when their stdin closes, and exits: none is left for an init that reaps nothing.
+fork). Once no client is connected and no worker it forked runs, it waits LINGER_S seconds for
+another client (0 for a process's own zygotes, LINGER_S below for a shared directory) or until its
+socket file goes, then exits: it never leaves a worker for an init that reaps nothing.
 
 What a forked worker shares with the zygote and a fresh one would not: the modules in PRELOAD,
 already imported (the warnings they print at import appear once, in no worker's log), the hash
