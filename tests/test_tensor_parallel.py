@@ -419,6 +419,123 @@ def test_the_relation_applies_to_the_lanes_architectures_and_only_on_vllm():
     assert sampled(turn * CAMPAIGN_EVERY, RELATION_NAMES, config=phi3) != ("tensor-parallel",)
 
 
+# -- gpt-oss: experts packed, gate/up interleaved, split by its model's load_weights in whole groups --
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_checkpoint(tmp_path_factory):
+    """gpt-oss in its release format at the generator's defaults: 3 experts 160 wide (5 MXFP4 groups)."""
+    directory = tmp_path_factory.mktemp("tp") / "gpt-oss"
+    generate(apply_settings(Recipe(format="mxfp4", arch="gpt_oss", seed=1), ["num_hidden_layers=1"]), directory)
+    return directory
+
+
+def test_layout_splits_gpt_oss_experts_in_whole_groups_and_pads_the_last_ranks(gpt_oss_checkpoint):
+    truth = load_truth(gpt_oss_checkpoint, 0)
+    linears = {linear.name: linear for linear in decoder_linears(truth.config)}
+    w13, w2 = linears["experts.1.w13"], linears["experts.1.w2"]
+    assert [p.name for p in w13.parts] == ["experts.1.gate_up_proj"] and w13.parts[0].rows == 320
+    # 5 groups of 32 over 4 ranks: 2, 2, 1 and 0 groups (ceil(5 / 4) = 2 a rank)
+    spans = [owned_slice(w2, w2.parts[0], 4, rank, truth.config) for rank in range(4)]
+    assert [(s.axis, s.start, s.stop) for s in spans] == [(1, 0, 64), (1, 64, 128), (1, 128, 160), (1, 160, 160)]
+    assert [s.bias_zero for s in spans] == [False, True, True, True] and all(s.padded for s in spans)
+    rows = owned_slice(w13, w13.parts[0], 2, 1, truth.config)
+    assert (rows.axis, rows.start, rows.stop) == (0, 192, 320)  # intermediate 96-159, gate and up interleaved
+
+
+def shard_gpt_oss(truth, tp: int, padding: int = 0, bias_on_every_rank=False, halves=False) -> list[Shard]:
+    """TEST DOUBLE: what a correct gpt-oss loader holds of each expert per rank: intermediate
+    columns [start, stop) in whole 32-column groups, ceil(groups / tp) a rank, w13's interleaved
+    gate/up rows 2 x start to 2 x stop, w2's columns, padded to the rank's width with zeros, and
+    w2's bias on rank 0 only. Deliberately wrong variants: `padding` bytes other than zero,
+    `bias_on_every_rank` (the all-reduce adds it tp times), `halves` (w13 read as gate rows then
+    up rows, not interleaved)."""
+    width = truth.config["intermediate_size"]
+    per_rank = -(-(width // 32) // tp) * 32
+    shards = []
+    for linear in decoder_linears(truth.config):
+        if linear.expert is None:
+            continue
+        module = linear.part_module(truth.layer, linear.parts[0])
+        raw = {suffix: truth.raw[f"{module}.{suffix}"] for suffix in ("weight_packed", "weight_scale", "bias")}
+        for rank in range(tp):
+            start = min(rank * per_rank, width)
+            stop = min(start + per_rank, width)
+            held = {}
+            if linear.name.endswith("w13"):
+                for suffix, tensor in raw.items():
+                    if halves:
+                        mine = torch.cat([tensor[start:stop], tensor[width + start : width + stop]])
+                    else:
+                        mine = tensor[2 * start : 2 * stop]
+                    pad = torch.full((2 * per_rank - mine.shape[0], *mine.shape[1:]), padding, dtype=torch.uint8)
+                    held[suffix] = torch.cat([mine, pad.view(mine.dtype)])
+            else:
+                for suffix, per_column in (("weight_packed", 2), ("weight_scale", 32)):
+                    mine = raw[suffix][:, start // per_column : stop // per_column]
+                    pad = torch.full(
+                        (mine.shape[0], (per_rank - (stop - start)) // per_column), padding, dtype=torch.uint8
+                    )
+                    held[suffix] = torch.cat([mine, pad], dim=1)
+                keep = rank == 0 or bias_on_every_rank
+                held["bias"] = raw["bias"].clone() if keep else torch.zeros_like(raw["bias"])
+            shards.append(Shard(tp, rank, linear, [held["weight_packed"].shape[0]], None, held))
+    return shards
+
+
+def test_gpt_oss_experts_sharded_correctly_are_exact_and_wrong_loaders_are_caught(gpt_oss_checkpoint):
+    truth = load_truth(gpt_oss_checkpoint, 0)
+    for tp in (1, 2, 4):
+        verdicts = judge(shard_gpt_oss(truth, tp), truth)
+        assert {v.status for v in verdicts} == {EXACT}, [v.line() for v in verdicts if v.status != EXACT]
+    padded = {(v.rank, v.module): v for v in judge(shard_gpt_oss(truth, 4, padding=0x11), truth)}
+    assert padded[0, "experts.0.w13"].status == EXACT  # 64 of 64 columns: no padding
+    assert any(
+        "padding element(s) of weight_packed past the rank's share are not zero" in d
+        for d in padded[2, "experts.0.w13"].details
+    )
+    assert any("padding element(s) of weight_scale" in d for d in padded[3, "experts.0.w2"].details)
+    summed = {(v.rank, v.module): v for v in judge(shard_gpt_oss(truth, 2, bias_on_every_rank=True), truth)}
+    assert summed[0, "experts.2.w2"].status == EXACT
+    assert summed[1, "experts.2.w2"].details == ["experts.2.down_proj bias differs from the checkpoint's slice"]
+    halves = {(v.rank, v.module): v for v in judge(shard_gpt_oss(truth, 2, halves=True), truth)}
+    assert halves[0, "experts.0.w13"].status == FINDING and halves[1, "experts.0.w2"].status == EXACT
+
+
+@needs_vllm
+def test_vllm_gpt_oss_is_exact_at_tp_2_and_4_and_misplaces_uneven_experts(gpt_oss_checkpoint, tmp_path, tp_worker):
+    """vLLM's own gpt-oss loading (GptOssModel.load_weights on its MLPBlock) under a mocked rank:
+    160-wide experts at tp 2 and 4 (a rank padded, one holding padding only) exact; 3 experts at ep 2
+    misplaced (vllm-gpt-oss-ep-uneven-experts-misplaced), and 4 experts at ep 2 exact."""
+    result = check_tensor_parallel(gpt_oss_checkpoint, [1, 2, 4], ep_sizes=[2], process=tp_worker)
+    lines = {(o.parallel, o.tp): o for o in result.outcomes}
+    assert [(key, o.status) for key, o in lines.items()] == [
+        (("tp", 1), EXACT),
+        (("tp", 2), EXACT),
+        (("tp", 4), EXACT),
+        (("ep", 2), FINDING),
+    ], [line for o in result.outcomes for line in o.reasons + o.findings]
+    judged = {v.module for v in result.verdicts if v.tp == 4}
+    assert {"qkv_proj", "o_proj", "experts.2.w13", "experts.2.w2"} <= judged
+    assert any(
+        line.startswith("ep 2 rank 0 experts.1.w13: finding") and "is expert 0's" in line
+        for line in lines["ep", 2].findings
+    )
+    assert any(
+        line.startswith("ep 2 rank 1 experts.2.w2: finding") and "is expert 1's" in line
+        for line in lines["ep", 2].findings
+    )
+    even = tmp_path / "four-experts"
+    generate(
+        apply_settings(Recipe(format="mxfp4", arch="gpt_oss", seed=1), ["num_hidden_layers=1", "num_local_experts=4"]),
+        even,
+    )
+    assert [o.status for o in check_tensor_parallel(even, [1], ep_sizes=[2], process=tp_worker).outcomes] == [
+        EXACT,
+        EXACT,
+    ]
+
+
 @needs_vllm
 def test_vllm_int4_shards_are_exact_and_group_splits_are_refused(tmp_path, tp_worker):
     """ct-int4 (pack-quantized, groups of 128): the packed int32 words reach the judge exactly

@@ -37,7 +37,7 @@ CONFIG_NAMES = (
 #: moe_intermediate_size); only for a registered mixture-of-experts architecture
 DERIVED_NAMES = ("dtype_bytes", "expert_width")
 #: names of a finding about one module (weight-mismatch etc.)
-MODULE_NAMES = ("rows", "cols", "block_rows", "block_cols", "partial", "expert", "tp")
+MODULE_NAMES = ("rows", "cols", "block_rows", "block_cols", "partial", "expert", "tp", "parallel")
 
 BINARY: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
@@ -282,11 +282,13 @@ def observed_facts(directory: Path) -> dict[str, Any]:
 def module_context(finding: Finding) -> dict[str, Any]:
     """A finding about one weight: its shape (rows, cols) and scale block (block_rows,
     block_cols), `partial`: a dimension is not a multiple of the block, `expert`: the module
-    is one of a mixture's experts, and `tp`: the tensor-parallel size it was found at."""
+    is one of a mixture's experts, `tp`: the tensor-parallel size it was found at (or the
+    expert-parallel size), and `parallel`: which of the two ("tp" or "ep")."""
     shape, block = finding.metrics.get("shape"), finding.metrics.get("block")
     context: dict[str, Any] = {"expert": ".experts." in (finding.module or "")} if finding.module else {}
     if isinstance(finding.metrics.get("tp"), int):  # the tensor-parallel size a relation finding is at
         context["tp"] = finding.metrics["tp"]
+        context["parallel"] = finding.metrics.get("parallel", "tp")
     if not (isinstance(shape, (list, tuple)) and len(shape) == 2):
         return context
     context |= {"rows": shape[0], "cols": shape[1]}

@@ -15,7 +15,7 @@ rank of the group (`expert_coverage`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -26,6 +26,7 @@ from harness.engines.tensor_parallel.layout import (
     FusedLinear,
     Part,
     Slice,
+    held_share,
     lane_linears,
     owned_slice,
     vocab_linears,
@@ -160,8 +161,10 @@ def judge_shard(shard: Shard, truth: Truth) -> RankVerdict:
     if any(s is None for s in slices):
         problems.append(f"vLLM loaded a tp {shard.tp} split of {shard.linear.name} that has no even layout")
     else:
+        if slices[0].padded:
+            shard = unpadded(shard, slices[0], truth, problems)
         try:
-            computed = dequantize_held(shard, truth)
+            computed = dequantize_held(shard, truth) if slices[0].stop > slices[0].start else {}
         except (FormatError, ValueError, RuntimeError) as error:
             problems.append(f"the format's reference refuses the held tensors: {error}")
             computed = {}
@@ -175,10 +178,56 @@ def judge_shard(shard: Shard, truth: Truth) -> RankVerdict:
             problems += raw_problems(shard, part, owned, truth)
             if len(problems) > before:
                 verdict.wrong[module] = list(truth.reference[f"{module}.weight"].shape)
+    if problems and shard.parallel == EP:
+        problems.append(expert_held(shard, truth))
     if problems:
         verdict.status = FINDING
         verdict.details = problems
     return verdict
+
+
+def expert_held(shard: Shard, truth: Truth) -> str:
+    """Which checkpoint expert's stored weight an expert-parallel slot holds (when it is wrong)."""
+    suffix = next((s for s in (truth.fmt.suffixes[0], "weight") if s in shard.held), None)
+    mine = f"experts.{shard.linear.expert}."
+    matches = []
+    for expert in range(1 << 16):
+        names = [
+            f"{shard.linear.part_module(truth.layer, part).replace(mine, f'experts.{expert}.')}.{suffix}"
+            for part in shard.linear.parts
+        ]
+        if any(name not in truth.raw for name in names):
+            break
+        stored = torch.cat([truth.raw[name] for name in names])
+        if suffix and stored.shape == shard.held[suffix].shape and same_values(shard.held[suffix], stored):
+            matches.append(expert)
+    if not matches:
+        return f"its {suffix} is no expert's of the checkpoint"
+    return f"its {suffix} is expert {', '.join(map(str, matches))}'s of the checkpoint"
+
+
+def unpadded(shard: Shard, owned: Slice, truth: Truth, problems: list[str]) -> Shard:
+    """The shard without the padding past the rank's share (vLLM rounds a gpt-oss rank's width up
+    to whole groups); padding that is not zero bytes is a problem (the kernel reads it)."""
+    module = shard.linear.part_module(truth.layer, shard.linear.parts[0])
+    held = {}
+    for suffix, tensor in shard.held.items():
+        stored = truth.raw.get(f"{module}.{suffix}")
+        columns = stored.shape[1] if stored is not None and stored.dim() > 1 else None
+        share = held_share(owned, tensor.dim(), shard.linear.input_size, columns)
+        if share is None:
+            held[suffix] = tensor
+            continue
+        padding = torch.ones(tensor.shape, dtype=torch.bool)
+        padding[share] = False
+        nonzero = int(
+            (tensor.contiguous().view(torch.uint8).reshape(tensor.numel(), -1).any(dim=1) & padding.reshape(-1)).sum()
+        )
+        if nonzero:
+            problems.append(f"{nonzero} padding element(s) of {suffix} past the rank's share are not zero")
+        held[suffix] = tensor[share]
+    sizes = [owned.stop - owned.start] if owned.axis == 0 else shard.partition_sizes
+    return replace(shard, held=held, partition_sizes=sizes)
 
 
 def cut(tensor: torch.Tensor, owned: Slice) -> torch.Tensor:
@@ -278,7 +327,9 @@ def raw_problems(shard: Shard, part: Part, owned: Slice, truth: Truth) -> list[s
         if held.shape[0] != _held_rows(shard) or source.shape[0] != part.rows:
             continue  # a block grid: traced in block_trace
         mine = held[start : start + rows]
-        if owned.axis == 1 and (suffix == "bias" or source.dim() == 1 or source.shape[1] == 1):
+        if suffix == "bias" and owned.bias_zero:
+            wanted = torch.zeros_like(source)  # gpt-oss's w2 bias: rank 0 holds it, the others zeros
+        elif owned.axis == 1 and (suffix == "bias" or source.dim() == 1 or source.shape[1] == 1):
             wanted = source  # a row-parallel bias, or one scale per output row: every rank holds all
         elif owned.axis == 0:
             wanted = source[owned.start : owned.stop]

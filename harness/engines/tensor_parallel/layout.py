@@ -30,7 +30,19 @@ MOE = {
         "n_routed_experts",
         "moe_intermediate_size",
     ),
+    # gate and up interleaved in one gate_up_proj per expert (INTERLEAVED)
+    "GptOssForCausalLM": (
+        "mlp",
+        ("gate_up_proj", "gate_up_proj", "down_proj"),
+        "num_local_experts",
+        "intermediate_size",
+    ),
 }
+#: experts stored packed with gate and up rows interleaved in one `gate_up_proj` (gpt-oss): its
+#: model's own `load_weights` splits them by rank, in whole MXFP4 groups (`grouped_split`)
+INTERLEAVED = ("GptOssForCausalLM",)
+#: columns per MXFP4 group: the unit gpt-oss's loader splits an expert's width in
+OCP_MX_BLOCK = 32
 #: MoE architecture -> (its shared expert's module, the config field of its width)
 SHARED = {
     "Qwen2MoeForCausalLM": ("mlp.shared_expert", "shared_expert_intermediate_size"),
@@ -45,6 +57,8 @@ MLA = ("DeepseekV3ForCausalLM",)
 ARCHITECTURES = DENSE + tuple(MOE)
 #: qkv biased whatever the config says (vLLM's Qwen2 and Qwen2-MoE)
 QKV_BIASED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+#: q/k/v and o biased whatever the config says (vLLM's gpt-oss attention)
+ATTENTION_BIASED = ("GptOssForCausalLM",)
 #: how a size splits a layer: tensor parallelism (every Linear and routed expert sliced), or expert
 #: parallelism (vLLM's enable_expert_parallel: each routed expert held whole by one rank of the
 #: group, attention and shared experts still tensor-parallel)
@@ -73,8 +87,10 @@ class FusedLinear:
 
     kind: `qkv` (QKVParallelLinear), `merged` (MergedColumnParallelLinear), `column`
     (ColumnParallelLinear), `row` (RowParallelLinear), `replicated` (every rank holds the whole:
-    ReplicatedLinear, or a MergedColumnParallelLinear with disable_tp for several parts) or `vocab`
-    (VocabParallelEmbedding / ParallelLMHead: `name` is the checkpoint module, rows the vocabulary)."""
+    ReplicatedLinear, or a MergedColumnParallelLinear with disable_tp for several parts), `vocab`
+    (VocabParallelEmbedding / ParallelLMHead: `name` is the checkpoint module, rows the vocabulary),
+    or a gpt-oss routed expert's `interleaved` w13 (one checkpoint gate_up_proj, gate and up rows
+    alternating) and `grouped` w2, both split by rank in whole MXFP4 groups (`grouped_split`)."""
 
     name: str
     parent: str
@@ -169,7 +185,7 @@ def decoder_linears(config: dict, layer: int = 0) -> tuple[FusedLinear, ...]:
         return attention_linears + moe_linears(config, architecture)
     attention = attention_of(config)
     hidden = config["hidden_size"]
-    qkv_bias = True if qwen2 else bool(config.get("attention_bias"))
+    qkv_bias = True if qwen2 or architecture in ATTENTION_BIASED else bool(config.get("attention_bias"))
     mlp_bias = False if qwen2 or architecture in MOE else bool(config.get("mlp_bias"))
     q_rows, kv_rows = attention.heads * attention.head_dim, attention.kv_heads * attention.head_dim
     attention_linears = (
@@ -182,7 +198,14 @@ def decoder_linears(config: dict, layer: int = 0) -> tuple[FusedLinear, ...]:
             qkv_bias,
             attention,
         ),
-        FusedLinear("o_proj", "self_attn", "row", (Part("o_proj", None, hidden),), q_rows, qkv_bias and not qwen2),
+        FusedLinear(
+            "o_proj",
+            "self_attn",
+            "row",
+            (Part("o_proj", None, hidden),),
+            q_rows,
+            architecture in ATTENTION_BIASED or (qkv_bias and not qwen2),
+        ),
     )
     if architecture == "Llama4ForCausalLM" and not sparse(config, layer):
         return attention_linears + dense_mlp("feed_forward", hidden, config["intermediate_size_mlp"], False)
@@ -213,6 +236,8 @@ def moe_linears(config: dict, architecture: str) -> tuple[FusedLinear, ...]:
     """A sparse layer's shared expert (a dense MLP) and each routed expert's w13 and w2."""
     hidden = config["hidden_size"]
     block, (gate, up, down), count_key, width_key = MOE[architecture]
+    if architecture in INTERLEAVED:
+        return interleaved_experts(config, block, count_key, width_key)
     shared_module, shared_key = SHARED.get(architecture, ("", ""))
     shared = config.get(shared_key) if shared_module else 0
     if shared and architecture in SHARED_COUNT:
@@ -236,6 +261,39 @@ def moe_linears(config: dict, architecture: str) -> tuple[FusedLinear, ...]:
             ),
         )
     return linears
+
+
+def interleaved_experts(config: dict, block: str, count_key: str, width_key: str) -> tuple[FusedLinear, ...]:
+    """gpt-oss's routed experts: per expert one checkpoint `gate_up_proj` (gate and up rows
+    interleaved, biased) loaded into w13, and `down_proj` (biased) into w2."""
+    hidden, width = config["hidden_size"], config[width_key]
+    linears: tuple[FusedLinear, ...] = ()
+    for expert in range(config[count_key]):
+        name = f"experts.{expert}"
+        linears += (
+            FusedLinear(
+                f"{name}.w13",
+                block,
+                "interleaved",
+                (Part(f"{name}.gate_up_proj", None, 2 * width),),
+                hidden,
+                True,
+                expert=expert,
+            ),
+            FusedLinear(
+                f"{name}.w2", block, "grouped", (Part(f"{name}.down_proj", None, hidden),), width, True, expert=expert
+            ),
+        )
+    return linears
+
+
+def grouped_split(width: int, tp: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of an expert's width that rank `rank` of `tp` owns in gpt-oss's split: whole
+    MXFP4 groups, ceil(groups / tp) of them per rank, the last ranks shorter or empty (vLLM's
+    `GptOssModel._load_weights_mxfp4`); the rank's parameters are padded past its share."""
+    per_rank = -(-(width // OCP_MX_BLOCK) // tp) * OCP_MX_BLOCK
+    start = min(rank * per_rank, width)
+    return start, min(start + per_rank, width)
 
 
 def dense_mlp(parent: str, hidden: int, intermediate: int, bias: bool) -> tuple[FusedLinear, ...]:
@@ -262,6 +320,24 @@ class Slice:
     start: int
     stop: int
     note: str = ""
+    #: the rank's parameters may extend past [start, stop): padding, which must hold zeros
+    padded: bool = False
+    #: a row-parallel bias this rank must hold as zeros (gpt-oss's experts add every rank's w2 bias
+    #: before the all-reduce, so only rank 0 holds it)
+    bias_zero: bool = False
+
+
+def held_share(owned: Slice, dims: int, input_size: int, stored_columns: int | None) -> tuple[slice, ...] | None:
+    """Where a padded rank holds its share in a held tensor of `dims` dimensions: the first rows
+    (axis 0), or the first stored columns (axis 1: `input_size / stored_columns` weight columns per
+    stored one, e.g. 2 for packed E2M1 codes, 32 for MXFP4 scales); None for a tensor held whole
+    (a row-parallel bias)."""
+    length = owned.stop - owned.start
+    if owned.axis == 0:
+        return (slice(0, length),)
+    if dims < 2 or not stored_columns:
+        return None
+    return (slice(None), slice(0, length // (input_size // stored_columns)))
 
 
 def owned_slice(linear: FusedLinear, part: Part, tp: int, rank: int, config: dict) -> Slice | None:
@@ -274,6 +350,11 @@ def owned_slice(linear: FusedLinear, part: Part, tp: int, rank: int, config: dic
         per_rank = padded // tp
         start = min(rank * per_rank, part.rows)
         return Slice(0, start, min(start + per_rank, part.rows), f"{per_rank} rows held, the rest padding")
+    if linear.kind in ("interleaved", "grouped"):
+        start, stop = grouped_split(linear.input_size if linear.kind == "grouped" else part.rows // 2, tp, rank)
+        if linear.kind == "grouped":
+            return Slice(1, start, stop, padded=True, bias_zero=rank > 0)
+        return Slice(0, 2 * start, 2 * stop, "gate and up rows interleaved", padded=True)
     if linear.kind == "row":
         if linear.input_size % tp:
             return None

@@ -22,7 +22,7 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 
 from harness.engines.base import Engine
-from harness.engines.tensor_parallel.layout import EP, TP, lane_linears
+from harness.engines.tensor_parallel.layout import EP, INTERLEAVED, TP, held_share, lane_linears, owned_slice
 from harness.engines.vllm_capability import missing_kernel
 
 #: vLLM modules that imported a kernel chooser by name (the chooser raises where no kernel fits)
@@ -51,9 +51,12 @@ MP_KERNEL_CHOOSERS = {
 #: checkpoint's own layout, which is the layout the judge reads)
 MOE_BACKEND_CHOOSERS = {
     "vllm.model_executor.layers.quantization.modelopt": ("select_nvfp4_moe_backend",),
+    "vllm.model_executor.layers.quantization.mxfp4": ("select_mxfp4_moe_backend",),
     "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
     "compressed_tensors_moe_w4a4_nvfp4": ("select_nvfp4_moe_backend",),
 }
+#: a gpt-oss expert parameter's suffix in vLLM (after w13_/w2_) -> the checkpoint's per-expert suffix
+GPT_OSS_SUFFIXES = {"weight": "weight_packed", "weight_scale": "weight_scale", "bias": "bias"}
 #: the fused module names vLLM's Llama/Qwen2 declare (compressed-tensors matches its ignore list through them)
 PACKED_MODULES = {
     "qkv_proj": ["q_proj", "k_proj", "v_proj"],
@@ -128,24 +131,116 @@ class TensorParallelShards(Engine):
             if linear.kind != "vocab" or any(n.startswith(linear.name + ".") for n in names)
         ]
         experts = [linear for linear in linears if linear.expert is not None]
+        # gpt-oss: its model's load_weights narrows the layer's tensors by rank, not the layers' loaders
+        through_model = (config.get("architectures") or ["?"])[0] in INTERLEAVED
+        layer = job["layer"]
         with vllm_context(job["checkpoint"], config) as (quant_config, dtype), stand_in_kernels(report.kernel_notes):
             for tp in job["tp_sizes"]:
                 for rank in range(tp):
                     for linear in linears:
-                        if linear.expert is None:
+                        if linear.expert is None and (linear.kind == "vocab" or not through_model):
                             report.shards.append(
-                                self.load_rank(checkpoint, linear, job["layer"], tp, rank, quant_config, dtype)
+                                self.load_rank(checkpoint, linear, layer, tp, rank, quant_config, dtype)
                             )
-                    if experts:
+                    if through_model:
+                        report.shards += self.load_through_model(checkpoint, linears, config, layer, tp, rank, dtype)
+                    elif experts:
                         report.shards += self.load_experts(
-                            checkpoint, experts, config, job["layer"], tp, rank, quant_config, dtype
+                            checkpoint, experts, config, layer, tp, rank, quant_config, dtype
                         )
             for ep in job.get("ep_sizes", []) if experts else []:
                 for rank in range(ep):
-                    report.shards += self.load_experts(
-                        checkpoint, experts, config, job["layer"], ep, rank, quant_config, dtype, EP
-                    )
+                    if through_model:
+                        report.shards += self.load_through_model(
+                            checkpoint, linears, config, layer, ep, rank, dtype, EP
+                        )
+                    else:
+                        report.shards += self.load_experts(
+                            checkpoint, experts, config, layer, ep, rank, quant_config, dtype, EP
+                        )
         return report
+
+    def load_through_model(self, checkpoint, linears, config, layer: int, size: int, rank: int, dtype, parallel=TP):
+        """gpt-oss: the layer built as vLLM's gpt-oss builds it (its MLPBlock, its attention's
+        Linears) inside a stand-in of its model, fed the checkpoint's stored tensors (the experts
+        packed, as on disk) through `GptOssModel.load_weights`, which narrows experts and sinks by
+        rank itself. One entry per attention Linear and per routed expert's w13 and w2 (experts
+        only under expert parallelism). A rank's padding past its share (vLLM rounds its width up
+        to whole groups) is judged as vLLM creates it: `load_weights` never writes it."""
+        built = [linear for linear in linears if linear.kind != "vocab"]
+        mine = [linear for linear in built if parallel == TP or linear.expert is not None]
+        entries = {
+            linear.name: {"tp": size, "rank": rank, "layer": layer, "module": linear.name, "parallel": parallel}
+            for linear in mine
+        }
+        with mocked_rank(rank, size, expert_parallel=parallel == EP):
+            try:
+                model = gpt_oss_layer(built, layer, dtype)
+            except Exception as error:  # vLLM's own refusal: its reason is the measurement
+                return [
+                    entry | {"refused": {"stage": "construct", "error": one_line(error)}} for entry in entries.values()
+                ]
+            created = {name: p.detach().clone() for name, p in model.named_parameters()}
+            try:
+                passes = load_twice(model, lambda: feed_model(model, checkpoint, layer))
+            except LoadFailure as error:
+                return [
+                    entry | {"refused": {"stage": "load_weights", "error": str(error)}} for entry in entries.values()
+                ]
+        block = model.layers[str(layer)]
+        routed = getattr(block.mlp.experts, "routed_experts", block.mlp.experts)
+        slots = local_slots(routed, len([linear for linear in mine if linear.expert is not None]) // 2)
+        result = []
+        for linear in mine:
+            entry = entries[linear.name]
+            split = (1, 0) if parallel == EP else (size, rank)
+            owned = owned_slice(linear, linear.parts[0], *split, config)
+            if linear.expert is None:
+                module = getattr(block.attn, linear.name)
+                prefix = f"layers.{layer}.attn.{linear.name}."
+                entry["partition_sizes"] = [int(s) for s in module.output_partition_sizes]
+                held = {n[len(prefix) :]: n for n in passes[-1] if n.startswith(prefix)}
+                index = None
+            else:
+                if slots[linear.expert] < 0:
+                    continue  # another rank's expert
+                group = linear.name.rpartition(".")[2]
+                prefix = f"layers.{layer}.mlp.experts.routed_experts.{group}_"
+                prefix = (
+                    prefix if any(n.startswith(prefix) for n in passes[-1]) else prefix.replace(".routed_experts", "")
+                )
+                held = {
+                    GPT_OSS_SUFFIXES[n[len(prefix) :]]: n for n in passes[-1] if n[len(prefix) :] in GPT_OSS_SUFFIXES
+                }
+                index = slots[linear.expert]
+                if parallel == EP:
+                    entry["slot"] = index
+            entry["params"] = {}
+            for suffix, name in held.items():
+                first, last, made = (
+                    t[name] if index is None else t[name][index] for t in (passes[0], passes[-1], created)
+                )
+                real = None
+                if owned.padded:
+                    stored = checkpoint.tensor(f"{linear.part_module(layer, linear.parts[0])}.{suffix}")
+                    columns = stored.shape[1] if stored.dim() > 1 else None
+                    real = held_share(owned, last.dim(), linear.input_size, columns)
+                written = (first, last) if real is None else (first[real], last[real])
+                if real is not None:  # padding: as vLLM created it
+                    last = made.clone()
+                    last[real] = passes[-1][name][real] if index is None else passes[-1][name][index][real]
+                entry["params"][suffix] = {
+                    "dtype": str(last.dtype).removeprefix("torch."),
+                    "shape": list(last.shape),
+                    "unwritten": never_written(*written),
+                }
+                self.held[f"{parallel}{size}/rank{rank}/{linear.module(layer)}.{suffix}"] = last.clone()
+            if linear.expert is not None:
+                rows = entry["params"].get("weight_packed", {}).get("shape", [0])[0]
+                entry["partition_sizes"] = [rows]
+            entry["block"] = None
+            result.append(entry)
+        return result
 
     def load_experts(
         self, checkpoint, experts, config, layer: int, tp: int, rank: int, quant_config, dtype, parallel: str = TP
@@ -243,6 +338,51 @@ class TensorParallelShards(Engine):
 
     def unload(self):
         self.held = {}
+
+
+def gpt_oss_layer(linears, layer: int, dtype):
+    """A stand-in of vLLM's GptOssModel holding one decoder layer, `layers.{layer}`: the attention's
+    QKVParallelLinear, RowParallelLinear and sinks as vLLM's OAIAttention makes them, and vLLM's own
+    MLPBlock (router and FusedMoE with GptOssRoutedExperts); GptOssModel's loading methods bound to it."""
+    import types
+
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed import get_tensor_model_parallel_world_size
+    from vllm.model_executor.models import gpt_oss
+
+    vllm_config = get_current_vllm_config()
+    hf_config = vllm_config.model_config.hf_config
+    vllm_config.compilation_config.static_forward_context.pop(f"model.layers.{layer}.mlp.experts", None)
+    block = torch.nn.Module()
+    block.attn = torch.nn.Module()
+    for linear in linears:
+        if linear.expert is None:
+            setattr(block.attn, linear.name, build(linear, layer, vllm_config.quant_config, dtype))
+    heads = hf_config.num_attention_heads // get_tensor_model_parallel_world_size()
+    block.attn.sinks = torch.nn.Parameter(torch.empty(heads, dtype=dtype), requires_grad=False)
+    block.mlp = gpt_oss.MLPBlock(vllm_config, layer, prefix=f"model.layers.{layer}.mlp")
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({str(layer): block})
+    model.config, model.parallel_config = hf_config, vllm_config.parallel_config
+    for name in ("load_weights", "_load_weights_mxfp4", "_load_weights_quark", "_load_weights_other"):
+        setattr(model, name, types.MethodType(getattr(gpt_oss.GptOssModel, name), model))
+    model._try_load_streamed_expert = gpt_oss.GptOssModel._try_load_streamed_expert
+    return model
+
+
+def feed_model(model, checkpoint, layer: int) -> None:
+    """The layer's stored tensors (experts packed, as on disk), named as vLLM's GptOssForCausalLM
+    hands them to its model (its hf_to_vllm_mapper, then without `model.`), through the model's
+    `load_weights`; read afresh each time (it zeroes a rank's w2 bias in place)."""
+    from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
+
+    prefix = f"model.layers.{layer}."
+    stored = sorted(name for name in checkpoint.weight_map if name.startswith(prefix))
+    weights = GptOssForCausalLM.hf_to_vllm_mapper.apply((name, checkpoint.tensor(name)) for name in stored)
+    try:
+        model.load_weights((name.removeprefix("model."), tensor) for name, tensor in weights)
+    except Exception as error:
+        raise LoadFailure(one_line(error)) from error
 
 
 def local_slots(routed, experts: int) -> list[int]:
@@ -367,14 +507,18 @@ def load_only_kernel_class(reason: str) -> type:
 
 
 def moe_backend_or_emulation(chooser, notes: list[str]):
+    """`chooser` (vLLM's NVFP4 or MXFP4 MoE backend oracle), or where no backend runs here, its own
+    enum's EMULATION (which also sets how vLLM pads a rank's width)."""
+    import importlib
+
     def choose(*args, **kwargs):
         try:
             return chooser(*args, **kwargs)
         except NotImplementedError as error:
-            from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend
-
+            oracle = importlib.import_module(chooser.__module__)
+            backends = next(getattr(oracle, n) for n in ("NvFp4MoeBackend", "Mxfp4MoeBackend") if hasattr(oracle, n))
             notes.append(f"no vLLM MoE backend here, experts loaded as for EMULATION: {one_line(error)[:160]}")
-            return NvFp4MoeBackend.EMULATION, None
+            return backends.EMULATION, None
 
     return choose
 
