@@ -13,6 +13,7 @@ import torch
 from harness.checkpoints.recipe import Recipe, apply_settings
 from harness.checkpoints.writer import generate
 from harness.commands.cli import main
+from harness.core.errors import HarnessError
 from harness.differential.known_issues import KnownIssues
 from harness.differential.relations import CAMPAIGN_EVERY, RELATION_NAMES, RELATIONS, sampled
 from harness.differential.runner import EngineSession, evaluate
@@ -417,6 +418,23 @@ def test_the_relation_applies_to_the_lanes_architectures_and_only_on_vllm():
     phi3 = {"architectures": ["Phi3ForCausalLM"], "quantization_config": {"quant_method": "fp8"}}
     turn = RELATION_NAMES.index("tensor-parallel") + 1
     assert sampled(turn * CAMPAIGN_EVERY, RELATION_NAMES, config=phi3) != ("tensor-parallel",)
+
+
+@needs_vllm
+def test_vllm_round_robin_placement_of_grouped_experts_is_judged_by_its_expert_map(tmp_path, tp_worker):
+    """DeepSeek-V3 routing by 2 expert groups: vLLM's round_robin placement (`--ep-placement`) puts
+    experts 0 and 2 on rank 0, 1 and 3 on rank 1, each read from the slot its expert_map gives, exact;
+    a group count that does not divide the experts is refused by the generator in one line."""
+    settings = ["num_hidden_layers=2", "n_routed_experts=4", "n_group=2", "topk_group=1"]
+    with pytest.raises(HarnessError, match="n_group must be at least 1 and divide the number of routed experts"):
+        apply_settings(Recipe(format="ct-fp8-channel", arch="deepseek_v3"), settings[:2] + ["n_group=3"]).resolved()
+    directory = tmp_path / "grouped"
+    generate(apply_settings(Recipe(format="ct-fp8-channel", arch="deepseek_v3", seed=1), settings), directory)
+    result = check_tensor_parallel(directory, [1], 1, ep_sizes=[2], process=tp_worker, placement="round_robin")
+    assert [(o.parallel, o.status) for o in result.outcomes] == [("tp", EXACT), ("ep", EXACT)]
+    placed = [v for v in result.verdicts if v.parallel == "ep"]
+    held = {r: sorted({v.module.split(".")[1] for v in placed if v.rank == r}) for r in (0, 1)}
+    assert held == {0: ["0", "2"], 1: ["1", "3"]}
 
 
 # -- gpt-oss: experts packed, gate/up interleaved, split by its model's load_weights in whole groups --

@@ -125,6 +125,17 @@ class Architecture:
             raise ValueError(f"vocab_size must be at least {BYTE_VOCAB_SIZE} (the byte-level tokenizer)")
         if self.moe and values["num_experts_per_tok"] > values[self.moe.experts_key]:
             raise ValueError("num_experts_per_tok must not exceed the number of experts")
+        if "n_group" in values:  # DeepSeek's grouped top-k: topk_group of n_group equal groups
+            groups, chosen = values["n_group"], values["topk_group"]
+            if groups < 1 or values[self.moe.experts_key] % groups:
+                raise ValueError("n_group must be at least 1 and divide the number of routed experts")
+            if (
+                not 1 <= chosen <= groups
+                or values["num_experts_per_tok"] > chosen * values[self.moe.experts_key] // groups
+            ):
+                raise ValueError(
+                    "topk_group must be 1..n_group, its groups holding at least num_experts_per_tok experts"
+                )
         return values
 
     @property
@@ -384,11 +395,11 @@ ARCHITECTURES = {
             "qk_rope_head_dim": 16,
             "qk_nope_head_dim": 32,
             "v_head_dim": 32,
+            "n_group": 1,  # expert groups of the grouped top-k routing (vLLM's round-robin placement needs > 1)
+            "topk_group": 1,
         },
         fixed={
             **_MOE_COMMON,
-            "n_group": 1,
-            "topk_group": 1,
             "routed_scaling_factor": 2.5,
             "scoring_func": "sigmoid",
             "topk_method": "noaux_tc",

@@ -1,4 +1,4 @@
-"""`tp-shards DIR --tp-sizes 2,4 [--ep-sizes 2,4] [--report OUT]`: shard one decoder layer in vLLM
+"""`tp-shards DIR --tp-sizes 2,4 [--ep-sizes 2,4] [--ep-placement round_robin] [--report OUT]`: shard one decoder layer in vLLM
 as if tensor parallel size were each size, for every rank, and judge each rank's weights and scales
 against the reference's slice; a layer's routed experts are also placed at each expert-parallel
 size (docs/tensor-parallel.md).
@@ -25,7 +25,8 @@ def add_parser(commands) -> None:
         "1 a rank holds wrong values, 2 unusable input or no vLLM.",
     )
     parser.add_argument(
-        "directory", help="checkpoint directory (llama, qwen2, mixtral, qwen2_moe, qwen3_moe, llama4 or deepseek_v3)"
+        "directory",
+        help="checkpoint directory (llama, qwen2, mixtral, qwen2_moe, qwen3_moe, llama4, deepseek_v3 or gpt_oss)",
     )
     parser.add_argument("--tp-sizes", default="2,4", help="comma-separated tensor-parallel sizes (default 2,4)")
     parser.add_argument(
@@ -33,6 +34,13 @@ def add_parser(commands) -> None:
         default="2,4",
         help="comma-separated expert-parallel sizes a layer with routed experts is also placed at "
         "(vLLM's enable_expert_parallel; default 2,4; 'none' for none)",
+    )
+    parser.add_argument(
+        "--ep-placement",
+        choices=("linear", "round_robin"),
+        default="linear",
+        help="vLLM's expert_placement_strategy at the expert-parallel sizes (default linear; round_robin "
+        "applies where the model routes by expert groups, n_group > 1, and vLLM falls back to linear elsewhere)",
     )
     parser.add_argument("--layer", type=int, default=0, help="decoder layer to shard (default 0)")
     parser.add_argument("--report", metavar="OUT", help="write OUT/tp-shards.json and OUT/tp-shards.md here")
@@ -50,7 +58,7 @@ def command_tp_shards(args) -> int:
     report = Path(args.report) if args.report else None
     if report:
         report.mkdir(parents=True, exist_ok=True)
-    result = check_tensor_parallel(directory, sizes, args.layer, report, ep_sizes=ep_sizes)
+    result = check_tensor_parallel(directory, sizes, args.layer, report, ep_sizes=ep_sizes, placement=args.ep_placement)
     print(f"{directory}: vLLM {result.vllm}, decoder layer {args.layer}")
     for outcome in result.outcomes:
         print(outcome.line())
@@ -71,6 +79,7 @@ def command_tp_shards(args) -> int:
         print(
             f"reproduce: python -m harness tp-shards {directory} --tp-sizes {wrong['tp'] or 1} "
             f"--ep-sizes {wrong['ep'] or 'none'} --layer {args.layer}"
+            + (f" --ep-placement {args.ep_placement}" if args.ep_placement != "linear" else "")
         )
         return EXIT_FINDING
     return EXIT_OK

@@ -81,9 +81,11 @@ def check_tensor_parallel(
     work: Path | None = None,
     process=None,
     ep_sizes: list[int] = (),
+    placement: str = "linear",
 ):
     """Shard one decoder layer at each tp size in vLLM and judge every rank; with routed experts in
-    the layer, also place its experts at each expert-parallel size in `ep_sizes`; a TpResult.
+    the layer, also place its experts at each expert-parallel size in `ep_sizes` by vLLM's
+    expert_placement_strategy `placement` (linear or round_robin); a TpResult.
     `process`: a started EngineProcess hosting WORKER_SPEC to use (left running), else one of its own."""
     from harness.engines.tensor_parallel.judge import judge, load_truth, shards_from_worker
     from harness.engines.tensor_parallel.layout import decoder_linears, sparse
@@ -98,14 +100,21 @@ def check_tensor_parallel(
         raise HarnessError(f"{directory}: no tensors of decoder layer {layer}")
     ep_sizes = sorted(set(ep_sizes)) if sparse(truth.config, layer) else []
     with tempfile.TemporaryDirectory(prefix="tp-shards-") as scratch:
-        report, tensors = run_worker(directory, tp_sizes, layer, Path(scratch), work, process, ep_sizes)
+        report, tensors = run_worker(directory, tp_sizes, layer, Path(scratch), work, process, ep_sizes, placement)
     verdicts = judge(shards_from_worker(report, tensors, truth.config), truth, ep_sizes)
     outcomes = summarize(verdicts, tp_sizes) + summarize(verdicts, ep_sizes, EP)
     return TpResult(str(directory), report["vllm"], outcomes, verdicts, report["kernel_notes"])
 
 
 def run_worker(
-    directory: Path, tp_sizes: list[int], layer: int, scratch: Path, work: Path | None, process=None, ep_sizes=()
+    directory: Path,
+    tp_sizes: list[int],
+    layer: int,
+    scratch: Path,
+    work: Path | None,
+    process=None,
+    ep_sizes=(),
+    placement: str = "linear",
 ):
     from harness.engines.process import EngineError, EngineFailure, EngineProcess, Limits
     from harness.engines.vllm_engine import find_vllm_python
@@ -113,7 +122,13 @@ def run_worker(
     job = scratch / "job.json"
     job.write_text(
         json.dumps(
-            {"checkpoint": str(directory.resolve()), "tp_sizes": tp_sizes, "ep_sizes": list(ep_sizes), "layer": layer}
+            {
+                "checkpoint": str(directory.resolve()),
+                "tp_sizes": tp_sizes,
+                "ep_sizes": list(ep_sizes),
+                "layer": layer,
+                "placement": placement,
+            }
         )
     )
     own = process is None

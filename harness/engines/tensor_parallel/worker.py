@@ -115,10 +115,12 @@ class TensorParallelShards(Engine):
 
     def __init__(self):
         self.held: dict[str, torch.Tensor] = {}
+        self.placement = "linear"  # the job's expert placement strategy under expert parallelism
 
     def load(self, directory: str) -> ShardReport:
         self.held = {}  # one job's shards: a worker serves every checkpoint of a session
         job = json.loads(open(directory).read())
+        self.placement = job.get("placement", "linear")
         from harness.checkpoints.reader import Checkpoint
 
         checkpoint = Checkpoint(job["checkpoint"])
@@ -173,7 +175,7 @@ class TensorParallelShards(Engine):
             linear.name: {"tp": size, "rank": rank, "layer": layer, "module": linear.name, "parallel": parallel}
             for linear in mine
         }
-        with mocked_rank(rank, size, expert_parallel=parallel == EP):
+        with mocked_rank(rank, size, parallel == EP, self.placement):
             try:
                 model = gpt_oss_layer(built, layer, dtype)
             except Exception as error:  # vLLM's own refusal: its reason is the measurement
@@ -253,7 +255,7 @@ class TensorParallelShards(Engine):
         entries = [
             {"tp": tp, "rank": rank, "layer": layer, "module": linear.name, "parallel": parallel} for linear in experts
         ]
-        with mocked_rank(rank, tp, expert_parallel=parallel == EP):
+        with mocked_rank(rank, tp, parallel == EP, self.placement):
             try:
                 module = build_experts(experts, config, layer, tp, quant_config, dtype)
             except Exception as error:  # vLLM's own refusal: its reason is the measurement
@@ -393,30 +395,32 @@ def local_slots(routed, experts: int) -> list[int]:
 
 
 @contextmanager
-def mocked_rank(rank: int, tp: int, expert_parallel: bool = False):
+def mocked_rank(rank: int, tp: int, expert_parallel: bool = False, placement: str = "linear"):
     """vLLM's tensor-parallel group answering as rank `rank` of `tp` (data, context and expert
     parallelism one each, where nothing set them), restored afterwards. With `expert_parallel`, as
     `--enable-expert-parallel` sets it: the parallel config's enable_expert_parallel on, and the
-    expert group the tensor-parallel one, as vLLM makes it."""
+    expert group the tensor-parallel one, as vLLM makes it; `placement` its
+    expert_placement_strategy (vLLM falls back to linear where round_robin does not apply)."""
     from vllm.config import get_current_vllm_config
     from vllm.distributed import parallel_state
 
     names = ("_TP", "_DP", "_PCP", "_EP")
     previous = {name: getattr(parallel_state, name, None) for name in names}
     parallel = get_current_vllm_config().parallel_config
-    was_enabled = parallel.enable_expert_parallel
+    was_enabled, was_placed = parallel.enable_expert_parallel, parallel.expert_placement_strategy
     parallel_state._TP = FakeGroup(rank, tp)
     for name in names[1:]:
         setattr(parallel_state, name, previous[name] or FakeGroup(0, 1))
     if expert_parallel:
         parallel_state._EP = FakeGroup(rank, tp)
     parallel.enable_expert_parallel = expert_parallel
+    parallel.expert_placement_strategy = placement if expert_parallel else "linear"
     try:
         yield
     finally:
         for name, group in previous.items():
             setattr(parallel_state, name, group)
-        parallel.enable_expert_parallel = was_enabled
+        parallel.enable_expert_parallel, parallel.expert_placement_strategy = was_enabled, was_placed
 
 
 def load_twice(module, load) -> list[dict[str, torch.Tensor]]:
@@ -564,7 +568,11 @@ def build_experts(experts, config: dict, layer: int, tp: int, quant_config, dtyp
     get_current_vllm_config().compilation_config.static_forward_context.pop(prefix, None)
     gate, up = (part.name.rpartition(".")[2] for part in first.parts)
     down = experts[1].parts[0].name.rpartition(".")[2]
+    grouped = {}  # DeepSeek's grouped top-k routing, as its DeepseekV2MoE passes it (round-robin placement reads it)
+    if config.get("n_group"):
+        grouped = {"use_grouped_topk": True, "num_expert_group": config["n_group"], "topk_group": config["topk_group"]}
     return FusedMoEFactory(
+        **grouped,
         num_experts=len(experts) // 2,
         top_k=int(config.get("num_experts_per_tok") or 2),
         hidden_size=first.input_size,
