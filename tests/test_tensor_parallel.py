@@ -501,7 +501,7 @@ def shard_gpt_oss(truth, tp: int, padding: int = 0, bias_on_every_rank=False, ha
     return shards
 
 
-def test_gpt_oss_experts_sharded_correctly_are_exact_and_wrong_loaders_are_caught(gpt_oss_checkpoint):
+def test_gpt_oss_experts_sharded_correctly_are_exact_and_wrong_loaders_are_caught(gpt_oss_checkpoint, tmp_path):
     truth = load_truth(gpt_oss_checkpoint, 0)
     for tp in (1, 2, 4):
         verdicts = judge(shard_gpt_oss(truth, tp), truth)
@@ -516,6 +516,13 @@ def test_gpt_oss_experts_sharded_correctly_are_exact_and_wrong_loaders_are_caugh
     summed = {(v.rank, v.module): v for v in judge(shard_gpt_oss(truth, 2, bias_on_every_rank=True), truth)}
     assert summed[0, "experts.2.w2"].status == EXACT
     assert summed[1, "experts.2.w2"].details == ["experts.2.down_proj bias differs from the checkpoint's slice"]
+    narrow = tmp_path / "one-group"  # 32 wide: one scale column per expert, all of it on rank 0 at tp 2
+    generate(
+        apply_settings(Recipe(format="mxfp4", arch="gpt_oss"), ["num_hidden_layers=1", "intermediate_size=32"]), narrow
+    )
+    one_group = load_truth(narrow, 0)
+    verdicts = judge(shard_gpt_oss(one_group, 2), one_group)
+    assert {v.status for v in verdicts} == {EXACT}, [v.line() for v in verdicts if v.status != EXACT]
     halves = {(v.rank, v.module): v for v in judge(shard_gpt_oss(truth, 2, halves=True), truth)}
     assert halves[0, "experts.0.w13"].status == FINDING and halves[1, "experts.0.w2"].status == EXACT
 

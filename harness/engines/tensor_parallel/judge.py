@@ -329,8 +329,10 @@ def raw_problems(shard: Shard, part: Part, owned: Slice, truth: Truth) -> list[s
         mine = held[start : start + rows]
         if suffix == "bias" and owned.bias_zero:
             wanted = torch.zeros_like(source)  # gpt-oss's w2 bias: rank 0 holds it, the others zeros
-        elif owned.axis == 1 and (suffix == "bias" or source.dim() == 1 or source.shape[1] == 1):
-            wanted = source  # a row-parallel bias, or one scale per output row: every rank holds all
+        elif owned.axis == 1 and (suffix == "bias" or source.dim() == 1 or (source.shape[1] == 1 and not owned.padded)):
+            # a row-parallel bias, or one scale per output row: every rank holds all (a gpt-oss expert's
+            # one column of scales is one group's: split like its columns)
+            wanted = source
         elif owned.axis == 0:
             wanted = source[owned.start : owned.stop]
         else:
