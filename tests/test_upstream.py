@@ -445,6 +445,11 @@ FIXED_VARIANTS = {
         {"config": {"intermediate_size": 512}},
         "512 input columns: 128 per rank at tp 4, whole 16-column groups; every rank holds its slice",
     ),
+    "tp-gpt-oss-even-experts": (
+        "vllm-gpt-oss-ep-uneven-experts-misplaced",
+        {"config": {"num_local_experts": 4}},
+        "4 gpt-oss experts at ep 2 and 4: whole experts on each rank; every tp rank holds its share of each",
+    ),
     "tp-fp8-whole-blocks": (
         "vllm-tp-fp8-block-fused-part-inside-a-block",
         {"config": {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128}},
@@ -549,7 +554,7 @@ UNEXPRESSIBLE_CHANGES = {
 }
 
 
-@pytest.mark.parametrize("case", [*UNEXPRESSIBLE, *UNEXPRESSIBLE_CHANGES], ids=str)
+@pytest.mark.parametrize("case", [*UNEXPRESSIBLE, *UNEXPRESSIBLE_CHANGES], ids=lambda case: getattr(case, "id", case))
 def test_unexpressible_reproducers_are_refused_in_one_line(case):
     issue_id, changes = (case.id, {}) if isinstance(case, KnownIssue) else UNEXPRESSIBLE_CHANGES[case]
     reproducer = from_issue(KnownIssues.load().by_id(issue_id))

@@ -249,8 +249,8 @@ def packed_experts(arch_name: str) -> dict | None:
 def tensor_parallel_linears(config: dict) -> dict:
     """The tensor-parallel relation's sizes and the first decoder layer's parallel Linears, as the
     harness's lane builds them (harness.engines.tensor_parallel.layout), as data for the script."""
-    from harness.differential.relations import TP_SIZES
-    from harness.engines.tensor_parallel.layout import decoder_linears
+    from harness.differential.relations import EP_SIZES, TP_SIZES
+    from harness.engines.tensor_parallel.layout import INTERLEAVED, decoder_linears
 
     linears = []
     for linear in decoder_linears(config, 0):
@@ -263,9 +263,17 @@ def tensor_parallel_linears(config: dict) -> dict:
                 "input_size": linear.input_size,
                 "bias": linear.bias,
                 "attention": [attention.heads, attention.kv_heads, attention.head_dim] if attention else None,
+                "expert": linear.expert,
             }
         )
-    return {"sizes": list(TP_SIZES), "linears": linears}
+    through_model = (config.get("architectures") or ["?"])[0] in INTERLEAVED  # gpt-oss: its model splits
+    experts = any(linear["expert"] is not None for linear in linears)
+    return {
+        "sizes": list(TP_SIZES),
+        "ep_sizes": list(EP_SIZES) if experts else [],
+        "linears": linears,
+        "through_model": through_model,
+    }
 
 
 def disagreement_target(resolved, table: dict[str, list]) -> dict | None:
@@ -338,6 +346,8 @@ def unscriptable(reproducer: Reproducer) -> str | None:
     if why:
         return why
     reads_weights = not set(reproducer.kinds) <= LOAD_ONLY_KINDS
+    if reproducer.relation == "tensor-parallel":
+        reads_weights = False  # the script reads vLLM's shards of the first decoder layer, judged below
     if reproducer.engine == "vllm" and reproducer.recipe.layout.get("quantize_embeddings"):
         reads_weights = False  # vLLM's script reads the embedding alone (parts/engine_vllm.py), never an expert
     experts = any(".experts." in name for name in tensor_table(reproducer))
@@ -353,7 +363,11 @@ def unscriptable(reproducer: Reproducer) -> str | None:
     if "relation" in reproducer.kinds and reproducer.relation not in SCRIPT_RELATIONS.get(reproducer.engine, ()):
         return f"relation {reproducer.relation or '(unnamed)'} with {reproducer.engine}"
     if reproducer.relation == "tensor-parallel" and any(".experts." in name for name in tensor_table(reproducer)):
-        return "tensor-parallel relation on routed experts (the script builds vLLM's dense parallel Linears)"
+        from harness.checkpoints.architectures import ARCHITECTURES
+        from harness.engines.tensor_parallel.layout import INTERLEAVED
+
+        if ARCHITECTURES[reproducer.recipe.arch].class_name not in INTERLEAVED:  # gpt-oss's: parts/relation_vllm.py
+            return "tensor-parallel relation on routed experts (the script builds vLLM's dense parallel Linears)"
     return None
 
 

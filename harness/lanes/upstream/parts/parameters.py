@@ -93,7 +93,8 @@ JUDGE_KV_CACHE = False
 #: the second load path held to the first bit for bit (round-trip, dequantize, offload), or vLLM's
 #: tensor-parallel shards (tensor-parallel), or None
 RELATION = None
-#: vLLM's tensor-parallel relation: the sizes, and the first decoder layer's parallel Linears as
-#: vLLM builds them (prefix, kind, parts [module, shard id, rows], input size, bias, attention
-#: [heads, kv heads, head dim]), or None
+#: vLLM's tensor-parallel relation: the sizes (and expert-parallel sizes), and the first decoder
+#: layer's parallel Linears as vLLM builds them (prefix, kind, parts [module, shard id, rows], input
+#: size, bias, attention [heads, kv heads, head dim], expert), whether its model splits the layer
+#: itself (through_model: gpt-oss), or None
 TENSOR_PARALLEL = None

@@ -8,7 +8,13 @@ grid over the fused rows, per-part scalars part by part), must equal its slice o
 values by the format's definition: its share of the output rows (q/k/v by heads, kv heads repeated
 where tp exceeds them) or of the input columns. A Linear vLLM refuses at a size (its own error) is
 no bug. Where vLLM has no matmul kernel for the format on this machine, its kernel choice answers a
-stand-in that loading never calls."""
+stand-in that loading never calls.
+gpt-oss (TENSOR_PARALLEL["through_model"]) is split by its model, not by its layers' loaders: the
+layer is built as vLLM's gpt-oss builds it (its MLPBlock, the attention's Linears and sinks) inside
+a stand-in of its model, whose own load_weights gets the stored tensors. An expert's width is split
+in whole 32-column groups, ceil(groups / size) a rank, padded with zeros; w2's bias is rank 0's.
+Under expert parallelism (ep sizes) each rank holds whole experts in the slots vLLM's expert_map
+gives them, and every expert must be held by exactly one rank."""
 
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from safetensors import safe_open
 from harness.lanes.upstream.parts.checkpoint import rename
 from harness.lanes.upstream.parts.common import MODEL_DTYPE, ranges
 from harness.lanes.upstream.parts.fp8 import dequantize_definition  # or nvfp4, mxfp4: the format piece
-from harness.lanes.upstream.parts.parameters import TENSOR_PARALLEL
+from harness.lanes.upstream.parts.parameters import CONFIG, TENSOR_PARALLEL
 
 # ---- reproduce.py ----
 
@@ -55,19 +61,28 @@ class NoKernel:
 
 
 @contextmanager
-def as_rank(rank, size):
+def as_rank(rank, size, expert_parallel=False):
+    """vLLM's tensor-parallel group as rank `rank` of `size`; with `expert_parallel`, as
+    --enable-expert-parallel makes it: the expert group the same ranks."""
+    from vllm.config import get_current_vllm_config
     from vllm.distributed import parallel_state
 
     names = ("_TP", "_DP", "_PCP", "_EP")
     previous = {name: getattr(parallel_state, name, None) for name in names}
+    parallel = get_current_vllm_config().parallel_config
+    was_enabled = parallel.enable_expert_parallel
     parallel_state._TP = RankGroup(rank, size)
     for name in names[1:]:
         setattr(parallel_state, name, previous[name] or RankGroup(0, 1))
+    if expert_parallel:
+        parallel_state._EP = RankGroup(rank, size)
+    parallel.enable_expert_parallel = expert_parallel
     try:
         yield
     finally:
         for name, group in previous.items():
             setattr(parallel_state, name, group)
+        parallel.enable_expert_parallel = was_enabled
 
 
 @contextmanager
@@ -97,6 +112,26 @@ def loading_without_kernels():
     finally:
         for module, name, original in patched:
             setattr(module, name, original)
+
+
+@contextmanager
+def emulated_moe_backend():
+    """Where no MXFP4 MoE backend runs on this machine, vLLM's EMULATION (loading never calls it;
+    it also sets how vLLM rounds a rank's width: to whole 32-column groups)."""
+    module = importlib.import_module("vllm.model_executor.layers.quantization.mxfp4")
+    original = module.select_mxfp4_moe_backend
+
+    def choose(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        except NotImplementedError:
+            return importlib.import_module(original.__module__).Mxfp4MoeBackend.EMULATION, None
+
+    module.select_mxfp4_moe_backend = choose
+    try:
+        yield
+    finally:
+        module.select_mxfp4_moe_backend = original
 
 
 @contextmanager
@@ -211,6 +246,8 @@ def rank_problems(linear, size, rank, config, read, expected):
 def shard_problems(directory, expected):
     """Every rank's problems at each size (against `expected`: each module's weight by the format's
     definition); vLLM's refusals are printed, not problems."""
+    if TENSOR_PARALLEL.get("through_model"):
+        return gpt_oss_problems(directory, expected)
     handles = [safe_open(str(path), "pt") for path in sorted(Path(directory).glob("*.safetensors"))]
 
     def read(module):
@@ -231,6 +268,198 @@ def shard_problems(directory, expected):
                     problems += found
                     if refused and refused not in refusals:
                         refusals.append(refused)
+    for refused in refusals:
+        print(f"note: vLLM refuses a split (not a bug): {refused}")
+    return problems
+
+
+def gpt_oss_layer(linears, config):
+    """A stand-in of vLLM's GptOssModel holding decoder layer 0: the attention's Linears and sinks as
+    OAIAttention makes them, vLLM's own MLPBlock, GptOssModel's loading methods bound to it."""
+    import types
+
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed import get_tensor_model_parallel_world_size
+    from vllm.model_executor.models import gpt_oss
+
+    vllm_config = get_current_vllm_config()
+    vllm_config.compilation_config.static_forward_context.pop("model.layers.0.mlp.experts", None)
+    block, attention = torch.nn.Module(), torch.nn.Module()
+    for linear in linears:
+        if linear["expert"] is None:
+            setattr(attention, linear["prefix"].rpartition(".")[2], build_linear(linear, config))
+    heads = CONFIG["num_attention_heads"] // get_tensor_model_parallel_world_size()
+    attention.sinks = torch.nn.Parameter(torch.empty(heads, dtype=MODEL_DTYPE), requires_grad=False)
+    block.attn = attention
+    block.mlp = gpt_oss.MLPBlock(vllm_config, 0, prefix="model.layers.0.mlp")
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"0": block})
+    model.config, model.parallel_config = vllm_config.model_config.hf_config, vllm_config.parallel_config
+    for name in ("load_weights", "_load_weights_mxfp4", "_load_weights_quark", "_load_weights_other"):
+        setattr(model, name, types.MethodType(getattr(gpt_oss.GptOssModel, name), model))
+    model._try_load_streamed_expert = gpt_oss.GptOssModel._try_load_streamed_expert
+    return model
+
+
+def load_filled(model, stored, byte):
+    """The model's parameters after its load_weights, into storage filled with `byte`."""
+    from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
+
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.data.view(torch.uint8).fill_(byte)
+    weights = GptOssForCausalLM.hf_to_vllm_mapper.apply((n, t.clone()) for n, t in stored.items())
+    model.load_weights((name.removeprefix("model."), tensor) for name, tensor in weights)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def group_split(width, size, rank):
+    """[start, stop) of an expert's width rank `rank` of `size` owns: whole 32-column groups,
+    ceil(groups / size) a rank (the last ranks shorter or empty)."""
+    per_rank = -(-(width // 32) // size) * 32
+    start = min(rank * per_rank, width)
+    return start, min(start + per_rank, width)
+
+
+def unwritten(first, last):
+    return (
+        int(
+            (first.reshape(first.numel(), -1).view(torch.uint8) != last.reshape(last.numel(), -1).view(torch.uint8))
+            .any(dim=1)
+            .sum()
+        )
+        if first.numel()
+        else 0
+    )
+
+
+def expert_problems(where, held, first, made, expert, span, rank, stored, expected):
+    """One expert's w13 and w2 as a rank holds them (its slot of each stacked parameter; `span`: the
+    share of its width) against the definition's slice; padding must be zero bytes."""
+    start, stop = span
+    problems = []
+    base = f"model.layers.0.mlp.experts.{expert}"
+    for group, module, axis in (("w13", f"{base}.gate_up_proj", 0), ("w2", f"{base}.down_proj", 1)):
+        tensors, pads = {}, 0
+        for suffix, per_column in (("weight", 2), ("weight_scale", 32), ("bias", None)):
+            tensor, before, created = (t[f"{group}_{suffix}"] for t in (held, first, made))
+            if axis == 0:
+                share = (slice(0, 2 * (stop - start)),)
+            elif per_column is None:
+                share = (slice(None),)
+            else:
+                share = (slice(None), slice(0, (stop - start) // per_column))
+            count = unwritten(before[share], tensor[share])
+            if count:
+                problems.append(f"{where} experts.{expert}.{group}: {count} element(s) of {suffix} never written")
+            outside = torch.ones(tensor.shape, dtype=torch.bool)
+            outside[share] = False
+            pads += int(created[outside].reshape(-1).view(torch.uint8).ne(0).sum()) if outside.any() else 0
+            tensors[suffix] = tensor[share]
+        if pads:
+            problems.append(f"{where} experts.{expert}.{group}: the padding past its share is not zero bytes")
+        if stop == start:
+            continue  # a rank with no share of the width holds padding only
+        value = dequantize_definition({"weight_packed": tensors["weight"], "weight_scale": tensors["weight_scale"]})
+        want = expected[module]
+        want = want[2 * start : 2 * stop] if axis == 0 else want[:, start:stop]
+        bias = stored[f"{module}.bias"]
+        if axis == 0:
+            bias = bias[2 * start : 2 * stop]
+        elif rank > 0:
+            bias = torch.zeros_like(bias)  # every rank adds its w2 bias before the all-reduce: rank 0's alone
+        if value.shape != want.shape or not torch.equal(value, want):
+            held_from = [
+                e
+                for e in range(CONFIG["num_local_experts"])
+                if torch.equal(value, cut_expert(expected, e, group, span))
+            ]
+            whose = f" (it holds expert {', '.join(map(str, held_from))}'s)" if held_from else ""
+            problems.append(
+                f"{where} experts.{expert}.{group}: {module.rpartition('.')[2]} differs from its slice{whose}"
+            )
+        elif not torch.equal(tensors["bias"].to(torch.float64), bias.to(torch.float64)):
+            problems.append(f"{where} experts.{expert}.{group}: its bias differs from its slice")
+    return problems
+
+
+def cut_expert(expected, expert, group, span):
+    start, stop = span
+    if group == "w13":
+        return expected[f"model.layers.0.mlp.experts.{expert}.gate_up_proj"][2 * start : 2 * stop]
+    return expected[f"model.layers.0.mlp.experts.{expert}.down_proj"][:, start:stop]
+
+
+def loaded_rank(linears, config, disk, size, rank, parallel):
+    """One rank's layer: its parameters as created, after a load into 0x00 and into 0xFF bytes, and
+    the slot of each expert (-1: another rank's); vLLM's refusal propagates."""
+    with as_rank(rank, size, parallel == "ep"):
+        model = gpt_oss_layer(linears, config)
+        made = {n: p.detach().clone() for n, p in model.named_parameters()}
+        first, held = (load_filled(model, disk, byte) for byte in (0x00, 0xFF))
+    experts = model.layers["0"].mlp.experts
+    expert_map = getattr(getattr(experts, "routed_experts", experts), "_expert_map", None)
+    slots = list(range(CONFIG["num_local_experts"])) if expert_map is None else expert_map.tolist()
+    return made, first, held, slots
+
+
+def attention_problems(where, linears, first, held):
+    """Elements of the attention's weights and biases that the load never wrote."""
+    problems = []
+    for linear in (item for item in linears if item["expert"] is None):
+        name = linear["prefix"].rpartition(".")[2]
+        for suffix in ("weight", "bias"):
+            key = f"layers.0.attn.{name}.{suffix}"
+            count = unwritten(first[key], held[key]) if key in held else 0
+            if count:
+                problems.append(f"{where} {name}: {count} element(s) of {suffix} never written")
+    return problems
+
+
+def gpt_oss_problems(directory, expected):
+    """Every rank's problems at each tensor-parallel size (attention and experts) and expert-parallel
+    size (experts), vLLM's refusals printed as notes."""
+    handles = [safe_open(str(path), "pt") for path in sorted(Path(directory).glob("*.safetensors"))]
+    prefix = rename("model.layers.0.")
+    disk = {
+        "model.layers.0." + k[len(prefix) :]: h.get_tensor(k) for h in handles for k in h.keys() if k.startswith(prefix)
+    }
+    stored = {}  # per-expert views of the packed biases
+    for name, tensor in disk.items():
+        if name.endswith("_bias") and ".experts." in name:
+            base, _, projection = name.removesuffix("_bias").rpartition(".")
+            stored |= {f"{base}.{e}.{projection}.bias": tensor[e] for e in range(tensor.shape[0])}
+    linears = TENSOR_PARALLEL["linears"]
+    problems, refusals = [], []
+    with quantization_config(directory) as config, loading_without_kernels(), emulated_moe_backend():
+        plan = [("tp", s) for s in TENSOR_PARALLEL["sizes"]] + [("ep", s) for s in TENSOR_PARALLEL["ep_sizes"]]
+        for parallel, size in plan:
+            holders, refused = {}, False
+            for rank in range(size):
+                where = f"{parallel} {size} rank {rank}"
+                try:
+                    made, first, held, slots = loaded_rank(linears, config, disk, size, rank, parallel)
+                except Exception as error:  # vLLM refuses this split, with its own error: not a bug
+                    refusals.append(f"{where}: {type(error).__name__}: {str(error)[:160]}")
+                    refused = True
+                    continue
+                if parallel == "tp":
+                    problems += attention_problems(where, linears, first, held)
+                params = {
+                    n.rpartition(".")[2]: n
+                    for n in held
+                    if ".mlp.experts." in n and n.rpartition(".")[2][:3] in ("w13", "w2_")
+                }
+                span = group_split(CONFIG["intermediate_size"], *((1, 0) if parallel == "ep" else (size, rank)))
+                for expert, slot in enumerate(slots):
+                    if slot >= 0:
+                        holders.setdefault(expert, []).append(rank)
+                        mine = [{k: t[n][slot] for k, n in params.items()} for t in (held, first, made)]
+                        owner = 0 if parallel == "ep" else rank
+                        problems += expert_problems(where, *mine, expert, span, owner, stored, expected)
+            for expert in range(CONFIG["num_local_experts"]) if parallel == "ep" and not refused else ():
+                if len(holders.get(expert, [])) != 1:
+                    problems.append(f"ep {size}: expert {expert} held by ranks {holders.get(expert, [])}")
     for refused in refusals:
         print(f"note: vLLM refuses a split (not a bug): {refused}")
     return problems
