@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: architectures whose decoder layer this lane knows: vLLM's Llama and Qwen2, and its Mixtral,
-#: Qwen2-MoE, Qwen3-MoE and Llama-4 (text), whose routed experts live in one FusedMoE (w13: gate
-#: and up, w2: down)
+#: Qwen2-MoE, Qwen3-MoE, Llama-4 (text), DeepSeek-V3 and gpt-oss, whose routed experts live in one
+#: FusedMoE (w13: gate and up, w2: down)
 DENSE = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 #: MoE architecture -> (where its experts live, checkpoint names of gate, up, down, the config
 #: fields holding the number of experts and an expert's width)

@@ -9,7 +9,8 @@ and `world_size` every `get_tensor_model_parallel_rank/world_size()` reads. Each
 into storage filled with 0x00 bytes and then 0xFF bytes; a byte that differs was never written.
 Where vLLM has no matmul kernel on this host (NVFP4 on CPU, FP8 blocks without AMX), the kernel
 choice alone is replaced by a stand-in: loading never calls it, and compute is judged from the
-held tensors with the harness's reference.
+held tensors with the harness's reference. gpt-oss, whose model (not its layers' loaders) splits
+the packed experts by rank, is loaded through its model's own `load_weights` (`load_through_model`).
 """
 
 from __future__ import annotations
