@@ -236,52 +236,35 @@ def moe_linears(config: dict, architecture: str) -> tuple[FusedLinear, ...]:
     """A sparse layer's shared expert (a dense MLP) and each routed expert's w13 and w2."""
     hidden = config["hidden_size"]
     block, (gate, up, down), count_key, width_key = MOE[architecture]
-    if architecture in INTERLEAVED:
-        return interleaved_experts(config, block, count_key, width_key)
     shared_module, shared_key = SHARED.get(architecture, ("", ""))
     shared = config.get(shared_key) if shared_module else 0
     if shared and architecture in SHARED_COUNT:
         shared *= int(config.get(SHARED_COUNT[architecture]) or 0)
     linears = dense_mlp(shared_module, hidden, shared, False) if shared else ()
     width = config[width_key]
-    for expert in range(config[count_key]):
-        name = f"experts.{expert}"
-        linears += (
-            FusedLinear(
-                f"{name}.w13",
-                block,
-                "merged",
-                (Part(f"{name}.{gate}", "w1", width), Part(f"{name}.{up}", "w3", width)),
-                hidden,
-                False,
-                expert=expert,
-            ),
-            FusedLinear(
-                f"{name}.w2", block, "row", (Part(f"{name}.{down}", "w2", hidden),), width, False, expert=expert
-            ),
+    if architecture in INTERLEAVED:  # one biased gate_up_proj, gate and up rows alternating
+        w13_parts, kinds, bias, down_shard = (
+            (("gate_up_proj", None, 2 * width),),
+            ("interleaved", "grouped"),
+            True,
+            None,
         )
-    return linears
-
-
-def interleaved_experts(config: dict, block: str, count_key: str, width_key: str) -> tuple[FusedLinear, ...]:
-    """gpt-oss's routed experts: per expert one checkpoint `gate_up_proj` (gate and up rows
-    interleaved, biased) loaded into w13, and `down_proj` (biased) into w2."""
-    hidden, width = config["hidden_size"], config[width_key]
-    linears: tuple[FusedLinear, ...] = ()
+    else:
+        w13_parts, kinds, bias, down_shard = ((gate, "w1", width), (up, "w3", width)), ("merged", "row"), False, "w2"
     for expert in range(config[count_key]):
         name = f"experts.{expert}"
         linears += (
             FusedLinear(
                 f"{name}.w13",
                 block,
-                "interleaved",
-                (Part(f"{name}.gate_up_proj", None, 2 * width),),
+                kinds[0],
+                tuple(Part(f"{name}.{part}", shard, rows) for part, shard, rows in w13_parts),
                 hidden,
-                True,
+                bias,
                 expert=expert,
             ),
             FusedLinear(
-                f"{name}.w2", block, "grouped", (Part(f"{name}.down_proj", None, hidden),), width, True, expert=expert
+                f"{name}.w2", block, kinds[1], (Part(f"{name}.{down}", down_shard, hidden),), width, bias, expert=expert
             ),
         )
     return linears
