@@ -523,6 +523,10 @@ def test_gpt_oss_experts_sharded_correctly_are_exact_and_wrong_loaders_are_caugh
     one_group = load_truth(narrow, 0)
     verdicts = judge(shard_gpt_oss(one_group, 2), one_group)
     assert {v.status for v in verdicts} == {EXACT}, [v.line() for v in verdicts if v.status != EXACT]
+    sinks = next(linear for linear in decoder_linears(truth.config) if linear.name == "sinks")
+    stored = truth.raw["model.layers.0.self_attn.sinks"]  # 4 heads: 2 a rank at tp 2
+    right, wrong = (Shard(2, 1, sinks, [2], None, {"weight": stored[heads]}) for heads in (slice(2, 4), slice(0, 2)))
+    assert [v.status for v in judge([right, wrong], truth)] == [EXACT, FINDING]
     halves = {(v.rank, v.module): v for v in judge(shard_gpt_oss(truth, 2, halves=True), truth)}
     assert halves[0, "experts.0.w13"].status == FINDING and halves[1, "experts.0.w2"].status == EXACT
 
@@ -541,7 +545,7 @@ def test_vllm_gpt_oss_is_exact_at_tp_2_and_4_and_misplaces_uneven_experts(gpt_os
         (("ep", 2), FINDING),
     ], [line for o in result.outcomes for line in o.reasons + o.findings]
     judged = {v.module for v in result.verdicts if v.tp == 4}
-    assert {"qkv_proj", "o_proj", "experts.2.w13", "experts.2.w2"} <= judged
+    assert {"qkv_proj", "o_proj", "sinks", "experts.2.w13", "experts.2.w2"} <= judged
     assert any(
         line.startswith("ep 2 rank 0 experts.1.w13: finding") and "is expert 0's" in line
         for line in lines["ep", 2].findings

@@ -172,12 +172,13 @@ def judge_shard(shard: Shard, truth: Truth) -> RankVerdict:
             module = shard.linear.part_module(truth.layer, part)
             before = len(problems)
             if part.name in computed:
-                wrong = compare(computed[part.name], cut(truth.reference[f"{module}.weight"], owned), owned)
+                reference = truth.reference[shard.linear.reference_name(truth.layer, part)]
+                wrong = compare(computed[part.name], cut(reference, owned), owned)
                 if wrong:
                     problems.append(f"{part.name} weight {wrong}{block_trace(shard, part, owned, truth)}")
             problems += raw_problems(shard, part, owned, truth)
             if len(problems) > before:
-                verdict.wrong[module] = list(truth.reference[f"{module}.weight"].shape)
+                verdict.wrong[module] = list(truth.reference[shard.linear.reference_name(truth.layer, part)].shape)
     if problems and shard.parallel == EP:
         problems.append(expert_held(shard, truth))
     if problems:
@@ -288,6 +289,8 @@ def with_shape(tensors: dict[str, torch.Tensor], rows: int, columns: int) -> dic
 
 def compare(held: torch.Tensor, expected: torch.Tensor, owned: Slice) -> str | None:
     """None when bit-identical; else which checkpoint rows (or columns) differ and by how much."""
+    if held.dim() == 1 and expected.dim() == 1:  # one value a row (the sinks: a head each)
+        held, expected = held.unsqueeze(1), expected.unsqueeze(1)
     if held.shape != expected.shape:
         return f"has shape {list(held.shape)} where the rank must hold {list(expected.shape)}"
     bad = ~(held == expected)

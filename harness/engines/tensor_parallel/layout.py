@@ -59,6 +59,8 @@ ARCHITECTURES = DENSE + tuple(MOE)
 QKV_BIASED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 #: q/k/v and o biased whatever the config says (vLLM's gpt-oss attention)
 ATTENTION_BIASED = ("GptOssForCausalLM",)
+#: attention with a per-head sink logit (`self_attn.sinks`), narrowed by heads by its model's loader
+SINKS = ("GptOssForCausalLM",)
 #: how a size splits a layer: tensor parallelism (every Linear and routed expert sliced), or expert
 #: parallelism (vLLM's enable_expert_parallel: each routed expert held whole by one rank of the
 #: group, attention and shared experts still tensor-parallel)
@@ -89,8 +91,9 @@ class FusedLinear:
     (ColumnParallelLinear), `row` (RowParallelLinear), `replicated` (every rank holds the whole:
     ReplicatedLinear, or a MergedColumnParallelLinear with disable_tp for several parts), `vocab`
     (VocabParallelEmbedding / ParallelLMHead: `name` is the checkpoint module, rows the vocabulary),
-    or a gpt-oss routed expert's `interleaved` w13 (one checkpoint gate_up_proj, gate and up rows
-    alternating) and `grouped` w2, both split by rank in whole MXFP4 groups (`grouped_split`)."""
+    a gpt-oss routed expert's `interleaved` w13 (one checkpoint gate_up_proj, gate and up rows
+    alternating) and `grouped` w2, both split by rank in whole MXFP4 groups (`grouped_split`), or
+    its attention's `heads`: the sinks, one value per head (a tensor, not a module's weight)."""
 
     name: str
     parent: str
@@ -110,6 +113,10 @@ class FusedLinear:
         if self.kind == "vocab":
             return part.name
         return f"model.layers.{layer}.{self.parent}.{part.name}"
+
+    def reference_name(self, layer: int, part: Part) -> str:
+        """The part's values in the reference: its module's `.weight`; the sinks are a tensor."""
+        return self.part_module(layer, part) + ("" if self.kind == "heads" else ".weight")
 
 
 def attention_of(config: dict) -> Attention:
@@ -207,6 +214,10 @@ def decoder_linears(config: dict, layer: int = 0) -> tuple[FusedLinear, ...]:
             architecture in ATTENTION_BIASED or (qkv_bias and not qwen2),
         ),
     )
+    if architecture in SINKS:  # one learned logit per head, split by heads like q
+        attention_linears += (
+            FusedLinear("sinks", "self_attn", "heads", (Part("sinks", None, attention.heads),), 0, False, attention),
+        )
     if architecture == "Llama4ForCausalLM" and not sparse(config, layer):
         return attention_linears + dense_mlp("feed_forward", hidden, config["intermediate_size_mlp"], False)
     if architecture not in MOE:
@@ -351,7 +362,7 @@ def owned_slice(linear: FusedLinear, part: Part, tp: int, rank: int, config: dic
         height = part.rows // tp
         return Slice(0, rank * height, (rank + 1) * height)
     attention = attention_of(config)
-    if part.shard_id == "q":
+    if part.shard_id == "q" or linear.kind == "heads":
         if attention.heads % tp:
             return None
         height = part.rows // tp

@@ -198,7 +198,10 @@ class TensorParallelShards(Engine):
             entry = entries[linear.name]
             split = (1, 0) if parallel == EP else (size, rank)
             owned = owned_slice(linear, linear.parts[0], *split, config)
-            if linear.expert is None:
+            if linear.kind == "heads":  # the sinks: a parameter of the attention, not a Linear
+                held, index = {"weight": f"layers.{layer}.attn.{linear.name}"}, None
+                entry["partition_sizes"] = [int(passes[-1][held["weight"]].shape[0])]
+            elif linear.expert is None:
                 module = getattr(block.attn, linear.name)
                 prefix = f"layers.{layer}.attn.{linear.name}."
                 entry["partition_sizes"] = [int(s) for s in module.output_partition_sizes]
@@ -359,7 +362,7 @@ def gpt_oss_layer(linears, layer: int, dtype):
     block = torch.nn.Module()
     block.attn = torch.nn.Module()
     for linear in linears:
-        if linear.expert is None:
+        if linear.expert is None and linear.kind != "heads":
             setattr(block.attn, linear.name, build(linear, layer, vllm_config.quant_config, dtype))
     heads = hf_config.num_attention_heads // get_tensor_model_parallel_world_size()
     block.attn.sinks = torch.nn.Parameter(torch.empty(heads, dtype=dtype), requires_grad=False)

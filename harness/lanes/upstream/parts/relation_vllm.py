@@ -286,7 +286,7 @@ def gpt_oss_layer(linears, config):
     vllm_config.compilation_config.static_forward_context.pop("model.layers.0.mlp.experts", None)
     block, attention = torch.nn.Module(), torch.nn.Module()
     for linear in linears:
-        if linear["expert"] is None:
+        if linear["expert"] is None and linear["kind"] != "heads":  # the sinks are made below
             setattr(attention, linear["prefix"].rpartition(".")[2], build_linear(linear, config))
     heads = CONFIG["num_attention_heads"] // get_tensor_model_parallel_world_size()
     attention.sinks = torch.nn.Parameter(torch.empty(heads, dtype=MODEL_DTYPE), requires_grad=False)
@@ -406,7 +406,7 @@ def loaded_rank(linears, config, disk, size, rank, parallel):
 def attention_problems(where, linears, first, held):
     """Elements of the attention's weights and biases that the load never wrote."""
     problems = []
-    for linear in (item for item in linears if item["expert"] is None):
+    for linear in (item for item in linears if item["expert"] is None and item["kind"] != "heads"):
         name = linear["prefix"].rpartition(".")[2]
         for suffix in ("weight", "bias"):
             key = f"layers.0.attn.{name}.{suffix}"
