@@ -362,6 +362,29 @@ def test_vllm_llama4_dense_and_sparse_layers_are_exact_at_tp_2_and_4(tmp_path, t
 
 
 @needs_vllm
+def test_vllm_llama4_rotary_permutation_of_block_quantized_q_and_k(tmp_path, tp_worker):
+    """Llama-4's q/k go through vLLM's own rotary permutation before the loaders, and are judged in
+    checkpoint row order: head_dim 128 with 128-row blocks (a head is a block) exact; head_dim 96 (a
+    head spans two blocks, whose FineGrainedFP8 grid vLLM does not permute) wrong at tp 1
+    (vllm-llama4-fp8-block-qk-permutation-moves-rows-across-scale-blocks)."""
+    verdicts = {}
+    for head_dim in (128, 96):
+        directory = tmp_path / f"head-dim-{head_dim}"
+        settings = ["num_hidden_layers=1", "hidden_size=256", "num_attention_heads=4", "num_key_value_heads=4"]
+        generate(
+            apply_settings(Recipe(format="fp8-block", arch="llama4", seed=2), [*settings, f"head_dim={head_dim}"]),
+            directory,
+        )
+        result = check_tensor_parallel(directory, [1], ep_sizes=[], process=tp_worker)
+        verdicts[head_dim] = {v.module: v for v in result.verdicts}
+    assert verdicts[128]["qkv_proj"].status == EXACT, verdicts[128]["qkv_proj"].line()
+    wrong = verdicts[96]["qkv_proj"]
+    assert wrong.status == FINDING and wrong.details[0].startswith("q_proj weight differs"), wrong.line()
+    assert any(d.startswith("k_proj weight differs") for d in wrong.details)
+    assert not any("v_proj" in d for d in wrong.details)  # v is not permuted
+
+
+@needs_vllm
 def test_vllm_nvfp4_expert_down_proj_split_inside_groups_is_caught(tmp_path, tp_worker):
     """Measured upstream behaviour (docs/tensor-parallel.md): a ModelOpt NVFP4 expert of width 160
     at tp 4 gives each rank 40 of w2's columns, cutting the 16-column groups; the FusedMoE loader

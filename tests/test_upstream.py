@@ -445,6 +445,11 @@ FIXED_VARIANTS = {
         {"config": {"intermediate_size": 512}},
         "512 input columns: 128 per rank at tp 4, whole 16-column groups; every rank holds its slice",
     ),
+    "tp-llama4-head-within-a-block": (
+        "vllm-llama4-fp8-block-qk-permutation-moves-rows-across-scale-blocks",
+        {"config": {"head_dim": 128}},
+        "Llama-4 heads of 128 rows with 128-row blocks: the rotary permutation keeps each row under its scale",
+    ),
     "tp-gpt-oss-even-experts": (
         "vllm-gpt-oss-ep-uneven-experts-misplaced",
         {"config": {"num_local_experts": 4}},

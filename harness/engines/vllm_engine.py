@@ -34,6 +34,7 @@ from harness.core.naming import canonical_name
 from harness.engines.base import Engine, EngineUnsupported, LoadReport
 from harness.engines.environments import engine_python
 from harness.engines.hf_common import LEAD, captured_warnings
+from harness.engines.tensor_parallel.layout import unpermute_rotary_rows
 from harness.engines.vllm_capability import missing_kernel
 from harness.engines.vllm_capability import unsupported_reason as probed_unsupported_reason
 
@@ -730,9 +731,7 @@ def unpermuted_rotary(config: dict, held: dict[str, torch.Tensor]) -> dict[str, 
         projection = name.removesuffix(".weight").rpartition(".")[2]
         if not name.endswith(".weight") or projection not in heads or tensor.dim() != 2:
             continue
-        rows, cols = tensor.shape
-        count = heads[projection]
-        result[name] = tensor.reshape(count, 2, rows // count // 2, cols).transpose(1, 2).reshape(rows, cols)
+        result[name] = unpermute_rotary_rows(tensor, heads[projection])
     return result
 
 

@@ -22,6 +22,7 @@ import torch
 from harness.core.errors import FormatError
 from harness.engines.tensor_parallel.layout import (
     EP,
+    ROTARY_PERMUTED,
     TP,
     FusedLinear,
     Part,
@@ -29,6 +30,7 @@ from harness.engines.tensor_parallel.layout import (
     held_share,
     lane_linears,
     owned_slice,
+    unpermute_rotary_rows,
     vocab_linears,
 )
 
@@ -168,6 +170,10 @@ def judge_shard(shard: Shard, truth: Truth) -> RankVerdict:
         except (FormatError, ValueError, RuntimeError) as error:
             problems.append(f"the format's reference refuses the held tensors: {error}")
             computed = {}
+        permuted = rotary_heads(shard, slices, truth)
+        if permuted:  # what the rank computes, and the bytes it holds, in checkpoint row order
+            computed = {n: unpermute_rotary_rows(v, permuted[n]) if n in permuted else v for n, v in computed.items()}
+            shard = unpermuted(shard, permuted)
         for part, owned in zip(shard.linear.parts, slices, strict=True):
             module = shard.linear.part_module(truth.layer, part)
             before = len(problems)
@@ -185,6 +191,37 @@ def judge_shard(shard: Shard, truth: Truth) -> RankVerdict:
         verdict.status = FINDING
         verdict.details = problems
     return verdict
+
+
+def rotary_heads(shard: Shard, slices: list[Slice], truth: Truth) -> dict[str, int]:
+    """Llama-4's q and k parts, which vLLM's model permutes for its rotary embedding before any
+    loader: how many whole heads of rows the rank holds of each. Empty for the others."""
+    architecture = (truth.config.get("architectures") or ["?"])[0]
+    if architecture not in ROTARY_PERMUTED or shard.linear.kind != "qkv":
+        return {}
+    head_dim = shard.linear.attention.head_dim
+    return {
+        part.name: (owned.stop - owned.start) // head_dim
+        for part, owned in zip(shard.linear.parts, slices, strict=True)
+        if part.shard_id in ("q", "k")
+    }
+
+
+def unpermuted(shard: Shard, permuted: dict[str, int]) -> Shard:
+    """The shard with its per-row tensors' q/k rows put back in checkpoint order (a block grid,
+    not one entry per row, stays as held: the kernel reads it over the permuted rows)."""
+    rows = _held_rows(shard)
+    held = {}
+    for suffix, tensor in shard.held.items():
+        if tensor.dim() == 0 or tensor.shape[0] != rows:
+            held[suffix] = tensor
+            continue
+        pieces = [tensor[start : start + size] for _, start, size in part_rows(shard, rows)]
+        for index, (part, _, _) in enumerate(part_rows(shard, rows)):
+            if part.name in permuted:
+                pieces[index] = unpermute_rotary_rows(pieces[index], permuted[part.name])
+        held[suffix] = torch.cat(pieces)
+    return replace(shard, held=held)
 
 
 def expert_held(shard: Shard, truth: Truth) -> str:

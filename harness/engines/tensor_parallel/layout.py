@@ -61,6 +61,10 @@ QKV_BIASED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 ATTENTION_BIASED = ("GptOssForCausalLM",)
 #: attention with a per-head sink logit (`self_attn.sinks`), narrowed by heads by its model's loader
 SINKS = ("GptOssForCausalLM",)
+#: vLLM's model permutes each head's q/k rows (and a scale of more than one element) for its rotary
+#: embedding before any loader (Llama4ForCausalLM.permute_qk_weight_for_rotary): held rows are
+#: compared after `unpermute_rotary_rows`
+ROTARY_PERMUTED = ("Llama4ForCausalLM",)
 #: how a size splits a layer: tensor parallelism (every Linear and routed expert sliced), or expert
 #: parallelism (vLLM's enable_expert_parallel: each routed expert held whole by one rank of the
 #: group, attention and shared experts still tensor-parallel)
@@ -117,6 +121,14 @@ class FusedLinear:
     def reference_name(self, layer: int, part: Part) -> str:
         """The part's values in the reference: its module's `.weight`; the sinks are a tensor."""
         return self.part_module(layer, part) + ("" if self.kind == "heads" else ".weight")
+
+
+def unpermute_rotary_rows(tensor, heads: int):
+    """Rows vLLM permuted for its rotary embedding (each head's (d/2, 2) rows as (2, d/2)) back in
+    checkpoint order; a torch tensor whose first dimension is `heads` whole heads."""
+    rows = tensor.shape[0]
+    inner = tuple(tensor.shape[1:])
+    return tensor.reshape(heads, 2, rows // heads // 2, *inner).transpose(1, 2).reshape(rows, *inner)
 
 
 def attention_of(config: dict) -> Attention:
@@ -178,9 +190,8 @@ def mla_linears(config: dict) -> tuple[FusedLinear, ...]:
 def decoder_linears(config: dict, layer: int = 0) -> tuple[FusedLinear, ...]:
     """The parallel Linears of decoder layer `layer`, as vLLM's Llama, Qwen2, Mixtral, Qwen2-MoE,
     Qwen3-MoE and Llama-4 build them: attention, then the dense MLP, or a sparse layer's shared
-    expert and each routed expert's w13 and w2. Llama-4's rotary permutation of q and k (its
-    model's `load_weights`, before any layer's loader) is not part of this table: the lane feeds
-    the layers' own loaders."""
+    expert and each routed expert's w13 and w2 (Llama-4's q/k rows are permuted by its model first:
+    ROTARY_PERMUTED)."""
     architecture = (config.get("architectures") or ["?"])[0]
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture {architecture} (known: {', '.join(ARCHITECTURES)})")

@@ -19,11 +19,20 @@ import json
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 import torch
 
 from harness.engines.base import Engine
-from harness.engines.tensor_parallel.layout import EP, INTERLEAVED, TP, held_share, lane_linears, owned_slice
+from harness.engines.tensor_parallel.layout import (
+    EP,
+    INTERLEAVED,
+    ROTARY_PERMUTED,
+    TP,
+    held_share,
+    lane_linears,
+    owned_slice,
+)
 from harness.engines.vllm_capability import missing_kernel
 
 #: vLLM modules that imported a kernel chooser by name (the chooser raises where no kernel fits)
@@ -117,11 +126,13 @@ class TensorParallelShards(Engine):
     def __init__(self):
         self.held: dict[str, torch.Tensor] = {}
         self.placement = "linear"  # the job's expert placement strategy under expert parallelism
+        self.rotary = None  # what vLLM's model does to q/k tensors before any loader (Llama-4), or None
 
     def load(self, directory: str) -> ShardReport:
         self.held = {}  # one job's shards: a worker serves every checkpoint of a session
         job = json.loads(open(directory).read())
         self.placement = job.get("placement", "linear")
+        self.rotary = rotary_permutation(json.loads((Path(job["checkpoint"]) / "config.json").read_text()))
         from harness.checkpoints.reader import Checkpoint
 
         checkpoint = Checkpoint(job["checkpoint"])
@@ -321,7 +332,7 @@ class TensorParallelShards(Engine):
                 [int(b) for b in module.weight_block_size] if getattr(module, "weight_block_size", None) else None
             )
             try:
-                passes = load_twice(module, lambda: feed(module, linear, layer, checkpoint))
+                passes = load_twice(module, lambda: feed(module, linear, layer, checkpoint, self.rotary))
             except LoadFailure as error:
                 return entry | {"refused": {"stage": "weight_loader", "error": str(error)}}
         entry["params"] = {}
@@ -626,9 +637,25 @@ def fill(module, sentinel: int) -> None:
                 parameter.data.view(torch.uint8).fill_(sentinel)
 
 
-def feed(module, linear, layer: int, checkpoint) -> None:
+def rotary_permutation(config: dict):
+    """Llama-4: vLLM's `Llama4ForCausalLM.load_weights` passes every tensor through
+    `permute_qk_weight_for_rotary` before any loader (q/k rows, and their scales of more than one
+    element); that function, bound to the checkpoint's head counts. None for the others."""
+    if (config.get("architectures") or ["?"])[0] not in ROTARY_PERMUTED:
+        return None
+    import types
+
+    from vllm.model_executor.models.llama4 import Llama4ForCausalLM
+
+    heads = {key: config[key] for key in ("num_attention_heads", "num_key_value_heads")}
+    model = types.SimpleNamespace(config=types.SimpleNamespace(**heads))
+    return lambda name, tensor: Llama4ForCausalLM.permute_qk_weight_for_rotary(model, name, tensor)[1]
+
+
+def feed(module, linear, layer: int, checkpoint, rotary=None) -> None:
     """Each checkpoint tensor of the layer's parts through the parameter's own `weight_loader`,
-    with the shard id vLLM's Llama/Qwen2 `load_weights` passes (its stacked_params_mapping)."""
+    with the shard id vLLM's Llama/Qwen2 `load_weights` passes (its stacked_params_mapping).
+    With `rotary`, each tensor passes through it first (Llama-4's q/k permutation)."""
     names = set(checkpoint.names())
     params = dict(module.named_parameters())
     for part in linear.parts:
@@ -641,6 +668,8 @@ def feed(module, linear, layer: int, checkpoint) -> None:
             loader = parameter.weight_loader
             tensor = checkpoint.tensor(name)
             try:
+                if rotary is not None:
+                    tensor = rotary(name, tensor)
                 if part.shard_id is None:
                     loader(parameter, tensor)
                 else:

@@ -250,7 +250,7 @@ def tensor_parallel_linears(config: dict) -> dict:
     """The tensor-parallel relation's sizes and the first decoder layer's parallel Linears, as the
     harness's lane builds them (harness.engines.tensor_parallel.layout), as data for the script."""
     from harness.differential.relations import EP_SIZES, TP_SIZES
-    from harness.engines.tensor_parallel.layout import INTERLEAVED, decoder_linears
+    from harness.engines.tensor_parallel.layout import INTERLEAVED, ROTARY_PERMUTED, decoder_linears
 
     linears = []
     for linear in decoder_linears(config, 0):
@@ -266,13 +266,15 @@ def tensor_parallel_linears(config: dict) -> dict:
                 "expert": linear.expert,
             }
         )
-    through_model = (config.get("architectures") or ["?"])[0] in INTERLEAVED  # gpt-oss: its model splits
+    architecture = (config.get("architectures") or ["?"])[0]
+    through_model = architecture in INTERLEAVED  # gpt-oss: its model splits
     experts = any(linear["expert"] is not None for linear in linears)
     return {
         "sizes": list(TP_SIZES),
         "ep_sizes": list(EP_SIZES) if experts else [],
         "linears": linears,
         "through_model": through_model,
+        "rotary": architecture in ROTARY_PERMUTED,  # Llama-4: q/k rows permuted before the loaders
     }
 
 

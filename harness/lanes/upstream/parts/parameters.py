@@ -96,5 +96,5 @@ RELATION = None
 #: vLLM's tensor-parallel relation: the sizes (and expert-parallel sizes), and the first decoder
 #: layer's parallel Linears as vLLM builds them (prefix, kind, parts [module, shard id, rows], input
 #: size, bias, attention [heads, kv heads, head dim], expert), whether its model splits the layer
-#: itself (through_model: gpt-oss), or None
+#: itself (through_model: gpt-oss) and permutes q/k rows first (rotary: Llama-4), or None
 TENSOR_PARALLEL = None

@@ -228,6 +228,8 @@ def rank_problems(linear, size, rank, config, read, expected):
     for part, value in enumerate(values):
         module = linear["parts"][part][0]
         axis, first, stop = owned(linear, part, size, rank)
+        if TENSOR_PARALLEL.get("rotary") and linear["parts"][part][1] in ("q", "k"):
+            value = unpermuted_rows(value, (stop - first) // linear["attention"][2])  # checkpoint row order
         want = expected[module].narrow(axis, first, stop - first)
         if value.shape != want.shape:
             problems.append(f"{where}: {module} held {list(value.shape)}, its slice is {list(want.shape)}")
@@ -243,6 +245,27 @@ def rank_problems(linear, size, rank, config, read, expected):
     return problems, None
 
 
+def rotary_permutation():
+    """What vLLM's model does to each tensor before any loader: Llama-4's Llama4ForCausalLM.load_weights
+    permutes each head's q/k rows (and a scale named weight_scale of more than one element) for its
+    rotary embedding; nothing for the others."""
+    if not TENSOR_PARALLEL.get("rotary"):
+        return lambda name, tensor: tensor
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models.llama4 import Llama4ForCausalLM
+
+    heads = {key: CONFIG[key] for key in ("num_attention_heads", "num_key_value_heads")}
+    model = SimpleNamespace(config=SimpleNamespace(**heads))
+    return lambda name, tensor: Llama4ForCausalLM.permute_qk_weight_for_rotary(model, name, tensor)[1]
+
+
+def unpermuted_rows(value, heads):
+    """Rows vLLM permuted for its rotary embedding (each head's (d/2, 2) as (2, d/2)) back in order."""
+    rows, columns = value.shape
+    return value.reshape(heads, 2, rows // heads // 2, columns).transpose(1, 2).reshape(rows, columns)
+
+
 def shard_problems(directory, expected):
     """Every rank's problems at each size (against `expected`: each module's weight by the format's
     definition); vLLM's refusals are printed, not problems."""
@@ -250,10 +273,12 @@ def shard_problems(directory, expected):
         return gpt_oss_problems(directory, expected)
     handles = [safe_open(str(path), "pt") for path in sorted(Path(directory).glob("*.safetensors"))]
 
+    rotary = rotary_permutation()
+
     def read(module):
         stored = rename(module) + "."
         return {
-            key[len(stored) :]: handle.get_tensor(key)
+            key[len(stored) :]: rotary(key, handle.get_tensor(key))
             for handle in handles
             for key in handle.keys()
             if key.startswith(stored) and "." not in key[len(stored) :]
