@@ -34,7 +34,7 @@ from harness.checkpoints.recipe import Recipe
 from harness.checkpoints.writer import generate
 from harness.core.findings import Finding
 from harness.differential.known_issues import KnownIssues
-from harness.differential.relations import sampled
+from harness.differential.relations import CAMPAIGN_EVERY, sampled
 from harness.differential.runner import CheckpointResult, EngineSession, evaluate
 
 #: evaluations one new signature may spend on shrinking (each is a load in every engine)
@@ -180,15 +180,18 @@ def run_campaign(
     shrink: bool = True,
     progress: Callable[[Campaign], None] | None = None,
     relations: tuple[str, ...] = (),
+    relations_every: int = CAMPAIGN_EVERY,
 ) -> Campaign:
     """Visit `cells` until `budget` is spent or every cell is exhausted. Each visit goes to the
     cell served least so far (_VisitCost): least time under a time budget (a cell whose examples
     load in vLLM costs more than one only the reference loads, and gets fewer of them), fewest
     examples under an example budget (deterministic). Every cell is visited once before any twice.
-    `relations` are checked one at a time on a deterministic fraction of the examples
+    `relations` are checked one at a time on one example in `relations_every`
     (harness.differential.relations.sampled)."""
     campaign = Campaign(cells)
-    explorer = _Explorer(campaign, coverage, budget, work / "examples", session, known, shrink, progress, relations)
+    explorer = _Explorer(
+        campaign, coverage, budget, work / "examples", session, known, shrink, progress, relations, relations_every
+    )
     queue = [(0.0, position) for position in range(len(cells))]
     clock = _VisitCost(budget.seconds is not None)
     visits = [0] * len(cells)
@@ -227,7 +230,19 @@ class _VisitCost:
 
 
 class _Explorer:
-    def __init__(self, campaign, coverage, budget, examples_dir, session, known, shrink, progress, relations=()):
+    def __init__(
+        self,
+        campaign,
+        coverage,
+        budget,
+        examples_dir,
+        session,
+        known,
+        shrink,
+        progress,
+        relations=(),
+        every=CAMPAIGN_EVERY,
+    ):
         self.campaign, self.coverage, self.budget = campaign, coverage, budget
         self.examples_dir, self.session, self.known = examples_dir, session, known
         self.shrink, self.progress = shrink, progress
@@ -237,6 +252,8 @@ class _Explorer:
         self.minimal_key: dict[tuple, str] = {}
         #: the relations the campaign samples (harness.differential.relations)
         self.relations: tuple[str, ...] = relations
+        #: one example in `every` checks one of them
+        self.every = every
         #: (format, architecture) -> relation -> how often it was checked there (least checked first)
         self.relations_checked: dict[tuple[str, str], dict[str, int]] = {}
         #: cells not visited yet, besides the one being visited: under an example budget, shrinking
@@ -309,7 +326,7 @@ class _Explorer:
         generate(recipe, directory)
         config = json.loads((directory / "config.json").read_text())
         checked = self.relations_checked.setdefault((recipe.format, recipe.arch), {})
-        relations = sampled(campaign.examples, self.relations, config=config, checked=checked)
+        relations = sampled(campaign.examples, self.relations, self.every, config=config, checked=checked)
         for name in relations:
             checked[name] = checked.get(name, 0) + 1
         relations += tuple(sorted(state.relations - set(relations))) if state.shrinking else ()

@@ -52,7 +52,7 @@ def command_run(args) -> int:
     from harness.campaign.profiles import load_profile
     from harness.commands.cli import parse_engines, parse_optional, start_engines
     from harness.differential.known_issues import KnownIssues
-    from harness.differential.relations import CAMPAIGN_EVERY, RELATIONS, parse_relations
+    from harness.differential.relations import RELATIONS, parse_relations
     from harness.differential.runner import EngineSession
     from harness.engines.process import Limits
 
@@ -61,6 +61,8 @@ def command_run(args) -> int:
     relations = parse_relations(args.relations)
     # a relation of other engines (tensor-parallel: vLLM's) would take its turns for nothing
     relations = tuple(r for r in relations if RELATIONS[r].engines is None or set(RELATIONS[r].engines) & set(engines))
+    if args.relations_every < 1:
+        raise HarnessError(f"--relations-every expects a whole number of examples >= 1, got {args.relations_every}")
     seconds = parse_duration(args.budget) if args.budget else None
     coverage, cells, mine = plan_cells(args)
     load_profile(args.profile)
@@ -73,7 +75,7 @@ def command_run(args) -> int:
         f"campaign: {len(mine)} cells (format x arch x dtype x family){shard}, engines {', '.join(engines)}, "
         f"profile {args.profile}, {' or '.join(bounds)}"
         + ("" if args.shrink else ", no shrinking")
-        + (f"; relations {', '.join(relations)}, one on every {CAMPAIGN_EVERY}th example" if relations else "")
+        + (f"; relations {', '.join(relations)}, one on 1 example in {args.relations_every}" if relations else "")
     )
     with tempfile.TemporaryDirectory(prefix="harness-run-") as scratch:
         report = Path(args.report).resolve() if args.report else None
@@ -84,7 +86,9 @@ def command_run(args) -> int:
             start_engines(session, engines, optional)
             budget = Budget(max_examples, seconds)  # from now: starting the engines is not the campaign's time
             bar = _progress_bar(budget, len(mine))
-            campaign = run_campaign(mine, coverage, budget, work, session, known, args.shrink, bar, relations)
+            campaign = run_campaign(
+                mine, coverage, budget, work, session, known, args.shrink, bar, relations, args.relations_every
+            )
         finally:
             session.close()
             if bar:
@@ -203,6 +207,7 @@ def write_campaign_report(
         "stopped": campaign.stopped,
         "shard": args.shard or "1/1",
         "budget": args.budget or "",
+        "relations_every": args.relations_every,
         "counts": [{"signature": list(s), "seen": n, "new": s in campaign.minimal} for s, n in campaign.counts.items()],
         "known_issues_rediscovered": sorted(campaign.known_issue_ids()),
         "seconds_per_worker_op": {k: {op: round(s, 3) for op, s in ops.items()} for k, ops in (spent or {}).items()},
@@ -242,7 +247,14 @@ def add_parser(commands) -> None:
         "--relations",
         default=",".join(CAMPAIGN_DEFAULT),
         help=f"load paths that must agree ({', '.join(RELATION_NAMES)}), checked one at a time on every "
-        f"{CAMPAIGN_EVERY}th example; all, none, or names (default: {', '.join(CAMPAIGN_DEFAULT)})",
+        f"N-th example (--relations-every); all, none, or names (default: {', '.join(CAMPAIGN_DEFAULT)})",
+    )
+    run.add_argument(
+        "--relations-every",
+        type=int,
+        default=CAMPAIGN_EVERY,
+        metavar="N",
+        help=f"check one relation on every N-th example (default: {CAMPAIGN_EVERY}; 1: on every example)",
     )
     run.add_argument(
         "--optional-engines",

@@ -89,6 +89,27 @@ def test_a_shard_explores_only_its_cells(tmp_path):
     assert report["shard"] == "2/3" and len(report["coverage"]) in (total // 3, total // 3 + 1)
 
 
+def test_relations_every_sets_how_often_a_relation_is_checked(tmp_path):
+    """--relations-every 1 checks a relation on every example, 3 on the third of three only."""
+    common = ["run", "--engines", "reference", "--formats", "ct-fp8-tensor", "--max-examples", "3"]
+    checked = {}
+    for every in (1, 3):
+        result = cli(
+            *common, "--relations", "load-twice", "--relations-every", str(every), "--report", tmp_path / str(every)
+        )
+        assert result.returncode == 0 and f"one on 1 example in {every}" in result.stdout, result.stdout + result.stderr
+        report = json.loads((tmp_path / str(every) / "report.json").read_text())
+        assert report["relations_every"] == every
+        checked[every] = [sorted(c["outcomes"]["reference"]["relations"]) for c in report["checkpoints"]]
+    assert checked == {1: [["load-twice"]] * 3, 3: [[], [], ["load-twice"]]}, checked
+
+
+def test_a_bad_relations_every_is_one_line():
+    result = cli("run", "--engines", "reference", "--relations-every", "0")
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
+    assert "--relations-every expects a whole number of examples >= 1, got 0" in result.stderr
+
+
 @pytest.mark.parametrize("text, seconds", [("90", 90), ("90s", 90), ("10m", 600), ("1.5h", 5400)])
 def test_budgets_parse(text, seconds):
     assert parse_duration(text) == seconds
