@@ -131,6 +131,18 @@ class Coverage:
             force[key] = values
         return force
 
+    def force_on_visit(self, cell: Cell, visit_round: int) -> dict[str, tuple] | None:
+        """`force(cell)` with each field's values rotated to start at the cell's own offset (a
+        hash of its name) plus `visit_round`: a visit's simplest example draws the first value of
+        each field, so successive visits of a cell start from successive values (the disagreement
+        family's nine kinds, the kv-scales family's five namings), and the cells of one family
+        start from different ones, instead of every first visit drawing the first value."""
+        force = self.force(cell)
+        if force is None:
+            return None
+        offset = int.from_bytes(cell.key()[:4], "big") + visit_round
+        return {key: values[offset % len(values) :] + values[: offset % len(values)] for key, values in force.items()}
+
     def cells(self, formats=None, archs=None, families=None) -> list[Cell]:
         """Every cell that exists, in the order exploration visits them: a fixed interleaving
         (by a hash of the name) so that the first ones already span formats and families."""

@@ -9,9 +9,11 @@ then seen: later examples that show it again are counted, not raised, and explor
 to find the next bug. Known issues never raise.
 
 Hypothesis does what it is good at: generation, shrinking, and (nightly profile) the example
-database, one key per cell. A visit's first example is Hypothesis's simplest one in the cell; a
-recipe evaluated before is not evaluated again (its findings are remembered), so later visits
-spend their examples on new recipes.
+database, one key per cell. A visit's first example is Hypothesis's simplest one in the cell, and
+each visit rotates the values its family forces (Coverage.force_on_visit), so that the simplest
+example of each visit is another one (another disagreement kind, another KV naming); a recipe
+evaluated before is not evaluated again (its findings are remembered), so later visits spend their
+examples on new recipes.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from harness.differential.runner import CheckpointResult, EngineSession, evaluat
 
 #: evaluations one new signature may spend on shrinking (each is a load in every engine)
 SHRINK_EVALUATIONS = 12
-#: examples a visit after a cell's first asks Hypothesis for (its simplest one is a repeat)
+#: examples a visit after a cell's first asks Hypothesis for (its simplest one is a repeat where its
+#: family forces one value per field, a new recipe where the rotation gives it another value)
 LATER_VISIT_EXAMPLES = 2
 #: visits in a row that evaluate nothing new before a cell counts as exhausted
 IDLE_VISITS = 3
@@ -274,7 +277,7 @@ class _Explorer:
             derandomize=False,
             report_multiple_bugs=True,
         )
-        @given(recipes((cell.format,), (cell.arch,), self.coverage.force(cell)))
+        @given(recipes((cell.format,), (cell.arch,), self.coverage.force_on_visit(cell, visit_round)))
         def explore(recipe: Recipe) -> None:
             self.check(recipe, state)
 

@@ -28,6 +28,22 @@ def test_a_knob_family_applies_only_where_the_format_has_the_knob():
             assert knob in get_format(cell.format).knobs, cell.name
 
 
+def test_successive_visits_of_a_cell_start_from_successive_forced_values():
+    """A visit's simplest example takes each forced field's first value: the rotation gives a
+    disagreement cell's first nine visits the nine kinds, and the family's cells different firsts."""
+    cells = [c for c in CELLS if c.family == "disagreement"]
+    kinds = COVERAGE.force(cells[0])["perturb.disagreement"]
+    assert len(kinds) == 9
+    firsts = [COVERAGE.force_on_visit(cells[0], visit)["perturb.disagreement"][0] for visit in range(len(kinds))]
+    assert sorted(firsts) == sorted(kinds)
+    for visit in (0, 3):
+        rotated = COVERAGE.force_on_visit(cells[0], visit)
+        assert {key: set(values) for key, values in rotated.items()} == {
+            key: set(values) for key, values in COVERAGE.force(cells[0]).items()
+        }
+    assert len({COVERAGE.force_on_visit(cell, 0)["perturb.disagreement"][0] for cell in cells}) > 3
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), index=st.integers(0, len(CELLS) - 1))
 def test_a_cells_recipes_keep_to_its_family_dtype_and_defaults(data, index):

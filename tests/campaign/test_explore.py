@@ -91,7 +91,17 @@ def test_a_shard_explores_only_its_cells(tmp_path):
 
 def test_relations_every_sets_how_often_a_relation_is_checked(tmp_path):
     """--relations-every 1 checks a relation on every example, 3 on the third of three only."""
-    common = ["run", "--engines", "reference", "--formats", "ct-fp8-tensor", "--max-examples", "3"]
+    common = [
+        "run",
+        "--engines",
+        "reference",
+        "--formats",
+        "ct-fp8-tensor",
+        "--families",
+        "plain",
+        "--max-examples",
+        "3",
+    ]
     checked = {}
     for every in (1, 3):
         result = cli(
