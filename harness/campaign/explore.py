@@ -244,7 +244,7 @@ class _Explorer:
         shrink,
         progress,
         relations=(),
-        every=CAMPAIGN_EVERY,
+        relations_every=CAMPAIGN_EVERY,
     ):
         self.campaign, self.coverage, self.budget = campaign, coverage, budget
         self.examples_dir, self.session, self.known = examples_dir, session, known
@@ -255,8 +255,8 @@ class _Explorer:
         self.minimal_key: dict[tuple, str] = {}
         #: the relations the campaign samples (harness.differential.relations)
         self.relations: tuple[str, ...] = relations
-        #: one example in `every` checks one of them
-        self.every = every
+        #: one example in `relations_every` checks one of them
+        self.relations_every = relations_every
         #: (format, architecture) -> relation -> how often it was checked there (least checked first)
         self.relations_checked: dict[tuple[str, str], dict[str, int]] = {}
         #: cells not visited yet, besides the one being visited: under an example budget, shrinking
@@ -329,7 +329,7 @@ class _Explorer:
         generate(recipe, directory)
         config = json.loads((directory / "config.json").read_text())
         checked = self.relations_checked.setdefault((recipe.format, recipe.arch), {})
-        relations = sampled(campaign.examples, self.relations, self.every, config=config, checked=checked)
+        relations = sampled(campaign.examples, self.relations, self.relations_every, config=config, checked=checked)
         for name in relations:
             checked[name] = checked.get(name, 0) + 1
         relations += tuple(sorted(state.relations - set(relations))) if state.shrinking else ()

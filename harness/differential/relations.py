@@ -131,10 +131,10 @@ TP_SIZES = (1, 2, 4)
 EP_SIZES = (2, 4)
 #: the campaign checks one relation on every CAMPAIGN_EVERY-th example, the relations in turn (`run
 #: --relations-every`). Measured on the tiny checkpoints the campaign writes (session 19, AVX2 host, 10-min
-#: main job): an example with a relation costs about 0.37 s against 0.28 s without, so one in 2 kept
-#: about as many examples as one in 10 (1751 against 1762) while checking 5x more relations (875
-#: against 176): gpt-oss, Llama-4 and DeepSeek-V3 got tensor-parallel checks at all, and the
-#: rediscovered known issues went from 49 to 51 of 58 with one new mechanism found
+#: main jobs, docs/campaign.md runs 28-32): an example with a relation took 0.35-0.39 s against
+#: 0.28-0.31 s without, so one in 2 kept about as many examples as one in 10 (1751 against 1762,
+#: the former with 60 more cells) while checking 5x more relations (875 against 176): gpt-oss,
+#: Llama-4 and DeepSeek-V3 got tensor-parallel checks at all. One in 1 kept fewer (run 32).
 CAMPAIGN_EVERY = 2
 #: the relations the main job checks by default: all six. round-trip, dequantize, offload and
 #: tensor-parallel found upstream bugs (cases/known_issues.toml), so the main job rediscovers them
