@@ -77,6 +77,9 @@ class MoE:
     sparse_step_key: str = ""
     #: config field sizing the dense layers' MLP where it differs from intermediate_size
     dense_size_key: str = ""
+    #: other (gate, up, down) names real producers write an expert's projections under (llm-compressor
+    #: 0.14 writes Mixtral's as gate_proj/up_proj/down_proj); the checkpoint's tensor names tell which
+    other_parts: tuple[tuple[str, str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,16 @@ class Architecture:
     def packs_experts(self) -> bool:
         """True when the checkpoint stores each projection's experts as one tensor (gpt-oss)."""
         return bool(self.moe and self.moe.fused_gate_up)
+
+    def layout_keys(self) -> tuple[str, ...]:
+        """Every config field the tensor layout reads."""
+        keys = (*TINY_DEFAULTS, *self.extra_defaults, *self.fixed)
+        if self.moe:
+            moe = self.moe
+            keys += tuple(k for k in (moe.experts_key, moe.intermediate_key, moe.shared_size_key) if k)
+            keys += tuple(k for k in (moe.dense_first_key, moe.sparse_step_key, moe.dense_size_key) if k)
+            keys += ("n_shared_experts", "num_experts_per_tok")
+        return tuple(dict.fromkeys(keys + ("attention_bias", "mlp_bias")))
 
     def positive_keys(self) -> tuple[str, ...]:
         """Integer fields that must be at least 1 (others, e.g. first_k_dense_replace, may be 0)."""
@@ -348,7 +361,13 @@ ARCHITECTURES = {
         "MixtralForCausalLM",
         {"num_local_experts": _EXPERTS, "num_experts_per_tok": 2},
         fixed={"router_aux_loss_coef": 0.02, "output_router_logits": False, "sliding_window": None},
-        moe=MoE("block_sparse_moe", "num_local_experts", "intermediate_size", parts=("w1", "w3", "w2")),
+        moe=MoE(
+            "block_sparse_moe",
+            "num_local_experts",
+            "intermediate_size",
+            parts=("w1", "w3", "w2"),
+            other_parts=(("gate_proj", "up_proj", "down_proj"),),
+        ),
     ),
     "qwen2_moe": Architecture(
         "qwen2_moe",

@@ -13,35 +13,66 @@ engine does not borrow the loader it judges. Weights are compared under checkpoi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from harness.checkpoints.architectures import Architecture, architecture_for
+from harness.checkpoints.saved_config import model_settings
+from harness.core.errors import Unsupported
 
-#: a config field the generator writes -> the name transformers 5 saves it under (save_pretrained
-#: writes Qwen3-MoE's `num_experts` as `num_local_experts`); either names the same setting
-SAVED_NAMES = {"num_experts": "num_local_experts"}
+
+class LayoutError(Unsupported):
+    """A registered architecture whose config.json does not give its layout: `unsupported: ...`."""
 
 
 def layout_settings(config: Mapping) -> Mapping:
-    """`config` with the fields the generator names filled in from transformers' saved names."""
-    extra = {field: config[saved] for field, saved in SAVED_NAMES.items() if field not in config and saved in config}
-    return {**config, **extra} if extra else config
+    """`config` with every field its architecture's layout reads as the model class reads it
+    (harness.checkpoints.saved_config: a null `head_dim` derived, `num_experts` under its saved name)."""
+    arch = architecture_for(str(config.get("model_type", "")))
+    return model_settings(config, arch.layout_keys()) if arch else config
 
 
-def known_layout(config: Mapping) -> Architecture | None:
-    """The registered architecture of `config` when its layout can be computed from it (a foreign
-    config may lack fields the generator always writes: then names are left as they are)."""
-    arch = architecture_for(config.get("model_type", ""))
+def known_layout(config: Mapping, names: Iterable[str] | None = None) -> Architecture | None:
+    """The registered architecture of `config` with its layout computable from it; None for a model
+    type that is not registered. `names`, the checkpoint's tensor names, choose among the expert
+    namings real producers write (Mixtral's w1/w3/w2 or gate_proj/up_proj/down_proj). A registered
+    architecture whose config lacks what its layout needs is a LayoutError, never a silent None."""
+    arch = architecture_for(str(config.get("model_type", "")))
     if arch is None:
         return None
+    settings = layout_settings(config)
     try:
-        arch.tensor_layout(layout_settings(config))
-    except (KeyError, TypeError, ValueError):
-        return None
+        arch.tensor_layout(settings)
+    except KeyError as error:
+        raise LayoutError(f"{arch.model_type} config.json lacks {error}, which its tensor layout needs") from None
+    except (TypeError, ValueError) as error:
+        raise LayoutError(f"{arch.model_type} config.json does not give its tensor layout ({error})") from None
+    return with_expert_naming(arch, settings, names)
+
+
+def with_expert_naming(arch: Architecture, settings: Mapping, names: Iterable[str] | None) -> Architecture:
+    """`arch` with its experts' part names as the checkpoint `names` write them (its first naming
+    when they hold no expert, or no names are given)."""
+    moe = arch.moe
+    if moe is None or not moe.other_parts or names is None:
+        return arch
+    names = set(names)
+    for layer in range(settings["num_hidden_layers"]):
+        if arch.is_sparse(settings, layer):
+            break
+    else:
+        return arch
+    for parts in (moe.parts, *moe.other_parts):
+        if any(f"model.layers.{layer}.{moe.block}.experts.0.{parts[0]}.{suffix}" in names for suffix in _SUFFIXES):
+            return dataclasses.replace(arch, moe=dataclasses.replace(moe, parts=parts))
     return arch
+
+
+#: the suffixes an expert's first projection is stored under in some format (weight, packed, blocks)
+_SUFFIXES = ("weight", "weight_packed")
 
 
 @dataclass(frozen=True)
@@ -99,7 +130,7 @@ def checkpoint_name(arch: Architecture, name: str) -> str:
 def to_model_state(config: Mapping, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Checkpoint-named tensors -> the model's state dict names (experts packed). Tensors of
     a packed group that are absent leave the group out (the model reports it missing)."""
-    arch = known_layout(config)
+    arch = known_layout(config, state)
     if arch is None:
         return state
     result = dict(state)
@@ -111,9 +142,12 @@ def to_model_state(config: Mapping, state: dict[str, torch.Tensor]) -> dict[str,
     return {renamed(arch, name): tensor for name, tensor in result.items()}
 
 
-def to_checkpoint_names(config: Mapping, held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model's tensors under the checkpoint's names: packed experts split per expert and part."""
-    arch = known_layout(config)
+def to_checkpoint_names(
+    config: Mapping, held: dict[str, torch.Tensor], stored: Iterable[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """The model's tensors under the checkpoint's names (`stored`: those names, which choose the
+    experts' naming): packed experts split per expert and part."""
+    arch = known_layout(config, stored)
     if arch is None:
         return held
     packed = packed_experts(arch, layout_settings(config))
@@ -132,10 +166,11 @@ def to_checkpoint_names(config: Mapping, held: dict[str, torch.Tensor]) -> dict[
     return result
 
 
-def report_names(config: Mapping, names: list[str]) -> list[str]:
-    """A load report's key names (the model's) as the checkpoint names them: a packed experts
-    tensor stands for every expert's tensors of its parts, Mixtral's `mlp` is `block_sparse_moe`."""
-    arch = known_layout(config)
+def report_names(config: Mapping, names: list[str], stored: Iterable[str] | None = None) -> list[str]:
+    """A load report's key names (the model's) as the checkpoint names them (`stored`: its tensor
+    names): a packed experts tensor stands for every expert's tensors of its parts, Mixtral's `mlp`
+    is `block_sparse_moe`."""
+    arch = known_layout(config, stored)
     if arch is None:
         return list(names)
     packed = packed_experts(arch, layout_settings(config))

@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from harness.checkpoints.architectures import CONFIG_INTEGERS
 from harness.checkpoints.packed_experts import expert_views
-from harness.core.errors import CheckpointError
+from harness.core.errors import CheckpointError, UnsupportedCheckpoint, UnsupportedFormat
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -492,6 +492,8 @@ def declared_format(directory: str | Path) -> tuple[Any, dict]:
     try:
         fmt = detect_format(quant)
         return fmt, fmt.knobs_from_config(quant)
+    except UnsupportedFormat as error:
+        raise UnsupportedCheckpoint(config_path, str(error)) from None
     except FormatError as error:
         raise CheckpointError(config_path, str(error)) from None
     except (TypeError, AttributeError, KeyError, IndexError, ValueError) as error:

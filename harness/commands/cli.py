@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from harness.core.errors import HarnessError
+from harness.core.errors import HarnessError, Unsupported
 
 EXIT_OK, EXIT_FINDING, EXIT_ERROR = 0, 1, 2
 
@@ -350,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
+    except Unsupported as error:  # valid input the harness does not know: said as such, never a finding
+        print(f"unsupported: {error}", file=sys.stderr)
+        return EXIT_ERROR
     except HarnessError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_ERROR

@@ -11,6 +11,15 @@ class FormatError(ValueError):
     """A module's tensors do not follow the format (wrong shape, dtype, non-finite scale)."""
 
 
+class Unsupported(HarnessError):
+    """Valid input that the harness does not know (a quantization scheme, a layout): the CLI says
+    `unsupported: <what>` in one line and exits 2, never a finding and never a silent pass."""
+
+
+class UnsupportedFormat(Unsupported, FormatError):
+    """A quantization_config that is valid for its producer but no registered format defines."""
+
+
 class UnknownFormat(HarnessError, FormatError):
     """A format name no registry lists (harness.formats.require_formats says so, once for everyone)."""
 
@@ -22,6 +31,10 @@ class CheckpointError(HarnessError):
         self.path = str(path)
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
+
+
+class UnsupportedCheckpoint(CheckpointError, Unsupported):
+    """A checkpoint in a scheme or layout the harness does not know (UnsupportedFormat, by file)."""
 
 
 ERROR_LINE_LIMIT = 2000  # bounds a runaway message, never a real one: paths alone can take 300 characters

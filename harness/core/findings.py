@@ -11,6 +11,10 @@ KINDS = {
     "accepted-invalid": "the engine loaded a checkpoint that a correct loader must refuse",
     "dropped-scale": "a *scale* tensor was reported missing or unexpected by the engine",
     "load-report": "the engine reported other missing or unexpected keys",
+    "weights-missing": "weights the model holds were not loaded (left as initialised, random): the engine "
+    "reported them missing and the checkpoint's tensors for them unexpected",
+    "invalid-checkpoint": "the checkpoint itself breaks its format's definition (a NaN or infinite scale, a "
+    "scale grid that does not fit): the reference refuses it, and every engine that loads it is judged for that",
     "weight-missing": "the engine holds no weight for a checkpoint tensor",
     "weight-mismatch": "a weight differs from the truth beyond tolerance",
     "weight-nonfinite": "a weight holds NaN or inf where the truth is finite",

@@ -11,6 +11,7 @@ import torch
 
 from harness.checkpoints.architectures import architecture_name
 from harness.checkpoints.disagreements import misstates_its_index
+from harness.checkpoints.kv_scales import is_kv_scale
 from harness.checkpoints.manifest import read_manifest, read_truth
 from harness.checkpoints.reader import (
     CONFIG_FILE,
@@ -202,7 +203,9 @@ class Judgement:
             expectation, truth = manifest["expectation"], read_truth(directory, manifest)
         else:  # a checkpoint the harness did not write: the oracle says what it holds, or that it must be refused
             try:
-                truth, expectation = dict(dequantize_checkpoint(directory)), "exact"
+                # KV-cache scales are no module's weight: they are judged as the cache's scales (kv_scales)
+                truth = {n: t for n, t in dequantize_checkpoint(directory) if not is_kv_scale(n)}
+                expectation = "exact"
             except CheckpointError as error:
                 truth, expectation = {}, "refuse"
                 refusal = f"the reference refuses it: {first_line(error)}"
@@ -276,6 +279,10 @@ def evaluate(
     paths each engine that loads it must agree with, bit for bit (harness.differential.relations)."""
     judgement = Judgement.of(Path(directory).resolve(), session, hostile)
     judgement.relations = tuple(relations)
+    if judgement.manifest is None and judgement.expectation == "refuse" and not judgement.hazards:
+        # a checkpoint the harness did not write breaks its format (a NaN scale): that is the user's
+        # first finding, whichever engines load it (each that does is then `accepted-invalid`)
+        judgement.finding(REFERENCE, "invalid-checkpoint", judgement.result.expectation_reason)
     logprobs: dict[str, list[torch.Tensor]] = {}
     for engine in engines or session.engines:
         rows = _load_and_judge(judgement, engine)
@@ -515,20 +522,28 @@ def _module_notes(manifest) -> list[str]:
 
 
 def _judge_report(engine: str, report: dict, finding, unused: set[str] = frozenset()) -> bool:
-    """Scale keys missing or unexpected are their own kind of finding; True if any anomaly.
-    Tensors the checkpoint holds for no module (`unused`) are rightly unexpected."""
-
-    def describe(missing: list[str], unexpected: list[str]) -> str:
-        examples = ", ".join(
-            f"{what} {keys[0]}" for what, keys in (("missing", missing), ("unexpected", unexpected)) if keys
-        )
-        both = set(missing) & set(unexpected)  # the engine holds them in a layout it did not convert to
-        clash = f"; {len(both)} both (held in another layout the checkpoint's tensors were not converted to)"
-        return f"{len(missing)} missing, {len(unexpected)} unexpected key(s): e.g. {examples}" + (clash if both else "")
-
+    """Weights left unloaded, then scale keys missing or unexpected, then any other key, each their
+    own kind of finding; True if any anomaly. Tensors the checkpoint holds for no module (`unused`)
+    are rightly unexpected."""
     missing = report.get("missing", [])
     orphans = {name.rpartition(".")[0] for name in unused}  # an engine may rename the orphan's suffix
     unexpected = [k for k in report.get("unexpected", []) if canonical_name(k).rpartition(".")[0] not in orphans]
+    # a weight the model holds but did not load, its checkpoint tensors unexpected: the engine left
+    # it as initialised (random), whatever its scales say; the scales' keys are part of that finding
+    unloaded = {_module(k) for k in missing if "scale" not in k} & {_module(k) for k in unexpected}
+    if unloaded:
+        weights = sorted(k for k in missing if _module(k) in unloaded)
+        keys = [k for k in unexpected if _module(k) in unloaded]
+        finding(
+            engine,
+            "weights-missing",
+            f"{len(weights)} weight(s) not loaded, left as the model initialised them (random): e.g. "
+            f"{weights[0]}; the checkpoint's {len(keys)} tensor(s) for them reported unexpected "
+            f"(e.g. {keys[0]}): held in a layout or under names the engine did not convert them to",
+            metrics={"missing": weights[:50], "unexpected": keys[:50]},
+        )
+        missing = [k for k in missing if _module(k) not in unloaded]
+        unexpected = [k for k in unexpected if _module(k) not in unloaded]
     scale_missing = [k for k in missing if "scale" in k]
     scale_unexpected = [k for k in unexpected if "scale" in k]
     other_missing = [k for k in missing if "scale" not in k]
@@ -537,17 +552,30 @@ def _judge_report(engine: str, report: dict, finding, unused: set[str] = frozens
         finding(
             engine,
             "dropped-scale",
-            "scale " + describe(scale_missing, scale_unexpected),
+            "scale " + _describe_keys(scale_missing, scale_unexpected),
             metrics={"missing": scale_missing[:50], "unexpected": scale_unexpected[:50]},
         )
     if other_missing or other_unexpected:
         finding(
             engine,
             "load-report",
-            describe(other_missing, other_unexpected),
+            _describe_keys(other_missing, other_unexpected),
             metrics={"missing": missing[:50], "unexpected": unexpected[:50]},
         )
-    return bool(missing or unexpected)
+    return bool(unloaded or missing or unexpected)
+
+
+def _module(key: str) -> str:
+    return canonical_name(key).rpartition(".")[0]
+
+
+def _describe_keys(missing: list[str], unexpected: list[str]) -> str:
+    examples = ", ".join(
+        f"{what} {keys[0]}" for what, keys in (("missing", missing), ("unexpected", unexpected)) if keys
+    )
+    both = set(missing) & set(unexpected)  # the engine holds them in a layout it did not convert to
+    clash = f"; {len(both)} both (held in another layout the checkpoint's tensors were not converted to)"
+    return f"{len(missing)} missing, {len(unexpected)} unexpected key(s): e.g. {examples}" + (clash if both else "")
 
 
 def judge_held_weights(

@@ -37,11 +37,12 @@ class CompressedTensorsEngine(HFModelEngine):
             apply_quantization_config(self.model, quantization_config)
             compressor = ModelCompressor(quantization_config=quantization_config)
             compressor.compress_model(self.model)
-            state = {canonical_name(name): tensor for name, tensor in Checkpoint(directory).tensors()}
+            checkpoint = Checkpoint(directory)
+            state = {canonical_name(name): tensor for name, tensor in checkpoint.tensors()}
             result = self.model.load_state_dict(state, strict=False)
             homeless_experts(self.model, result.unexpected_keys)
             compressor.decompress_model(self.model)
-        report = self.checkpoint_report(raw, result.missing_keys, result.unexpected_keys, tied)
+        report = self.checkpoint_report(raw, result.missing_keys, result.unexpected_keys, tied, checkpoint.names())
         report.warnings = warned
         return report
 

@@ -85,20 +85,22 @@ class HFModelEngine(Engine):
         self.fmt = self.knobs = None
 
     @staticmethod
-    def checkpoint_report(config: dict, missing, unexpected, tied=frozenset()) -> LoadReport:
-        """A load report in the checkpoint's names: the model's key names mapped back
-        (`model_layout.report_names`: packed experts, Mixtral's `mlp`), tied heads not missing."""
+    def checkpoint_report(config: dict, missing, unexpected, tied=frozenset(), stored=None) -> LoadReport:
+        """A load report in the checkpoint's names (`stored`, its tensor names, say which): the
+        model's key names mapped back (`model_layout.report_names`: packed experts, Mixtral's
+        `mlp`), tied heads not missing."""
         from harness.checkpoints.model_layout import report_names
 
         return LoadReport(
-            missing=sorted(set(report_names(config, [k for k in missing if k not in tied]))),
-            unexpected=sorted(set(report_names(config, list(unexpected)))),
+            missing=sorted(set(report_names(config, [k for k in missing if k not in tied], stored))),
+            unexpected=sorted(set(report_names(config, list(unexpected), stored))),
         )
 
     def weights(self):
         from harness.checkpoints.model_layout import to_checkpoint_names
 
-        return to_checkpoint_names(loaded_config(self.model), held_weights(self.model, self.fmt, self.knobs))
+        held = held_weights(self.model, self.fmt, self.knobs)
+        return to_checkpoint_names(loaded_config(self.model), held, stored_names(loaded_directory(self.model)))
 
     def logprobs(self, sequences):
         return model_logprobs(self.model, sequences)
@@ -213,11 +215,28 @@ COMPARED = (
 )
 
 
+def loaded_directory(model) -> Path:
+    """The directory the model was loaded from."""
+    return Path(str(getattr(model.config, "name_or_path", "")))
+
+
 def loaded_config(model) -> dict:
     """The config.json the model was loaded from (its field names, which transformers may rename
     in `config.to_dict()`: Qwen3-MoE's num_experts), else the model's config."""
-    path = Path(str(getattr(model.config, "name_or_path", ""))) / "config.json"
+    path = loaded_directory(model) / "config.json"
     return json.loads(path.read_text()) if path.is_file() else model.config.to_dict()
+
+
+def stored_names(directory: str | Path) -> list[str] | None:
+    """The tensor names a checkpoint directory stores, or None where it cannot be read as one (a
+    hostile layout an engine loaded anyway): they tell which naming its experts use."""
+    from harness.checkpoints.reader import Checkpoint
+    from harness.core.errors import CheckpointError
+
+    try:
+        return Checkpoint(directory).names() if (Path(directory) / "config.json").is_file() else None
+    except CheckpointError:
+        return None
 
 
 def held_weights(model, fmt=None, knobs=None) -> dict[str, torch.Tensor]:

@@ -43,7 +43,9 @@ class ReferenceEngine(HFModelEngine):
         self.model, tied = unquantized_model(directory)
         self.activations = specified.plan(checkpoint)
         result = self.model.load_state_dict(state, strict=False)
-        return self.checkpoint_report(checkpoint.config, result.missing_keys, result.unexpected_keys, tied)
+        return self.checkpoint_report(
+            checkpoint.config, result.missing_keys, result.unexpected_keys, tied, checkpoint.names()
+        )
 
     def logprobs(self, sequences):
         if self.runs_specified and not isinstance(self.activations, str):

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from harness.engines.base import EngineUnsupported, LoadReport
-from harness.engines.hf_common import HFModelEngine, captured_warnings, input_device
+from harness.engines.hf_common import HFModelEngine, captured_warnings, input_device, stored_names
 
 
 def explain(error: Exception, logged: list[str]) -> str:
@@ -60,7 +60,9 @@ class TransformersEngine(HFModelEngine):
                     ) from error
                 raise RuntimeError(explain(error, logged)) from error
         self.model.eval()
-        names = self.checkpoint_report(config, info.get("missing_keys", []), info.get("unexpected_keys", []))
+        names = self.checkpoint_report(
+            config, info.get("missing_keys", []), info.get("unexpected_keys", []), stored=stored_names(directory)
+        )
         report.missing, report.unexpected = names.missing, names.unexpected
         report.mismatched = sorted(str(k) for k in info.get("mismatched_keys", []))
         # compressed-tensors decompresses on the first forward: run one so weights are what it computes

@@ -28,12 +28,11 @@ from pathlib import Path
 
 import torch
 
-from harness.checkpoints.architectures import architecture_for
-from harness.checkpoints.model_layout import packed_experts
+from harness.checkpoints.model_layout import known_layout, layout_settings, packed_experts
 from harness.core.naming import canonical_name
 from harness.engines.base import Engine, EngineUnsupported, LoadReport
 from harness.engines.environments import engine_python
-from harness.engines.hf_common import LEAD, captured_warnings
+from harness.engines.hf_common import LEAD, captured_warnings, stored_names
 from harness.engines.tensor_parallel.layout import unpermute_rotary_rows
 from harness.engines.vllm_capability import missing_kernel
 from harness.engines.vllm_capability import unsupported_reason as probed_unsupported_reason
@@ -86,7 +85,17 @@ def vllm_distribution() -> str:
 
 
 def checkpoint_config(directory: str) -> dict:
-    return json.loads((Path(directory) / "config.json").read_text())
+    """config.json with the fields its layout reads as the model class reads them (a null head_dim
+    derived, Qwen3-MoE's num_experts under its saved name: harness.checkpoints.saved_config)."""
+    return dict(layout_settings(json.loads((Path(directory) / "config.json").read_text())))
+
+
+#: files any of which lets vLLM build a tokenizer for a checkpoint
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(directory: str) -> bool:
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
 
 
 def expected_widths(config: dict) -> dict[str, list[int]]:
@@ -111,6 +120,8 @@ class VllmEngine(Engine):
         self.llm = None
         self.fmt = self.knobs = None
         self.config: dict = {}
+        #: the loaded checkpoint's tensor names (they say which naming its experts use)
+        self.stored_names: list[str] | None = None
         self.vocab_size = 0
         self.snapshot: dict[str, torch.Tensor] = {}
         self.modules: dict[str, dict] = {}
@@ -139,6 +150,9 @@ class VllmEngine(Engine):
                 return LLM(
                     model=directory,
                     tokenizer=directory,
+                    # prompts are token ids and nothing is detokenized: a checkpoint without tokenizer
+                    # files (as producers such as llm-compressor save them) loads as it is
+                    skip_tokenizer_init=not has_tokenizer(directory),
                     dtype=dtype,
                     enforce_eager=True,
                     max_model_len=min(MAX_MODEL_LEN, config.get("max_position_embeddings", MAX_MODEL_LEN)),
@@ -158,6 +172,7 @@ class VllmEngine(Engine):
         self.fmt, self.knobs = declared_format(directory) if "quantization_config" in config else (None, None)
         self.vocab_size = config["vocab_size"]
         self.config = config
+        self.stored_names = stored_names(directory)
         report, backend_reasons = LoadReport(), []
         self.unload()  # before building the next: two engines never live at once
         try:
@@ -280,7 +295,7 @@ class VllmEngine(Engine):
     def layout_notes(self, config: dict) -> list[str]:
         """What the load report should say about how vLLM laid the weights out."""
         notes = [self.forward_unsupported] if self.forward_unsupported else []
-        expected, layout = expected_widths(config), checkpoint_layout(config)
+        expected, layout = expected_widths(config), checkpoint_layout(config, self.stored_names)
         for name, info in sorted(self.modules.items()):
             if "parts" not in info:
                 continue
@@ -305,7 +320,7 @@ class VllmEngine(Engine):
         for name, tensor in self.snapshot.items():
             module, _, suffix = name.rpartition(".")
             by_module.setdefault(module, {})[suffix] = tensor
-        result, stored = {}, checkpoint_layout(self.config)
+        result, stored = {}, checkpoint_layout(self.config, self.stored_names)
         for module, tensors in by_module.items():
             info = dict(self.modules.get(module, {}))
             if canonical_name(f"{module}.weight") in stored and "parts" in info:
@@ -342,7 +357,7 @@ class VllmEngine(Engine):
             if not held:
                 continue
             experts = next(iter(held.values())).shape[0]
-            names = expert_names(self.config, module, group, experts)
+            names = expert_names(self.config, module, group, experts, self.stored_names)
             for expert in range(experts):
                 piece = {suffix: tensor[expert] for suffix, tensor in held.items()}
                 for part, part_names in zip(split_parts(f"{module}.{group}", piece, count), names, strict=True):
@@ -688,23 +703,21 @@ def primary_names(aliases: list[str]) -> list[str]:
     return [name for name in aliases if not any(within(parts[o], parts[name]) for o in aliases if o != name)]
 
 
-def checkpoint_layout(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The tensors a registered architecture's checkpoint stores, name -> (shape, role); empty for
-    any other architecture, or a config.json that lacks the sizes."""
-    arch = architecture_for(config.get("model_type", ""))
-    try:
-        return arch.tensor_layout(config) if arch else {}
-    except (KeyError, TypeError, ValueError):
-        return {}
+def checkpoint_layout(config: dict, stored=None) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The tensors a registered architecture's checkpoint stores (`stored`: its tensor names, which
+    choose the experts' naming), name -> (shape, role); empty for any other architecture."""
+    arch = known_layout(config, stored)
+    return arch.tensor_layout(layout_settings(config)) if arch else {}
 
 
-def expert_names(config: dict, module: str, group: str, experts: int) -> list[list[str]]:
+def expert_names(config: dict, module: str, group: str, experts: int, stored=None) -> list[list[str]]:
     """Checkpoint names of a stacked group's experts, one list per part (w13: gate, up; w2: down),
-    from the architecture's layout (model_layout); vLLM's own shard names (w1, w3, w2) otherwise."""
-    arch = architecture_for(config.get("model_type", ""))
+    from the architecture's layout (model_layout; `stored`, the checkpoint's tensor names, choose
+    among its expert namings); vLLM's own shard names (w1, w3, w2) otherwise."""
+    arch = known_layout(config, stored)
     layer = re.search(r"(?:^|\.)layers\.(\d+)\.", module)
     if arch is not None and layer is not None:
-        packed = packed_experts(arch, config).get(
+        packed = packed_experts(arch, layout_settings(config)).get(
             f"model.layers.{layer.group(1)}.{arch.moe.held_under}.experts."
             f"{'gate_up_proj' if group == 'w13' else 'down_proj'}"
         )

@@ -10,7 +10,7 @@ import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from harness.core.errors import UnknownFormat
+from harness.core.errors import UnknownFormat, UnsupportedFormat
 from harness.core.plugins import load_plugins
 
 if TYPE_CHECKING:
@@ -62,11 +62,43 @@ def detect_format(quantization_config: Mapping) -> QuantFormat:
     from harness.formats.base import FormatError
 
     found = [fmt for fmt in map(get_format, FORMAT_NAMES) if fmt.matches(quantization_config)]
+    if not found:
+        raise UnsupportedFormat(
+            f"{describe_scheme(quantization_config)} matches no format the harness defines (it reads "
+            f"{', '.join(FORMAT_NAMES)})"
+        )
     if len(found) != 1:
         method = quantization_config.get("quant_method", "?")
-        what = "no supported format" if not found else f"several formats ({', '.join(f.name for f in found)})"
-        raise FormatError(f"quantization_config (quant_method={method!r}) matches {what}")
+        raise FormatError(
+            f"quantization_config (quant_method={method!r}) matches several formats ({', '.join(f.name for f in found)})"
+        )
     return found[0]
+
+
+#: the fields of a compressed-tensors quantization args that say what a scheme is
+_ARGS = ("type", "num_bits", "strategy", "symmetric", "group_size", "block_structure", "dynamic", "actorder")
+
+
+def describe_scheme(quantization_config: Mapping) -> str:
+    """What a quantization_config declares, in one line: its method and format, and each
+    compressed-tensors config group's weights and input activations."""
+    method = quantization_config.get("quant_method", "?")
+    text = f"quantization_config (quant_method={method!r}"
+    if quantization_config.get("format"):
+        text += f", format={quantization_config['format']!r}"
+    groups = quantization_config.get("config_groups")
+    for name, group in groups.items() if isinstance(groups, Mapping) else ():
+        if not isinstance(group, Mapping):
+            continue
+        for role in ("weights", "input_activations"):
+            args = group.get(role)
+            if isinstance(args, Mapping):
+                fields = " ".join(f"{k}={args[k]}" for k in _ARGS if args.get(k) is not None)
+                text += f"; {name} {role}: {fields}"
+    for key in ("quant_algo", "bits", "group_size", "sym", "desc_act", "checkpoint_format", "version"):
+        if quantization_config.get(key) is not None:
+            text += f", {key}={quantization_config[key]!r}"
+    return text + ")"
 
 
 load_plugins()  # last: a plugin registers into the registry above

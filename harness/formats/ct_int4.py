@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from harness.core.errors import UnsupportedFormat
 from harness.core.numerics import ceil_div
 from harness.formats.base import (
     FormatError,
@@ -119,9 +120,11 @@ class CtInt4(QuantFormat):
         wanted = {"strategy": "group", "symmetric": True}
         wrong = {key: weights.get(key) for key, value in wanted.items() if weights.get(key) != value}
         if wrong:
-            raise FormatError(f"int4 {FORMAT_NAME} is supported for {wanted} weights, config has {wrong}")
+            raise UnsupportedFormat(
+                f"compressed-tensors {FORMAT_NAME} int4 with {wrong} weights (the harness defines {wanted} only)"
+            )
         if weights.get("actorder") == "group":
-            raise FormatError("int4 weights with actorder 'group' (a weight_g_idx permutation) are not supported")
+            raise UnsupportedFormat("int4 weights with actorder 'group' (a weight_g_idx permutation)")
         if group.get("input_activations"):
             raise FormatError("int4 pack-quantized with quantized input activations is not W4A16")
         size = weights.get("group_size")

@@ -42,7 +42,7 @@ from harness.checkpoints.reader import (
     read_safetensors_header,
 )
 from harness.checkpoints.streaming import DTYPE_NAMES
-from harness.core.errors import CheckpointError
+from harness.core.errors import CheckpointError, UnsupportedCheckpoint, UnsupportedFormat
 from harness.formats import detect_format
 from harness.formats.base import FormatError, QuantFormat
 
@@ -61,6 +61,9 @@ CHECKS = {
     "scale-values": "non-finite, zero or subnormal scales (count and first location)",
     "global-scale": "a per-tensor scale the format refuses: the other NVFP4 convention by magnitude, or not positive",
     "weight-values": "non-finite values in a stored weight",
+    "names": "tensor names that do not fit the architecture config.json names: a module its model does not have "
+    "(an engine reports it unexpected and drops it), a module of the model with no tensor (left as initialised, "
+    "random), experts under a naming other than the architecture's own",
 }
 #: transformers refuses a one-element weight_block_size and crashes on a scalar (cases/known_issues.toml)
 SCALAR_BLOCK_ISSUE = "transformers-fp8-scalar-block-size-refused"
@@ -165,6 +168,8 @@ def audit_checkpoint(directory: str | Path) -> AuditResult:
         raise CheckpointError(config_path, f"config.json {problem}: not a quantized checkpoint this audit reads")
     try:
         fmt = detect_format(qconfig)
+    except UnsupportedFormat as error:
+        raise UnsupportedCheckpoint(config_path, str(error)) from None
     except FormatError as error:
         raise CheckpointError(config_path, str(error)) from None
     result = AuditResult(str(directory), fmt.name)
@@ -177,7 +182,58 @@ def audit_checkpoint(directory: str | Path) -> AuditResult:
     knobs = check_config(qconfig, fmt, result)
     audit_modules(tensors, qconfig, fmt, knobs, result)
     scan_unscaled(tensors, fmt, result)
+    check_names(tensors, config, result)
     return result
+
+
+# -- the names against the architecture ------------------------------------------------------------
+
+
+def check_names(tensors: dict[str, Stored], config: dict, result: AuditResult) -> None:
+    """Each stored module against the modules the architecture's model holds (a registered
+    architecture only: harness.checkpoints.architectures), under canonical names (a VLM prefix
+    stripped); KV-cache scales belong to attention modules."""
+    from harness.checkpoints.kv_scales import is_kv_scale
+    from harness.checkpoints.model_layout import known_layout, layout_settings
+    from harness.core.naming import canonical_name
+
+    arch = known_layout(config)
+    if arch is None:
+        return
+    settings = layout_settings(config)
+    stored: dict[str, str] = {}  # module -> one of its tensors
+    for name in sorted(tensors):
+        if not is_kv_scale(name):
+            stored.setdefault(canonical_name(name).rpartition(".")[0], name)
+    named = known_layout(config, [canonical_name(n) for n in tensors])
+    if named is not arch:
+        ours = "/".join(named.moe.parts)
+        for module in sorted(m for m in stored if ".experts." in m and m.rpartition(".")[2] in named.moe.parts):
+            result.add(
+                "names",
+                stored[module],
+                tensors[stored[module]].file,
+                f"an expert named {ours}, not {arch.model_type}'s own {'/'.join(arch.moe.parts)}: the reference "
+                "reads it; a loader that knows only the architecture's naming reports it unexpected and leaves "
+                "the expert random",
+            )
+    expected = {name.rpartition(".")[0] for name in named.tensor_layout(settings)}
+    for module in sorted(set(stored) - expected):
+        name = stored[module]
+        result.add(
+            "names",
+            name,
+            tensors[name].file,
+            f"no module {module} in {arch.model_type}'s model: an engine reports its tensors unexpected and drops them",
+        )
+    for module in sorted(expected - set(stored)):
+        result.add(
+            "names",
+            f"{module}.weight",
+            "",
+            f"{arch.model_type}'s model has {module} but the checkpoint stores no tensor for it: left as initialised",
+            module=module,
+        )
 
 
 # -- the index and the shards -------------------------------------------------------------------
@@ -316,6 +372,8 @@ def check_config(qconfig: dict, fmt: QuantFormat, result: AuditResult) -> dict |
         )
     try:
         return fmt.knobs_from_config(qconfig)
+    except UnsupportedFormat as error:  # a valid scheme the harness does not define: not the checkpoint's fault
+        raise UnsupportedCheckpoint(CONFIG_FILE, str(error)) from None
     except (FormatError, TypeError, AttributeError, KeyError, IndexError, ValueError) as error:
         result.add("config", "", CONFIG_FILE, f"quantization_config: {error}", module="")
         return None

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from harness.checkpoints.reader import Checkpoint
-from harness.core.errors import CheckpointError
+from harness.core.errors import CheckpointError, UnsupportedCheckpoint, UnsupportedFormat
 from harness.formats import detect_format
 from harness.formats.base import FormatError, QuantFormat
 
@@ -79,6 +79,8 @@ def format_and_knobs(source: str | Path | Checkpoint) -> tuple[QuantFormat, dict
     try:
         fmt = detect_format(checkpoint.quantization_config)
         return fmt, fmt.knobs_from_config(checkpoint.quantization_config)
+    except UnsupportedFormat as error:
+        raise UnsupportedCheckpoint(checkpoint.directory / "config.json", str(error)) from None
     except FormatError as error:
         raise CheckpointError(checkpoint.directory / "config.json", str(error)) from None
     except (TypeError, AttributeError, KeyError, IndexError, ValueError) as error:

@@ -133,7 +133,7 @@ def plan(checkpoint) -> Plan | str:
         if scheme.static and scheme.static not in parts:
             return f"{module} has no {scheme.static} ({scheme.describe()})"
         result.inputs[canonical_name(module)] = checkpoint.tensor(parts[scheme.static]) if scheme.static else None
-    refusal = _move_experts(result, checkpoint.config)
+    refusal = _move_experts(result, checkpoint.config, names)
     if refusal:
         return refusal
     if kv:
@@ -145,16 +145,16 @@ def plan(checkpoint) -> Plan | str:
     return result
 
 
-def _move_experts(result: Plan, config: dict) -> str | None:
+def _move_experts(result: Plan, config: dict, names: list[str]) -> str | None:
     """Move the routed experts' Linears from `inputs` to `experts`, grouped per packed experts module
     as the model holds them (harness.checkpoints.model_layout); why not, where an expert is not
     quantized like the others."""
-    from harness.checkpoints.model_layout import known_layout, packed_experts
+    from harness.checkpoints.model_layout import known_layout, layout_settings, packed_experts
 
-    arch = known_layout(config)
+    arch = known_layout(config, names)
     if result.scheme is None or arch is None or arch.moe is None:
         return None
-    packed = packed_experts(arch, config)
+    packed = packed_experts(arch, layout_settings(config))
     for target, packing in packed.items():
         if not target.endswith(".gate_up_proj") or len(packing.parts) != 2:
             continue  # gpt-oss's fused gate_up: no format of its quantizes activations
