@@ -4,6 +4,7 @@ be regenerated bit for bit from it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,9 @@ LAYOUT_DEFAULTS: dict[str, Any] = {
     "quantize_lm_head": False,  # lm_head quantized (absent from the ignore list); tied: the list only
     "quantize_embeddings": False,  # embed_tokens stored quantized too
     "kv_scales": "none",  # FP8 KV-cache scales and their naming (harness.checkpoints.kv_scales)
+    #: the experts' part names: "architecture" (Mixtral's w1/w3/w2) or "projections" (gate_proj/up_proj/
+    #: down_proj, as llm-compressor 0.14 writes Mixtral's): architectures.MoE.other_parts
+    "expert_naming": "architecture",
 }
 LAYOUT_CHOICES: dict[str, tuple] = {
     "key_prefix": ("model.", VLM_PREFIX),
@@ -37,6 +41,7 @@ LAYOUT_CHOICES: dict[str, tuple] = {
     "quantize_lm_head": (False, True),
     "quantize_embeddings": (False, True),
     "kv_scales": KV_SCALES,
+    "expert_naming": ("architecture", "projections"),
 }
 
 PERTURB_DEFAULTS: dict[str, Any] = {
@@ -100,7 +105,7 @@ class Recipe:
                 f"disagreement={perturb['disagreement']}: {self.arch} packs every expert of a projection "
                 "into one tensor, so no single module can disagree with the config"
             )
-        for key in _PACKED_FIXED:
+        for key in (*_PACKED_FIXED, "expert_naming"):
             refusal = layout_refusal(key, layout[key], fmt, ARCHITECTURES[self.arch], knobs)
             if refusal:
                 raise HarnessError(refusal)
@@ -138,6 +143,8 @@ def layout_refusal(key: str, value: Any, fmt, arch, knobs: Mapping) -> str | Non
             f"fused_scales=shared needs scales that never span two parts' rows (per tensor, per channel, "
             f"NVFP4); {fmt.name} scales blocks of rows"
         )
+    if key == "expert_naming" and value != "architecture" and not (arch.moe and arch.moe.other_parts):
+        return f"expert_naming={value!r}: {arch.name} has one naming of its experts' parts"
     if key == "kv_scales":
         try:
             kv_scales.check(value, arch, fmt.quantization_config(fmt.resolve_knobs(knobs), []))
@@ -153,6 +160,14 @@ class ResolvedRecipe:
     knobs: dict[str, Any]
     layout: dict[str, Any]
     perturb: dict[str, Any]
+
+    @property
+    def arch(self):
+        """The recipe's architecture, its experts' parts named as the layout says."""
+        arch = ARCHITECTURES[self.recipe.arch]
+        if self.layout["expert_naming"] == "projections":
+            return dataclasses.replace(arch, moe=dataclasses.replace(arch.moe, parts=arch.moe.other_parts[0]))
+        return arch
 
 
 def _merge(what: str, defaults: Mapping, choices: Mapping, overrides: Mapping) -> dict:

@@ -18,7 +18,6 @@ from safetensors.torch import save_file
 
 from harness import __version__
 from harness.checkpoints import disagreements, fusion, kv_scales, packed_experts
-from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.disagreements import DISAGREEMENTS
 from harness.checkpoints.reader import INDEX_FILE, SINGLE_FILE
 from harness.checkpoints.recipe import VLM_PREFIX, Recipe, ResolvedRecipe
@@ -40,7 +39,7 @@ def float_weights(resolved: ResolvedRecipe) -> dict[str, torch.Tensor]:
 
     Biases are drawn away from zero (|b| in [0.5, 1]) so that a clobbered bias is visible.
     """
-    arch = ARCHITECTURES[resolved.recipe.arch]
+    arch = resolved.arch
     generator = torch.Generator().manual_seed(resolved.recipe.seed)
     dtype = DTYPES[resolved.layout["dtype"]]
     weights = {}
@@ -164,7 +163,7 @@ def quantize_weight(
 
 def shared_groups(resolved: ResolvedRecipe, fmt, originals: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
     """`fused_scales = shared`: every fused group's parts quantized with one shared scale."""
-    arch = ARCHITECTURES[resolved.recipe.arch]
+    arch = resolved.arch
     result = {}
     for group in fusion.fusion_groups(arch, resolved.settings):
         parts, notes = {}, {}
@@ -207,7 +206,7 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise HarnessError(f"{out}: output directory exists and is not empty")
     fmt = get_format(recipe.format)
-    arch = ARCHITECTURES[recipe.arch]
+    arch = resolved.arch
     kind = resolved.perturb["disagreement"]
     disagreements.check(kind, resolved.layout["shards"], fmt.quantization_config(resolved.knobs, []))
     layout = arch.tensor_layout(resolved.settings)

@@ -258,7 +258,8 @@ def derived_facts(config: Mapping[str, Any], dtype: str) -> dict[str, Any]:
 def observed_facts(directory: Path) -> dict[str, Any]:
     """What a recipe would say of a checkpoint the harness did not write, as the audit reads it
     (harness.oracle.audit): a non-finite scale (`nonfinite_scale`), an NVFP4 global scale in the
-    other convention (`global_scale_convention`), keys under the VLM prefix (`key_prefix`)."""
+    other convention (`global_scale_convention`), keys under the VLM prefix (`key_prefix`), experts
+    under a naming other than the architecture's own (`expert_naming`)."""
     from harness.checkpoints.reader import Checkpoint
     from harness.core.naming import VLM_PREFIX
     from harness.oracle.audit import audit_checkpoint
@@ -274,6 +275,8 @@ def observed_facts(directory: Path) -> dict[str, Any]:
             facts["nonfinite_scale"] = "inf" if re.search(r": -?inf\)", item.reason) else "nan"
         elif item.check == "global-scale":
             facts["global_scale_convention"] = "swapped"
+        elif item.check == "names" and item.reason.startswith("an expert named"):
+            facts["expert_naming"] = "projections"
     if any(name.startswith(VLM_PREFIX) for name in names):
         facts["key_prefix"] = VLM_PREFIX
     return facts

@@ -441,6 +441,11 @@ class VllmEngine(Engine):
             table = torch.full((len(sequences[i]) - 1, self.vocab_size), -math.inf)
             for position, entries in enumerate(output.prompt_logprobs[1:]):
                 ids = torch.tensor(list(entries), dtype=torch.long)
+                if ids.numel() and int(ids.max()) >= self.vocab_size:  # never silently cut: say what vLLM gave
+                    raise RuntimeError(
+                        f"vLLM gave a logprob for token id {int(ids.max())}, outside config.json's vocab_size "
+                        f"{self.vocab_size} (position {position + 1} of prompt {i})"
+                    )
                 table[position, ids] = torch.tensor([entry.logprob for entry in entries.values()])
             rows[i] = table
         return rows

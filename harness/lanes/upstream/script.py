@@ -227,18 +227,15 @@ def checkpoint_facts(reproducer: Reproducer) -> tuple[dict, dict]:
 
 def tensor_table(reproducer: Reproducer) -> dict[str, list]:
     """The float model's tensors as the harness's writer lays them out: name -> [shape, role]."""
-    from harness.checkpoints.architectures import ARCHITECTURES
-
     resolved = reproducer.recipe.resolved()
-    layout = ARCHITECTURES[reproducer.recipe.arch].tensor_layout(resolved.settings)
+    layout = resolved.arch.tensor_layout(resolved.settings)
     return {name: [list(shape), role] for name, (shape, role) in layout.items()}
 
 
-def packed_experts(arch_name: str) -> dict | None:
-    """How transformers holds the architecture's routed experts packed, for the script to split."""
-    from harness.checkpoints.architectures import ARCHITECTURES
-
-    moe = ARCHITECTURES[arch_name].moe
+def packed_experts(recipe) -> dict | None:
+    """How transformers holds the architecture's routed experts packed, for the script to split
+    (the experts' part names as the recipe writes them)."""
+    moe = recipe.resolved().arch.moe
     if moe is None:
         return None
     if moe.fused_gate_up:  # gpt-oss: each expert's gate_up_proj is one Linear, held [E, K, N]
@@ -330,6 +327,7 @@ SCRIPT_LAYOUT = (
     "quantize_lm_head",
     "quantize_embeddings",
     "kv_scales",
+    "expert_naming",  # the tensor table and the packed experts' part names carry it
 )
 #: finding kinds a script judges from whether the engine loads at all (no weight read back)
 LOAD_ONLY_KINDS = {"accepted-invalid"}
@@ -435,7 +433,7 @@ def render_script(reproducer: Reproducer) -> Script:
         "SEED": reproducer.recipe.seed,
         "CONFIG": config,
         "TENSORS": table,
-        "PACKED_EXPERTS": packed_experts(reproducer.recipe.arch),
+        "PACKED_EXPERTS": packed_experts(reproducer.recipe),
         "KNOBS": resolved.knobs,
         "LAYOUT": {
             "dtype": dtype,
