@@ -279,7 +279,24 @@ def observed_facts(directory: Path) -> dict[str, Any]:
             facts["expert_naming"] = "projections"
     if any(name.startswith(VLM_PREFIX) for name in names):
         facts["key_prefix"] = VLM_PREFIX
+    naming = kv_naming(names)
+    if naming:
+        facts["kv_scales"] = naming
     return facts
+
+
+#: the generator's KV-scale namings (harness.checkpoints.kv_scales) by the key scale's name ending
+_KV_NAMINGS = {"self_attn.k_scale": "self_attn", "k_proj.output_scale": "output_scale", "k_proj.k_scale": "proj"}
+
+
+def kv_naming(names: list[str]) -> str | None:
+    """The KV-scale naming a checkpoint's tensors use (`k-only` where keys have no value scales)."""
+    for ending, naming in _KV_NAMINGS.items():
+        keys = [n for n in names if n.endswith(ending)]
+        if keys:
+            values = ending.replace("k_", "v_")
+            return naming if any(n.endswith(values) for n in names) or naming != "self_attn" else "k-only"
+    return None
 
 
 def module_context(finding: Finding) -> dict[str, Any]:

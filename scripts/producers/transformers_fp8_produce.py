@@ -1,0 +1,202 @@
+"""Produce FP8 checkpoints with transformers' own quantize-on-load (``FineGrainedFP8Config``) and ``save_pretrained``.
+
+Standalone producer script: it imports only torch, safetensors, transformers (and accelerate through it) and the
+standard library, never the harness. It builds a tiny random-weight Llama in bfloat16 (fixed seed, weights drawn
+from a seeded generator so they do not depend on the transformers version's init), loads it back through
+``AutoModelForCausalLM.from_pretrained(..., quantization_config=FineGrainedFP8Config(...))`` so transformers itself
+quantizes every Linear to float8_e4m3fn with blockwise ``weight_scale_inv``, and saves it with ``save_pretrained``.
+
+CPU note: transformers' ``FineGrainedFP8HfQuantizer.validate_environment`` refuses to quantize without a GPU/XPU
+("No GPU or XPU found. A GPU or XPU is needed for FP8 quantization."). Where neither is present this script replaces
+that one check with a no-op; the quantization itself (``Fp8Quantize`` through the weight-conversion pipeline) and the
+serialization are transformers' unchanged code. Each case's provenance.json says whether the bypass was applied.
+
+Output: ``OUT/transformers_fp8/<case>/`` holding the checkpoint as saved, ``provenance.json`` and
+``producer_truth/weights.safetensors`` (each quantized weight dequantized to float32 by transformers' own
+``integrations.finegrained_fp8._dequantize_fp8_weight``, applied to the in-memory FP8Linear's weight and scale).
+Failures per case go to ``OUT/transformers_fp8/FAILED.json``.
+
+Usage: python scripts/producers/transformers_fp8_produce.py --out DIR [--only SUBSTRING ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from transformers import AutoModelForCausalLM, FineGrainedFP8Config, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.integrations import finegrained_fp8  # noqa: E402
+from transformers.quantizers import quantizer_finegrained_fp8  # noqa: E402
+
+PRODUCER = "transformers_fp8"
+SEED = 0
+ARCH = "LlamaForCausalLM"
+MODEL_CONFIG = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+# case -> (scheme label, FineGrainedFP8Config keyword arguments)
+CASES: dict[str, tuple[str, dict]] = {
+    "fp8_block128": ("fp8-e4m3 weight, 128x128 blocks, float scale_inv, dynamic activations", {}),
+    "fp8_block64": ("fp8-e4m3 weight, 64x64 blocks, float scale_inv, dynamic activations", {"weight_block_size": [64, 64]}),
+    "fp8_block128_ue8m0": ("fp8-e4m3 weight, 128x128 blocks, ue8m0 scale_inv, dynamic activations", {"scale_fmt": "ue8m0"}),
+    "fp8_per_tensor": ("fp8-e4m3 weight, one scale per tensor (weight_block_size=None)", {"weight_block_size": None}),
+}
+
+
+def package_versions() -> dict[str, str]:
+    names = ("torch", "transformers", "accelerate", "safetensors", "tokenizers", "huggingface-hub")
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def build_base_model(directory: Path) -> None:
+    """Save the tiny random Llama in bfloat16; weights come from one seeded generator, in parameter-name order."""
+    config = LlamaConfig(**MODEL_CONFIG)
+    model = LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    model.to(torch.bfloat16).save_pretrained(directory)
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def bypass_cpu_refusal() -> bool:
+    """Skip validate_environment's GPU/XPU requirement when neither exists; return whether it was bypassed."""
+    xpu = getattr(torch, "xpu", None)
+    if torch.cuda.is_available() or (xpu is not None and xpu.is_available()):
+        return False
+    quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer.validate_environment = lambda self, *args, **kwargs: None
+    return True
+
+
+def producer_truth(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each FP8Linear's weight dequantized by transformers' own helper, as float32, under its checkpoint name."""
+    truth = {}
+    for name, module in model.named_modules():
+        if isinstance(module, finegrained_fp8.FP8Linear) and module.weight.element_size() == 1:
+            weight = finegrained_fp8._dequantize_fp8_weight(
+                module.weight.detach().clone(), module.weight_scale_inv.detach(), module.block_size, torch.float32
+            )
+            truth[f"{name}.weight"] = weight.contiguous()
+    return truth
+
+
+def run_case(case: str, base_dir: Path, out_root: Path, bypassed: bool) -> None:
+    scheme, kwargs = CASES[case]
+    case_dir = out_root / PRODUCER / case
+    if case_dir.exists():
+        shutil.rmtree(case_dir)
+    started = time.time()
+    quant_config = FineGrainedFP8Config(**kwargs)
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_pretrained(
+        base_dir, quantization_config=quant_config, dtype=torch.bfloat16, device_map="cpu"
+    )
+    truth = producer_truth(model)
+    if not truth:
+        raise RuntimeError("no FP8Linear module holds an FP8 weight after loading")
+    model.save_pretrained(case_dir)
+    for name in TOKENIZER_FILES:
+        (case_dir / name).unlink(missing_ok=True)
+    files = {p.name: sha256(p) for p in sorted(case_dir.iterdir()) if p.is_file()}
+    (case_dir / "producer_truth").mkdir()
+    save_file(truth, case_dir / "producer_truth" / "weights.safetensors")
+    notes = [
+        "base model: tiny random Llama, bfloat16, weights ~ N(0, 0.02) from torch.Generator(seed), norms = 1",
+        "producer_truth: transformers.integrations.finegrained_fp8._dequantize_fp8_weight(weight, weight_scale_inv, "
+        "block_size, float32) on the in-memory FP8Linear modules right after quantize-on-load",
+        f"elapsed_s={time.time() - started:.2f}",
+    ]
+    if bypassed:
+        notes.append(
+            "no GPU/XPU: FineGrainedFP8HfQuantizer.validate_environment (which raises 'No GPU or XPU found. A GPU "
+            "or XPU is needed for FP8 quantization.') was replaced by a no-op; quantization code unchanged"
+        )
+    provenance = {
+        "producer": "transformers",
+        "producer_version": importlib.metadata.version("transformers"),
+        "packages": package_versions(),
+        "case": case,
+        "arch": ARCH,
+        "scheme": scheme,
+        "recipe": {
+            "quantization_config": quant_config.to_dict(),
+            "from_pretrained": {"dtype": "bfloat16", "device_map": "cpu"},
+            "model_config": MODEL_CONFIG,
+            "validate_environment_bypassed": bypassed,
+        },
+        "command": " ".join([sys.executable, *sys.argv]),
+        "seed": SEED,
+        "files": files,
+        "notes": notes,
+    }
+    (case_dir / "provenance.json").write_text(json.dumps(provenance, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path, help="output root; cases go to OUT/transformers_fp8/")
+    parser.add_argument("--only", nargs="*", default=[], help="run only cases whose name contains one of these")
+    args = parser.parse_args()
+    cases = [c for c in CASES if not args.only or any(s in c for s in args.only)]
+    bypassed = bypass_cpu_refusal()
+    failed: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="tfp8-base-") as tmp:
+        base_dir = Path(tmp) / "base"
+        build_base_model(base_dir)
+        for case in cases:
+            print(f"[{PRODUCER}] {case} ...", flush=True)
+            try:
+                run_case(case, base_dir, args.out, bypassed)
+            except Exception as exc:  # every case failure is recorded, not raised
+                message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                failed[case] = message
+                print(f"[{PRODUCER}] {case} FAILED: {message}", flush=True)
+    failed_path = args.out / PRODUCER / "FAILED.json"
+    failed_path.parent.mkdir(parents=True, exist_ok=True)
+    if failed:
+        failed_path.write_text(json.dumps(failed, indent=2, sort_keys=True) + "\n")
+    else:
+        failed_path.unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
