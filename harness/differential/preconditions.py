@@ -259,9 +259,10 @@ def observed_facts(directory: Path) -> dict[str, Any]:
     """What a recipe would say of a checkpoint the harness did not write, as the audit reads it
     (harness.oracle.audit): a non-finite scale (`nonfinite_scale`), an NVFP4 global scale in the
     other convention (`global_scale_convention`), keys under the VLM prefix (`key_prefix`), experts
-    under a naming other than the architecture's own (`expert_naming`)."""
+    under a naming other than the architecture's own (`expert_naming`), the KV scales' naming
+    (`kv_scales`), a head or embeddings stored with scales (`quantize_lm_head`, `quantize_embeddings`)."""
     from harness.checkpoints.reader import Checkpoint
-    from harness.core.naming import VLM_PREFIX
+    from harness.core.naming import VLM_PREFIX, canonical_name
     from harness.oracle.audit import audit_checkpoint
 
     facts: dict[str, Any] = {}
@@ -282,6 +283,10 @@ def observed_facts(directory: Path) -> dict[str, Any]:
     naming = kv_naming(names)
     if naming:
         facts["kv_scales"] = naming
+    if any(canonical_name(name).startswith("lm_head.") and "scale" in name for name in names):
+        facts["quantize_lm_head"] = True
+    if any(canonical_name(name).startswith("model.embed_tokens.") and "scale" in name for name in names):
+        facts["quantize_embeddings"] = True
     return facts
 
 

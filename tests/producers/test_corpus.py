@@ -1,0 +1,84 @@
+"""Every checkpoint in cases/producers/ (written by real quantization tools, harness.lanes.producers)
+judged as a user's first command would judge it: its files are what its provenance says, the
+reference's dequantization agrees with the producer's own, `audit` reports only what is really
+wrong with it, and `compare` on every engine that runs here makes no finding that is not a known
+upstream issue. A scheme the harness does not define is `unsupported`, never a finding."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.differential.known_issues import KnownIssues
+from harness.differential.runner import EngineSession, evaluate
+from harness.engines.process import Limits
+from harness.lanes.producers import PRODUCER_TRUTH, compare_with_producer, corpus_cases, file_digests
+
+pytest.importorskip("transformers")
+CASES = corpus_cases()
+#: every engine the corpus is judged on; one that cannot run here is named, not silently passed
+ENGINES = ("reference", "transformers", "compressed-tensors", "vllm")
+#: what a provenance must say for a case to be regenerated from it
+PROVENANCE_KEYS = {"producer", "producer_version", "packages", "case", "arch", "scheme", "command", "files"}
+
+
+def by_case(cases):
+    return pytest.mark.parametrize("case", cases, ids=[case.name for case in cases])
+
+
+def test_the_corpus_holds_real_producers_output():
+    assert len({case.provenance["producer"] for case in CASES}) >= 2, [case.name for case in CASES]
+    for case in CASES:
+        assert PROVENANCE_KEYS <= set(case.provenance), (case.name, PROVENANCE_KEYS - set(case.provenance))
+
+
+@by_case(CASES)
+def test_the_files_are_what_the_provenance_says(case):
+    assert file_digests(case.directory) == case.provenance["files"]
+
+
+@by_case([case for case in CASES if (case.directory / PRODUCER_TRUTH).is_file() and case.expect == "clean"])
+def test_the_reference_agrees_with_the_producers_own_dequantization(case):
+    comparison = compare_with_producer(case)
+    assert comparison.compared > 0 and not comparison.missing, comparison
+    assert comparison.worst_ulps <= case.truth_ulps, (comparison.differing, case.reason)
+
+
+@by_case(CASES)
+def test_audit(case):
+    from harness.core.errors import Unsupported
+    from harness.oracle.audit import audit_checkpoint
+
+    if case.expect == "unsupported":
+        with pytest.raises(Unsupported):
+            audit_checkpoint(case.directory)
+        return
+    result = audit_checkpoint(case.directory)
+    assert {item.check for item in result.findings} == set(case.audit_checks), result.findings[:3]
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    session = EngineSession(list(ENGINES), tmp_path_factory.mktemp("engines"), Limits(timeout_s=600))
+    yield session
+    session.close()
+
+
+@by_case(CASES)
+def test_compare_on_every_engine_makes_no_false_finding(case, session):
+    from harness.core.errors import Unsupported
+    from harness.oracle.reference import format_and_knobs
+
+    if case.expect == "unsupported":
+        with pytest.raises(Unsupported):
+            format_and_knobs(case.directory)
+        return
+    result = evaluate(case.directory, session, KnownIssues.load())
+    new = [f"{f.engine} {f.kind}: {f.message}" for f in result.findings if not f.known_issue]
+    if case.expect == "invalid":  # the producer's misbehaviour: refused, and an engine that loads it is told
+        assert new and new[0].startswith("reference invalid-checkpoint"), new
+        assert all(" accepted-invalid: " in line for line in new[1:]), new
+    else:
+        assert new == [], new
+        assert result.outcomes["reference"].status == "loaded", result.outcomes["reference"]
+    ran = {engine for engine, outcome in result.outcomes.items() if outcome.status != "unavailable"}
+    assert ran == set(ENGINES) - set(session.unavailable), session.unavailable
