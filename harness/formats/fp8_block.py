@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from harness.core.errors import UnsupportedFormat
 from harness.core.numerics import E4M3_MAX, ceil_div, decode_e4m3, encode_e4m3
 from harness.formats.base import (
     FormatError,
@@ -27,7 +28,10 @@ SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse_block_size(value: Any) -> tuple[int, int]:
-    """`weight_block_size` as written in the wild: [bn, bk], [b], or b."""
+    """`weight_block_size` as written in the wild: [bn, bk], [b], or b. null (transformers 5.23's
+    per-tensor FineGrainedFP8, one weight_scale_inv [1, 1] per weight) is not defined here yet."""
+    if value is None:
+        raise UnsupportedFormat("FineGrainedFP8 with weight_block_size null (one scale per tensor)")
     if isinstance(value, bool):
         raise FormatError(f"weight_block_size {value!r} is not a block size")
     if isinstance(value, int):
@@ -79,7 +83,7 @@ def block_truth(quantized: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], scale_name: str):
     """Reference: decode e4m3 from its bits, multiply by the block's scale."""
     require_dtype("weight", weight, (torch.float8_e4m3fn,))
-    require_dtype(scale_name, scale, (torch.float32, torch.bfloat16, torch.float16))
+    require_dtype(scale_name, scale, (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu))
     if weight.dim() != 2:
         raise FormatError(f"weight has {weight.dim()} dimensions, expected 2")
     rows, cols = weight.shape
@@ -89,8 +93,17 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tupl
             f"{scale_name} has shape {list(scale.shape)} but weight [{rows}, {cols}] with block "
             f"{list(block)} needs the grid {list(grid)}"
         )
+    scale = decode_ue8m0(scale_name, scale) if scale.dtype == torch.float8_e8m0fnu else scale
     require_finite(scale_name, scale)
     return decode_e4m3(weight) * expand_block_grid(scale.to(torch.float64), rows, cols, block)
+
+
+def decode_ue8m0(name: str, scale: torch.Tensor) -> torch.Tensor:
+    """Power-of-two scales stored as float8_e8m0fnu (transformers' `scale_fmt: ue8m0`), decoded from
+    their bits: code c means 2**(c - 127); 0xFF is NaN."""
+    codes = scale.view(torch.uint8).to(torch.int64)
+    decoded = torch.ldexp(torch.ones(codes.shape, dtype=torch.float64), codes - 127)
+    return torch.where(codes == 255, torch.tensor(float("nan"), dtype=torch.float64), decoded)
 
 
 def transpose_scale_grid(result: QuantizedWeight, scale_name: str, block: tuple[int, int]) -> None:

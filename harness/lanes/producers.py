@@ -114,14 +114,13 @@ class TruthComparison:
 
 def compare_with_producer(case: CorpusCase) -> TruthComparison:
     """Each weight the producer recorded against the reference's dequantization of the saved files,
-    rounded once to the dtype the producer computed in (its truth is stored exactly, as float32)."""
+    rounded once to the dtype the producer computed (and stored) it in."""
     from safetensors.torch import load_file
 
     from harness.core.naming import canonical_name
     from harness.oracle.reference import dequantize_checkpoint
 
     truth = {canonical_name(n): t for n, t in load_file(str(case.directory / PRODUCER_TRUTH)).items()}
-    dtype = getattr(torch, case.provenance.get("truth_dtype", "bfloat16"))
     result = TruthComparison()
     seen = set()
     for name, weight in dequantize_checkpoint(case.directory):
@@ -130,7 +129,8 @@ def compare_with_producer(case: CorpusCase) -> TruthComparison:
             continue
         seen.add(name)
         result.compared += 1
-        mine, theirs = weight.to(dtype), truth[name].to(dtype)
+        theirs = truth[name]
+        mine = weight.to(theirs.dtype)
         if mine.shape != theirs.shape:
             result.differing[name] = (theirs.numel(), -1)
             continue

@@ -7,7 +7,7 @@ own `oneshot` with its preset schemes, saved as it saves them (no tokenizer: eng
 Each case DIR/llmcompressor/<case>/ holds the checkpoint, provenance.json and
 producer_truth/weights.safetensors: every quantized weight as compressed-tensors' own fake_quantize
 gives it from the in-memory scales right after oneshot (before saving compresses anything), stored
-as float32 (exact: it computes in the model dtype), and the static k/v scales it holds. Standalone:
+in the model dtype it computes in (bfloat16), and the static k/v scales it holds (float32). Standalone:
 imports torch, safetensors, transformers, compressed-tensors, llm-compressor and the stdlib only.
 What fails on CPU is written to DIR/llmcompressor/FAILED.json, one line per case.
 """
@@ -36,21 +36,22 @@ from safetensors.torch import save_file  # noqa: E402
 SEED = 0
 SIZES = {
     "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "vocab_size": 512,
+    "vocab_size": 256,
     "max_position_embeddings": 256,
     "bos_token_id": 1,
     "eos_token_id": 2,
     "pad_token_id": 0,
 }
-#: per architecture: the transformers config class and its own fields (MoE: 4 experts, top 2)
+#: per architecture: the transformers config class and its own fields (MoE: 4 experts, top 2); one
+#: layer each keeps the corpus small
 ARCHITECTURES = {
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),
-    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 128}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128}),
 }
 #: routers and the head stay unquantized (llm-compressor's examples ignore them the same way)
@@ -141,7 +142,8 @@ def recipe_for(case: dict):
 
 def producer_truth(model) -> dict[str, torch.Tensor]:
     """Each quantized Linear's weight fake-quantized by compressed-tensors from the scales the model
-    holds now, and each attention's static k/v scale, under checkpoint names, as float32."""
+    holds now (in the dtype it computes in), and each attention's static k/v scale (float32), under
+    checkpoint names."""
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 
     truth = {}
@@ -156,7 +158,7 @@ def producer_truth(model) -> dict[str, torch.Tensor]:
                     scheme.weights,
                     global_scale=getattr(module, "weight_global_scale", None),
                 )
-            truth[f"{name}.weight"] = value.detach().float().contiguous()
+            truth[f"{name}.weight"] = value.detach().contiguous()
         for kv in ("k_scale", "v_scale"):
             if isinstance(getattr(module, kv, None), torch.Tensor):
                 truth[f"{name}.{kv}"] = getattr(module, kv).detach().float().reshape(-1).contiguous()
@@ -182,7 +184,7 @@ def produce(name: str, case: dict, out: Path, scratch: Path) -> None:
     for tokenizer in directory.glob("tokenizer*"):
         tokenizer.unlink()
     (directory / "producer_truth").mkdir()
-    save_file(truth, str(directory / "producer_truth" / "weights.safetensors"))
+    save_file(saved_names(truth, directory), str(directory / "producer_truth" / "weights.safetensors"))
     provenance = {
         "producer": "llmcompressor",
         "producer_version": version("llmcompressor"),
@@ -196,11 +198,27 @@ def produce(name: str, case: dict, out: Path, scratch: Path) -> None:
         "calibration": "8 random token-id sequences of 32 (seed 0)" if calibrated else None,
         "command": f"python scripts/producers/llmcompressor_produce.py --out DIR --only {name}",
         "seed": SEED,
-        "truth_dtype": "bfloat16",
         "files": digests(directory),
         "notes": [f"produced in {time.time() - started:.1f} s on CPU"],
     }
     (directory / "provenance.json").write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
+
+
+def saved_names(truth: dict[str, torch.Tensor], directory: Path) -> dict[str, torch.Tensor]:
+    """The truth under the names the checkpoint stores: transformers 5 holds Mixtral's experts under
+    `mlp` and saves them under `block_sparse_moe` (its conversion mapping, reversed on save)."""
+    from safetensors import safe_open
+
+    stored = set()
+    for path in directory.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as handle:
+            stored |= {name.rpartition(".")[0] for name in handle.keys()}
+    result = {}
+    for name, tensor in truth.items():
+        module, _, leaf = name.rpartition(".")
+        renamed = module.replace(".mlp.", ".block_sparse_moe.")
+        result[f"{renamed if module not in stored and renamed in stored else module}.{leaf}"] = tensor
+    return result
 
 
 def digests(directory: Path) -> dict[str, str]:

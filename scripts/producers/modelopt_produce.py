@@ -1,0 +1,238 @@
+"""Produce FP8 and NVFP4 checkpoints with NVIDIA ModelOpt (``modelopt.torch.quantization``) and its HF export.
+
+Standalone producer script: it imports only nvidia-modelopt, torch, safetensors, transformers and the standard
+library, never the harness. It builds a tiny random-weight Llama in bfloat16 (fixed seed, weights drawn from a seeded
+generator so they do not depend on the transformers version's init), runs ``mtq.quantize(model, CONFIG,
+forward_loop)`` with a few random token-id sequences as calibration data, and writes the checkpoint with
+``modelopt.torch.export.export_hf_checkpoint`` (config.json with quant_method "modelopt", hf_quant_config.json,
+model.safetensors).
+
+Output: ``OUT/modelopt/<case>/`` holding the exported checkpoint, ``provenance.json`` and
+``producer_truth/weights.safetensors``: each quantized Linear weight as ModelOpt itself dequantizes it, float32,
+taken from the in-memory calibrated model before export. Where the weight quantizer's fake-quant runs on CPU (FP8
+configs) that is ``module.weight_quantizer(module.weight)``; where it needs CUDA (NVFP4's dynamic block fake-quant),
+it is ModelOpt's export-side quantization (``NVFP4QTensor.quantize`` with the scales from
+``modelopt.torch.export.quant_utils``) followed by ``NVFP4QTensor.dequantize``. provenance.json names the method.
+Failures per case go to ``OUT/modelopt/FAILED.json``.
+
+Usage: python scripts/producers/modelopt_produce.py --out DIR [--only SUBSTRING ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import modelopt.torch.quantization as mtq  # noqa: E402
+import torch  # noqa: E402
+from modelopt.torch.export import export_hf_checkpoint, quant_utils  # noqa: E402
+from modelopt.torch.quantization.qtensor import NVFP4QTensor  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+PRODUCER = "modelopt"
+SEED = 0
+ARCH = "LlamaForCausalLM"
+MODEL_CONFIG = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+}
+CALIB_SAMPLES = 4
+CALIB_SEQLEN = 32
+
+# case -> (scheme label, name of the mtq config constant)
+CASES: dict[str, tuple[str, str]] = {
+    "fp8": ("fp8-e4m3 weight and static input, per-tensor scales", "FP8_DEFAULT_CFG"),
+    "fp8_pc_pt": ("fp8-e4m3 weight per-channel, dynamic per-token input", "FP8_PER_CHANNEL_PER_TOKEN_CFG"),
+    "fp8_pb_wo": ("fp8-e4m3 weight-only, 2D 128x128 blockwise", "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG"),
+    "nvfp4": ("nvfp4 (e2m1, fp8 block-16 scales + fp32 global) weight and input", "NVFP4_DEFAULT_CFG"),
+    "w4a16_nvfp4": ("nvfp4 weight-only", "W4A16_NVFP4_CFG"),
+    "nvfp4_awq_lite": ("nvfp4 weight and input with AWQ-lite pre-quant scaling", "NVFP4_AWQ_LITE_CFG"),
+}
+
+
+def package_versions() -> dict[str, str]:
+    names = ("torch", "nvidia-modelopt", "transformers", "accelerate", "safetensors", "huggingface-hub")
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def build_base_model(directory: Path) -> None:
+    """Save the tiny random Llama in bfloat16; weights come from one seeded generator, in parameter-name order."""
+    config = LlamaConfig(**MODEL_CONFIG)
+    model = LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    model.to(torch.bfloat16).save_pretrained(directory)
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def jsonable(value: object) -> object:
+    """A JSON-safe copy of a recipe: dict keys as strings (ModelOpt's block_sizes mix int and str keys)."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def calibration_batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(SEED + 1)
+    return [
+        torch.randint(3, MODEL_CONFIG["vocab_size"], (1, CALIB_SEQLEN), generator=generator)
+        for _ in range(CALIB_SAMPLES)
+    ]
+
+
+def nvfp4_export_dequant(module: torch.nn.Module) -> torch.Tensor:
+    """ModelOpt's export-side NVFP4 quantization of one weight, dequantized by NVFP4QTensor itself."""
+    block = quant_utils.get_weight_block_size(module)
+    scale = quant_utils.get_weight_scaling_factor(module)
+    scale_2 = quant_utils.get_weight_scaling_factor_2(module)
+    qtensor, scale, scale_2 = NVFP4QTensor.quantize(module.weight, block, scale, scale_2)
+    return qtensor.dequantize(dtype=torch.float32, scale=scale, double_scale=scale_2, block_sizes={-1: block})
+
+
+def producer_truth(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Each quantized Linear's weight as ModelOpt dequantizes it (float32), and the method used per module."""
+    truth, methods = {}, {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            quantizer = getattr(module, "weight_quantizer", None)
+            if quantizer is None or not quantizer.is_enabled:
+                continue
+            try:
+                weight = quantizer(module.weight)
+                methods[name] = "weight_quantizer fake-quant"
+            except AssertionError:  # dynamic block (NVFP4) fake-quant asserts CUDA tensors
+                weight = nvfp4_export_dequant(module)
+                methods[name] = "NVFP4QTensor.quantize + dequantize (export path)"
+            truth[f"{name}.weight"] = weight.float().contiguous()
+    return truth, methods
+
+
+def run_case(case: str, base_dir: Path, out_root: Path) -> None:
+    scheme, config_name = CASES[case]
+    case_dir = out_root / PRODUCER / case
+    if case_dir.exists():
+        shutil.rmtree(case_dir)
+    started = time.time()
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16)
+    model.eval()
+    quant_cfg = copy.deepcopy(getattr(mtq, config_name))
+    batches = calibration_batches()
+
+    def forward_loop(m: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for batch in batches:
+                m(batch)
+
+    model = mtq.quantize(model, copy.deepcopy(quant_cfg), forward_loop=forward_loop)
+    truth, methods = producer_truth(model)
+    if not truth:
+        raise RuntimeError("mtq.quantize left no enabled weight quantizer")
+    export_hf_checkpoint(model, export_dir=case_dir)
+    files = {p.name: sha256(p) for p in sorted(case_dir.iterdir()) if p.is_file()}
+    (case_dir / "producer_truth").mkdir()
+    save_file(truth, case_dir / "producer_truth" / "weights.safetensors")
+    method_names = sorted(set(methods.values()))
+    notes = [
+        "base model: tiny random Llama, bfloat16, weights ~ N(0, 0.02) from torch.Generator(seed), norms = 1",
+        f"calibration: {CALIB_SAMPLES} random token-id sequences of length {CALIB_SEQLEN} (seed {SEED + 1})",
+        "producer_truth (from the in-memory quantized model, before export): " + "; ".join(method_names),
+        "caveat: producer_truth is ModelOpt's pre-export view; export_hf_checkpoint re-derives the quantized "
+        "weights (nvfp4: one weight_scale_2 shared by q/k/v and by gate/up; fp8: division in float32 where the "
+        "fake-quant rounds in bfloat16), so the checkpoint decodes to values one quantization step away from it "
+        "on part of the elements (about 3% for fp8, 27% for nvfp4 on this model); the export also turns the "
+        "in-memory weights into the packed format, so no post-export view exists",
+        f"elapsed_s={time.time() - started:.2f}",
+    ]
+    provenance = {
+        "producer": "nvidia-modelopt",
+        "producer_version": importlib.metadata.version("nvidia-modelopt"),
+        "packages": package_versions(),
+        "case": case,
+        "arch": ARCH,
+        "scheme": scheme,
+        "recipe": {
+            "config_name": f"modelopt.torch.quantization.{config_name}",
+            "quant_cfg": jsonable(quant_cfg),
+            "calibration": {"samples": CALIB_SAMPLES, "seqlen": CALIB_SEQLEN, "seed": SEED + 1},
+            "export": "modelopt.torch.export.export_hf_checkpoint(model, export_dir=case_dir)",
+            "model_config": MODEL_CONFIG,
+        },
+        "command": " ".join([sys.executable, *sys.argv]),
+        "seed": SEED,
+        "files": files,
+        "notes": notes,
+    }
+    (case_dir / "provenance.json").write_text(json.dumps(provenance, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path, help="output root; cases go to OUT/modelopt/")
+    parser.add_argument("--only", nargs="*", default=[], help="run only cases whose name contains one of these")
+    args = parser.parse_args()
+    cases = [c for c in CASES if not args.only or any(s in c for s in args.only)]
+    failed: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="modelopt-base-") as tmp:
+        base_dir = Path(tmp) / "base"
+        build_base_model(base_dir)
+        for case in cases:
+            print(f"[{PRODUCER}] {case} ...", flush=True)
+            try:
+                run_case(case, base_dir, args.out)
+            except Exception as exc:  # every case failure is recorded, not raised
+                message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                failed[case] = message
+                shutil.rmtree(args.out / PRODUCER / case, ignore_errors=True)
+                print(f"[{PRODUCER}] {case} FAILED: {message}", flush=True)
+    failed_path = args.out / PRODUCER / "FAILED.json"
+    failed_path.parent.mkdir(parents=True, exist_ok=True)
+    if failed:
+        failed_path.write_text(json.dumps(failed, indent=2, sort_keys=True) + "\n")
+    else:
+        failed_path.unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
