@@ -26,7 +26,9 @@ def by_case(cases):
 
 
 def test_the_corpus_holds_real_producers_output():
-    assert len({case.provenance["producer"] for case in CASES}) >= 2, sorted({case.provenance["producer"] for case in CASES})
+    assert len({case.provenance["producer"] for case in CASES}) >= 2, sorted(
+        {case.provenance["producer"] for case in CASES}
+    )
     for case in CASES:
         assert PROVENANCE_KEYS <= set(case.provenance), (case.name, PROVENANCE_KEYS - set(case.provenance))
 
