@@ -7,8 +7,8 @@ real checkpoints use, and the config fragment that declares them.
 - `k-only`: `self_attn.k_scale` without its `v_scale`: half of the pair (exact-or-refuse);
 - `declared-only`: the config declares the FP8 cache, no layer stores a scale (exact-or-refuse).
 
-A scale is kv_amax / 448 (the FP8 e4m3 maximum), float32, shaped as its producer writes it:
-[1] (a compressed-tensors parameter), [] (ModelOpt's export). `proj` goes with ModelOpt formats,
+A scale is kv_amax / 448 (the FP8 e4m3 maximum), typed and shaped as its producer writes it: [1]
+in the model dtype (a compressed-tensors parameter), float32 [] (ModelOpt's export). `proj` goes with ModelOpt formats,
 `output_scale` with compressed-tensors ones. The
 reference engine's weight-only forward leaves its KV cache unquantized; its activation candidate
 quantizes the cache with them (harness.oracle.kv_cache); weights are judged exactly either way.
@@ -58,9 +58,11 @@ def check(kind: str, arch, quantization_config: Mapping) -> None:
         raise HarnessError(f"kv_scales={kind} names k_proj/v_proj, which {arch.name} fuses into qkv_proj")
 
 
-def tensors(kind: str, settings: Mapping, amax: float) -> dict[str, torch.Tensor]:
-    """The KV scales of every layer, distinct per layer and between k and v."""
+def tensors(kind: str, settings: Mapping, amax: float, model_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The KV scales of every layer, distinct per layer and between k and v: ModelOpt's float32 [],
+    compressed-tensors' [1] parameters in the model dtype (llm-compressor 0.14 writes them so)."""
     shape = () if kind == "proj" else (1,)
+    dtype = torch.float32 if kind == "proj" else model_dtype
     names = {
         "self_attn": ("self_attn.k_scale", "self_attn.v_scale"),
         "output_scale": ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
@@ -71,7 +73,7 @@ def tensors(kind: str, settings: Mapping, amax: float) -> dict[str, torch.Tensor
     for layer in range(settings["num_hidden_layers"]):
         for index, name in enumerate(names):
             value = amax * (1 + 0.25 * layer + 0.5 * index) / FP8_MAX
-            result[f"model.layers.{layer}.{name}"] = torch.full(shape, value, dtype=torch.float32)
+            result[f"model.layers.{layer}.{name}"] = torch.full(shape, value, dtype=dtype)
     return result
 
 

@@ -251,7 +251,12 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
                 "embeddings stored quantized while the config targets Linear layers: dequantize by the tensors or refuse"
             )
         modules[module] = {"shape": list(weight.shape), "expectation": quantized.expectation, "notes": quantized.notes}
-    tensors |= kv_scales.tensors(resolved.layout["kv_scales"], resolved.settings, resolved.layout["activation_amax"])
+    tensors |= kv_scales.tensors(
+        resolved.layout["kv_scales"],
+        resolved.settings,
+        resolved.layout["activation_amax"],
+        DTYPES[resolved.layout["dtype"]],
+    )
     unused: list[str] = []
     misstated: dict[str, str] = {}  # what the index says wrong, by name
     if target is not None:

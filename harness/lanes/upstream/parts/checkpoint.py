@@ -104,14 +104,15 @@ def rename(name: str) -> str:
 
 
 def kv_scales(config) -> dict[str, torch.Tensor]:
-    """Each layer's k/v scales (kv amax / 448, float32; [] as ModelOpt exports them, else [1]),
-    distinct per layer and between k and v."""
+    """Each layer's k/v scales (kv amax / 448; float32 [] as ModelOpt exports them, else [1] in the
+    model dtype, as llm-compressor saves them), distinct per layer and between k and v."""
     shape = () if LAYOUT["kv_scales"] == "proj" else (1,)
+    dtype = torch.float32 if LAYOUT["kv_scales"] == "proj" else MODEL_DTYPE
     scales = {}
     for layer in range(config["num_hidden_layers"]):
         for index, name in enumerate(KV_SCALE_NAMES.get(LAYOUT["kv_scales"], ())):
             value = LAYOUT["activation_amax"] * (1 + 0.25 * layer + 0.5 * index) / 448.0
-            scales[f"model.layers.{layer}.{name}"] = torch.full(shape, value, dtype=torch.float32)
+            scales[f"model.layers.{layer}.{name}"] = torch.full(shape, value, dtype=dtype)
     return scales
 
 
