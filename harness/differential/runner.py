@@ -537,9 +537,9 @@ def _judge_report(engine: str, report: dict, finding, unused: set[str] = frozens
         finding(
             engine,
             "weights-missing",
-            f"{len(weights)} weight(s) not loaded, left as the model initialised them (random): e.g. "
-            f"{weights[0]}; the checkpoint's {len(keys)} tensor(s) for them reported unexpected "
-            f"(e.g. {keys[0]}): held in a layout or under names the engine did not convert them to",
+            f"{len(weights)} weight(s) left as the model initialised them (random), {len(keys)} checkpoint "
+            f"tensor(s) for them not loaded: e.g. missing {weights[0]}, unexpected {keys[0]} (held in a "
+            "layout or under names the engine did not convert them to)",
             metrics={"missing": weights[:50], "unexpected": keys[:50]},
         )
         missing = [k for k in missing if _module(k) not in unloaded]

@@ -150,5 +150,5 @@ FIX = Fix(
     ),
     apply=load_prefixed_weights,
     known_issues=(KNOWN_ISSUE,),
-    kinds=("load-report", "dropped-scale"),
+    kinds=("weights-missing", "load-report", "dropped-scale"),
 )

@@ -197,6 +197,8 @@ def check_names(tensors: dict[str, Stored], config: dict, result: AuditResult) -
     from harness.checkpoints.model_layout import known_layout, layout_settings
     from harness.core.naming import canonical_name
 
+    if config_problems(config):  # a config no engine can use: that finding says it, no layout follows
+        return
     arch = known_layout(config)
     if arch is None:
         return

@@ -444,6 +444,8 @@ def render_script(reproducer: Reproducer) -> Script:
             "quantize_lm_head": resolved.layout["quantize_lm_head"],
             "quantize_embeddings": resolved.layout["quantize_embeddings"],
             "kv_scales": resolved.layout["kv_scales"],
+            # the tensor table and PACKED_EXPERTS already carry the experts' names; said for the reader
+            "expert_naming": resolved.layout["expert_naming"],
         },
         "PERTURB": resolved.perturb,
         "DISAGREEMENT": disagreement_target(resolved, table),
