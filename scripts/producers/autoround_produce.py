@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -35,6 +34,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import producing  # noqa: E402  (beside this script)
 import torch  # noqa: E402
 from auto_round import AutoRound  # noqa: E402
 from auto_round.export.formats.base import OutputFormat  # noqa: E402
@@ -43,8 +43,6 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
     PreTrainedTokenizerFast,
 )
 
@@ -88,37 +86,7 @@ CASES: dict[str, tuple[str, str, dict]] = {
 }
 
 
-def package_versions() -> dict[str, str]:
-    names = ("torch", "auto-round", "transformers", "accelerate", "safetensors", "tokenizers", "huggingface-hub")
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return versions
-
-
-def build_base_model(directory: Path) -> None:
-    """Save the tiny random Llama in bfloat16; weights come from one seeded generator, in parameter-name order."""
-    config = LlamaConfig(**MODEL_CONFIG)
-    model = LlamaForCausalLM(config)
-    generator = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-    model.to(torch.bfloat16).save_pretrained(directory)
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+PACKAGES = ("torch", "auto-round", "transformers", "accelerate", "safetensors", "tokenizers", "huggingface-hub")
 
 
 def save_tokenizer(directory: Path) -> None:
@@ -188,6 +156,12 @@ def install_truth_hooks() -> None:
         pending.extend(cls.__subclasses__())
 
 
+def prepare(directory: Path) -> None:
+    """The base model and the offline tokenizer AutoRound's calibration asks for."""
+    producing.build_seeded_llama(directory, MODEL_CONFIG, SEED)
+    save_tokenizer(directory)
+
+
 def run_case(case: str, base_dir: Path, out_root: Path) -> None:
     scheme, fmt, kwargs = CASES[case]
     case_dir = out_root / PRODUCER / case
@@ -215,7 +189,7 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
         shutil.copytree(saved[0].parent, case_dir)
     for name in TOKENIZER_FILES:
         (case_dir / name).unlink(missing_ok=True)
-    files = {str(p.relative_to(case_dir)): sha256(p) for p in sorted(case_dir.rglob("*")) if p.is_file()}
+    files = producing.digests(case_dir)
     if CAPTURED:
         (case_dir / "producer_truth").mkdir()
         save_file(dict(sorted(CAPTURED.items())), case_dir / "producer_truth" / "weights.safetensors")
@@ -235,7 +209,7 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
     provenance = {
         "producer": "auto-round",
         "producer_version": importlib.metadata.version("auto-round"),
-        "packages": package_versions(),
+        "packages": producing.package_versions(PACKAGES),
         "case": case,
         "arch": ARCH,
         "scheme": scheme,
@@ -260,27 +234,7 @@ def main() -> int:
     args = parser.parse_args()
     cases = [c for c in CASES if not args.only or any(s in c for s in args.only)]
     install_truth_hooks()
-    failed: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="autoround-base-") as tmp:
-        base_dir = Path(tmp) / "base"
-        build_base_model(base_dir)
-        save_tokenizer(base_dir)
-        for case in cases:
-            print(f"[{PRODUCER}] {case} ...", flush=True)
-            try:
-                run_case(case, base_dir, args.out)
-            except Exception as exc:  # every case failure is recorded, not raised
-                message = f"{type(exc).__name__}: {exc}".splitlines()[0]
-                failed[case] = message
-                shutil.rmtree(args.out / PRODUCER / case, ignore_errors=True)
-                print(f"[{PRODUCER}] {case} FAILED: {message}", flush=True)
-    failed_path = args.out / PRODUCER / "FAILED.json"
-    failed_path.parent.mkdir(parents=True, exist_ok=True)
-    if failed:
-        failed_path.write_text(json.dumps(failed, indent=2, sort_keys=True) + "\n")
-    else:
-        failed_path.unlink(missing_ok=True)
-    return 0
+    return producing.run_cases(PRODUCER, cases, args.out, prepare, run_case)
 
 
 if __name__ == "__main__":

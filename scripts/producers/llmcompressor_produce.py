@@ -20,7 +20,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import argparse  # noqa: E402
-import hashlib  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
@@ -30,6 +29,7 @@ import traceback  # noqa: E402
 from importlib.metadata import version  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import producing  # noqa: E402  (beside this script)
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
@@ -188,7 +188,7 @@ def produce(name: str, case: dict, out: Path, scratch: Path) -> None:
     provenance = {
         "producer": "llmcompressor",
         "producer_version": version("llmcompressor"),
-        "packages": {p: version(p) for p in ("torch", "transformers", "compressed-tensors", "llmcompressor")},
+        "packages": producing.package_versions(("torch", "transformers", "compressed-tensors", "llmcompressor")),
         "case": name,
         "arch": case["arch"],
         "scheme": case["scheme"],
@@ -198,7 +198,7 @@ def produce(name: str, case: dict, out: Path, scratch: Path) -> None:
         "calibration": "8 random token-id sequences of 32 (seed 0)" if calibrated else None,
         "command": f"python scripts/producers/llmcompressor_produce.py --out DIR --only {name}",
         "seed": SEED,
-        "files": digests(directory),
+        "files": producing.digests(directory),
         "notes": [f"produced in {time.time() - started:.1f} s on CPU"],
     }
     (directory / "provenance.json").write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
@@ -219,14 +219,6 @@ def saved_names(truth: dict[str, torch.Tensor], directory: Path) -> dict[str, to
         renamed = module.replace(".mlp.", ".block_sparse_moe.")
         result[f"{renamed if module not in stored and renamed in stored else module}.{leaf}"] = tensor
     return result
-
-
-def digests(directory: Path) -> dict[str, str]:
-    return {
-        path.relative_to(directory).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in sorted(directory.rglob("*"))
-        if path.is_file() and not path.relative_to(directory).as_posix().startswith("producer_truth/")
-    }
 
 
 def main() -> int:

@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import importlib.metadata
 import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,11 +34,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import modelopt.torch.quantization as mtq  # noqa: E402
+import producing  # noqa: E402  (beside this script)
 import torch  # noqa: E402
 from modelopt.torch.export import export_hf_checkpoint, quant_utils  # noqa: E402
 from modelopt.torch.quantization.qtensor import NVFP4QTensor  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 PRODUCER = "modelopt"
 SEED = 0
@@ -68,37 +67,7 @@ CASES: dict[str, tuple[str, str]] = {
 }
 
 
-def package_versions() -> dict[str, str]:
-    names = ("torch", "nvidia-modelopt", "transformers", "accelerate", "safetensors", "huggingface-hub")
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return versions
-
-
-def build_base_model(directory: Path) -> None:
-    """Save the tiny random Llama in bfloat16; weights come from one seeded generator, in parameter-name order."""
-    config = LlamaConfig(**MODEL_CONFIG)
-    model = LlamaForCausalLM(config)
-    generator = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-    model.to(torch.bfloat16).save_pretrained(directory)
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+PACKAGES = ("torch", "nvidia-modelopt", "transformers", "accelerate", "safetensors", "huggingface-hub")
 
 
 def jsonable(value: object) -> object:
@@ -147,6 +116,10 @@ def producer_truth(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dic
     return truth, methods
 
 
+def base_model(directory: Path) -> None:
+    producing.build_seeded_llama(directory, MODEL_CONFIG, SEED)
+
+
 def run_case(case: str, base_dir: Path, out_root: Path) -> None:
     scheme, config_name = CASES[case]
     case_dir = out_root / PRODUCER / case
@@ -169,7 +142,7 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
     if not truth:
         raise RuntimeError("mtq.quantize left no enabled weight quantizer")
     export_hf_checkpoint(model, export_dir=case_dir)
-    files = {p.name: sha256(p) for p in sorted(case_dir.iterdir()) if p.is_file()}
+    files = producing.digests(case_dir)
     (case_dir / "producer_truth").mkdir()
     save_file(truth, case_dir / "producer_truth" / "weights.safetensors")
     method_names = sorted(set(methods.values()))
@@ -187,7 +160,7 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
     provenance = {
         "producer": "nvidia-modelopt",
         "producer_version": importlib.metadata.version("nvidia-modelopt"),
-        "packages": package_versions(),
+        "packages": producing.package_versions(PACKAGES),
         "case": case,
         "arch": ARCH,
         "scheme": scheme,
@@ -212,26 +185,7 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=[], help="run only cases whose name contains one of these")
     args = parser.parse_args()
     cases = [c for c in CASES if not args.only or any(s in c for s in args.only)]
-    failed: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="modelopt-base-") as tmp:
-        base_dir = Path(tmp) / "base"
-        build_base_model(base_dir)
-        for case in cases:
-            print(f"[{PRODUCER}] {case} ...", flush=True)
-            try:
-                run_case(case, base_dir, args.out)
-            except Exception as exc:  # every case failure is recorded, not raised
-                message = f"{type(exc).__name__}: {exc}".splitlines()[0]
-                failed[case] = message
-                shutil.rmtree(args.out / PRODUCER / case, ignore_errors=True)
-                print(f"[{PRODUCER}] {case} FAILED: {message}", flush=True)
-    failed_path = args.out / PRODUCER / "FAILED.json"
-    failed_path.parent.mkdir(parents=True, exist_ok=True)
-    if failed:
-        failed_path.write_text(json.dumps(failed, indent=2, sort_keys=True) + "\n")
-    else:
-        failed_path.unlink(missing_ok=True)
-    return 0
+    return producing.run_cases(PRODUCER, cases, args.out, base_model, run_case)
 
 
 if __name__ == "__main__":

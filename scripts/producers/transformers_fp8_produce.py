@@ -22,22 +22,21 @@ Usage: python scripts/producers/transformers_fp8_produce.py --out DIR [--only SU
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata
 import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import producing  # noqa: E402  (beside this script)
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
-from transformers import AutoModelForCausalLM, FineGrainedFP8Config, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, FineGrainedFP8Config  # noqa: E402
 from transformers.integrations import finegrained_fp8  # noqa: E402
 from transformers.quantizers import quantizer_finegrained_fp8  # noqa: E402
 
@@ -70,37 +69,7 @@ CASES: dict[str, tuple[str, dict]] = {
 }
 
 
-def package_versions() -> dict[str, str]:
-    names = ("torch", "transformers", "accelerate", "safetensors", "tokenizers", "huggingface-hub")
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return versions
-
-
-def build_base_model(directory: Path) -> None:
-    """Save the tiny random Llama in bfloat16; weights come from one seeded generator, in parameter-name order."""
-    config = LlamaConfig(**MODEL_CONFIG)
-    model = LlamaForCausalLM(config)
-    generator = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-    model.to(torch.bfloat16).save_pretrained(directory)
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "tokenizers", "huggingface-hub")
 
 
 def bypass_cpu_refusal() -> bool:
@@ -134,6 +103,10 @@ def producer_truth(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], lis
     return truth, unquantized
 
 
+def base_model(directory: Path) -> None:
+    producing.build_seeded_llama(directory, MODEL_CONFIG, SEED)
+
+
 def run_case(case: str, base_dir: Path, out_root: Path, bypassed: bool) -> None:
     scheme, kwargs = CASES[case]
     case_dir = out_root / PRODUCER / case
@@ -151,7 +124,7 @@ def run_case(case: str, base_dir: Path, out_root: Path, bypassed: bool) -> None:
     model.save_pretrained(case_dir)
     for name in TOKENIZER_FILES:
         (case_dir / name).unlink(missing_ok=True)
-    files = {p.name: sha256(p) for p in sorted(case_dir.iterdir()) if p.is_file()}
+    files = producing.digests(case_dir)
     (case_dir / "producer_truth").mkdir()
     save_file(truth, case_dir / "producer_truth" / "weights.safetensors")
     notes = [
@@ -174,7 +147,7 @@ def run_case(case: str, base_dir: Path, out_root: Path, bypassed: bool) -> None:
     provenance = {
         "producer": "transformers",
         "producer_version": importlib.metadata.version("transformers"),
-        "packages": package_versions(),
+        "packages": producing.package_versions(PACKAGES),
         "case": case,
         "arch": ARCH,
         "scheme": scheme,
@@ -199,26 +172,9 @@ def main() -> int:
     args = parser.parse_args()
     cases = [c for c in CASES if not args.only or any(s in c for s in args.only)]
     bypassed = bypass_cpu_refusal()
-    failed: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="tfp8-base-") as tmp:
-        base_dir = Path(tmp) / "base"
-        build_base_model(base_dir)
-        for case in cases:
-            print(f"[{PRODUCER}] {case} ...", flush=True)
-            try:
-                run_case(case, base_dir, args.out, bypassed)
-            except Exception as exc:  # every case failure is recorded, not raised
-                message = f"{type(exc).__name__}: {exc}".splitlines()[0]
-                failed[case] = message
-                shutil.rmtree(args.out / PRODUCER / case, ignore_errors=True)
-                print(f"[{PRODUCER}] {case} FAILED: {message}", flush=True)
-    failed_path = args.out / PRODUCER / "FAILED.json"
-    failed_path.parent.mkdir(parents=True, exist_ok=True)
-    if failed:
-        failed_path.write_text(json.dumps(failed, indent=2, sort_keys=True) + "\n")
-    else:
-        failed_path.unlink(missing_ok=True)
-    return 0
+    return producing.run_cases(
+        PRODUCER, cases, args.out, base_model, lambda case, base, out: run_case(case, base, out, bypassed)
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,93 @@
+"""What every producer script shares (each imports it from beside itself; it imports torch and, for
+the base model, transformers, both in every producer's environment, never the harness): package
+versions, the seeded tiny Llama, file digests and the loop over cases that records what fails."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+
+def package_versions(names: Iterable[str]) -> dict[str, str]:
+    """The installed version of each of `names` that is installed."""
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def build_seeded_llama(directory: Path, model_config: dict, seed: int) -> None:
+    """Save a tiny random Llama in bfloat16; weights come from one seeded generator in parameter-name
+    order (N(0, 0.02), norms 1), so they do not depend on the transformers version's init."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**model_config))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    model.to(torch.bfloat16).save_pretrained(directory)
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def digests(directory: Path) -> dict[str, str]:
+    """sha256 of every file of a case's checkpoint, its provenance and the producer's truth aside."""
+    return {
+        path.relative_to(directory).as_posix(): sha256(path)
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+        and path.name != "provenance.json"
+        and not path.relative_to(directory).as_posix().startswith("producer_truth/")
+    }
+
+
+def run_cases(
+    producer: str,
+    cases: Iterable[str],
+    out: Path,
+    prepare: Callable[[Path], None],
+    run_case: Callable[[str, Path, Path], None],
+) -> int:
+    """Build the base model once (`prepare` into a scratch directory), then `run_case(case, base, out)`
+    for each case; a case that fails is removed and recorded, with its one-line error, in
+    OUT/<producer>/FAILED.json (absent when nothing failed)."""
+    failed: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix=f"{producer}-base-") as scratch:
+        base = Path(scratch) / "base"
+        prepare(base)
+        for case in cases:
+            print(f"[{producer}] {case} ...", flush=True)
+            try:
+                run_case(case, base, out)
+            except Exception as error:  # every case failure is recorded, not raised
+                message = f"{type(error).__name__}: {error}".splitlines()[0]
+                failed[case] = message
+                shutil.rmtree(out / producer / case, ignore_errors=True)
+                print(f"[{producer}] {case} FAILED: {message}", flush=True)
+    record = out / producer / "FAILED.json"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    if failed:
+        record.write_text(json.dumps(failed, indent=2, sort_keys=True) + "\n")
+    else:
+        record.unlink(missing_ok=True)
+    return 0
