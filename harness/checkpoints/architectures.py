@@ -104,6 +104,9 @@ class Architecture:
     only_formats: tuple[str, ...] = ()
     #: the dense MLP's module name (Llama-4: `feed_forward`)
     mlp_name: str = "mlp"
+    #: config fields the model's release writes that transformers' save_pretrained drops (its config
+    #: class does not define them): absent from a config "as transformers saves it"
+    release_only: tuple[str, ...] = ()
 
     def settings(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
         values = {**TINY_DEFAULTS, **self.extra_defaults}
@@ -426,6 +429,7 @@ ARCHITECTURES = {
             "attention_bias": False,
         },
         attention="mla",
+        release_only=("topk_method", "scoring_func"),
         moe=MoE(
             "mlp",
             "n_routed_experts",

@@ -33,6 +33,9 @@ LAYOUT_DEFAULTS: dict[str, Any] = {
     #: the experts' part names: "architecture" (Mixtral's w1/w3/w2) or "projections" (gate_proj/up_proj/
     #: down_proj, as llm-compressor 0.14 writes Mixtral's): architectures.MoE.other_parts
     "expert_naming": "architecture",
+    #: config.json as the model's release writes it ("release") or as transformers' save_pretrained
+    #: writes it ("saved": fields its config class does not define dropped, architectures.release_only)
+    "config_style": "release",
 }
 LAYOUT_CHOICES: dict[str, tuple] = {
     "key_prefix": ("model.", VLM_PREFIX),
@@ -42,6 +45,7 @@ LAYOUT_CHOICES: dict[str, tuple] = {
     "quantize_embeddings": (False, True),
     "kv_scales": KV_SCALES,
     "expert_naming": ("architecture", "projections"),
+    "config_style": ("release", "saved"),
 }
 
 PERTURB_DEFAULTS: dict[str, Any] = {

@@ -290,6 +290,8 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
     )
 
     config = arch.config_json(resolved.settings, resolved.layout["dtype"])
+    if resolved.layout["config_style"] == "saved":
+        config = {key: value for key, value in config.items() if key not in arch.release_only}
     ignored = arch.ignored_modules(resolved.settings) + ([target] if kind == "ignored-but-quantized" else [])
     if resolved.layout["quantize_lm_head"]:  # tied: no lm_head tensor, and the list no longer excludes it
         ignored.remove("lm_head")

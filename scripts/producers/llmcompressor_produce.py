@@ -53,9 +53,41 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2Config", {}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 128,
+            "shared_expert_intermediate_size": 128,
+        },
+    ),
+    "phi3": ("Phi3Config", {}),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 128,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 0,
+            "n_group": 1,
+            "topk_group": 1,
+            "q_lora_rank": 64,
+            "kv_lora_rank": 32,
+            "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 32,
+            "v_head_dim": 32,
+            "num_key_value_heads": 4,
+        },
+    ),
+    "llama4_text": (
+        "Llama4TextConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 128, "head_dim": 32},
+    ),
 }
 #: routers and the head stay unquantized (llm-compressor's examples ignore them the same way)
-IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"]
+IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*shared_expert_gate$", "re:.*router$"]
 KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 #: preset schemes whose scales need activations seen (calibration)
 CALIBRATED = ("FP8", "NVFP4", "W8A8", "INT8_W8A8", "MXFP4")
@@ -86,6 +118,8 @@ def cases() -> dict[str, dict]:
     for arch in ("mixtral", "qwen3_moe"):
         for scheme in ("FP8_DYNAMIC", "FP8_BLOCK", "W4A16", "NVFP4A16"):
             table[f"{arch}-{slug(scheme)}"] = {"arch": arch, "scheme": scheme}
+    for arch in ("qwen2_moe", "phi3", "deepseek_v3", "llama4_text"):
+        table[f"{arch}-fp8-dynamic"] = {"arch": arch, "scheme": "FP8_DYNAMIC"}
     table["qwen3_moe-fp8-block-h256"] = {"arch": "qwen3_moe", "scheme": "FP8_BLOCK", "sizes": {"hidden_size": 256}}
     return table
 

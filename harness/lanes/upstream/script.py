@@ -328,6 +328,7 @@ SCRIPT_LAYOUT = (
     "quantize_embeddings",
     "kv_scales",
     "expert_naming",  # the tensor table and the packed experts' part names carry it
+    "config_style",  # CONFIG is the generated config.json, as written
 )
 #: finding kinds a script judges from whether the engine loads at all (no weight read back)
 LOAD_ONLY_KINDS = {"accepted-invalid"}
@@ -350,6 +351,8 @@ def unscriptable(reproducer: Reproducer) -> str | None:
         reads_weights = False  # the script reads vLLM's shards of the first decoder layer, judged below
     if reproducer.engine == "vllm" and reproducer.recipe.layout.get("quantize_embeddings"):
         reads_weights = False  # vLLM's script reads the embedding alone (parts/engine_vllm.py), never an expert
+    if set(reproducer.kinds) == {"load-error"}:
+        reads_weights = False  # the script judges whether the engine loads; a load that fails reads nothing
     experts = any(".experts." in name for name in tensor_table(reproducer))
     if reads_weights and experts and reproducer.engine not in SCRIPT_EXPERT_ENGINES:
         return f"routed experts ({reproducer.recipe.arch}) with {reproducer.engine}"
@@ -446,6 +449,7 @@ def render_script(reproducer: Reproducer) -> Script:
             "kv_scales": resolved.layout["kv_scales"],
             # the tensor table and PACKED_EXPERTS already carry the experts' names; said for the reader
             "expert_naming": resolved.layout["expert_naming"],
+            "config_style": resolved.layout["config_style"],
         },
         "PERTURB": resolved.perturb,
         "DISAGREEMENT": disagreement_target(resolved, table),
