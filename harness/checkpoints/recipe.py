@@ -109,7 +109,7 @@ class Recipe:
                 f"disagreement={perturb['disagreement']}: {self.arch} packs every expert of a projection "
                 "into one tensor, so no single module can disagree with the config"
             )
-        for key in (*_PACKED_FIXED, "expert_naming"):
+        for key in (*_PACKED_FIXED, "expert_naming", "config_style"):
             refusal = layout_refusal(key, layout[key], fmt, ARCHITECTURES[self.arch], knobs)
             if refusal:
                 raise HarnessError(refusal)
@@ -149,6 +149,8 @@ def layout_refusal(key: str, value: Any, fmt, arch, knobs: Mapping) -> str | Non
         )
     if key == "expert_naming" and value != "architecture" and not (arch.moe and arch.moe.other_parts):
         return f"expert_naming={value!r}: {arch.name} has one naming of its experts' parts"
+    if key == "config_style" and value != "release" and not arch.release_only:
+        return f"config_style={value!r}: no field of {arch.name}'s release config is known to be dropped on save"
     if key == "kv_scales":
         try:
             kv_scales.check(value, arch, fmt.quantization_config(fmt.resolve_knobs(knobs), []))
