@@ -6,8 +6,9 @@ transformers' `save_pretrained` writes configs the generator never writes: `"hea
 through its config class: an attribute map renames, a default fills, a derivation (`head_dim` =
 hidden_size / num_attention_heads) completes. `model_settings` reads the fields an architecture's
 layout needs the same way: through the registered config class where transformers is importable
-(every engine's worker has it), else through the attribute maps and derivations written here from
-those classes (the parent process of `compare` never imports transformers).
+(every engine's worker has it; a command's own process imports it only when it reads the layout of
+a registered architecture, e.g. `audit`'s names check), else through the attribute maps and
+derivations written here from those classes. Importing `harness` imports none of it.
 """
 
 from __future__ import annotations
