@@ -260,7 +260,8 @@ def observed_facts(directory: Path) -> dict[str, Any]:
     (harness.oracle.audit): a non-finite scale (`nonfinite_scale`), an NVFP4 global scale in the
     other convention (`global_scale_convention`), keys under the VLM prefix (`key_prefix`), experts
     under a naming other than the architecture's own (`expert_naming`), the KV scales' naming
-    (`kv_scales`), a head or embeddings stored with scales (`quantize_lm_head`, `quantize_embeddings`)."""
+    (`kv_scales`), a head or embeddings stored with scales (`quantize_lm_head`, `quantize_embeddings`),
+    a config.json as transformers saves it (`config_style`)."""
     from harness.checkpoints.reader import Checkpoint
     from harness.core.naming import VLM_PREFIX, canonical_name
     from harness.oracle.audit import audit_checkpoint
@@ -283,11 +284,30 @@ def observed_facts(directory: Path) -> dict[str, Any]:
     naming = kv_naming(names)
     if naming:
         facts["kv_scales"] = naming
+    if _saved_by_transformers(audit_config(directory)):
+        facts["config_style"] = "saved"
     if any(canonical_name(name).startswith("lm_head.") and "scale" in name for name in names):
         facts["quantize_lm_head"] = True
     if any(canonical_name(name).startswith("model.embed_tokens.") and "scale" in name for name in names):
         facts["quantize_embeddings"] = True
     return facts
+
+
+def audit_config(directory: Path) -> dict:
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _saved_by_transformers(config: Mapping[str, Any]) -> bool:
+    """A registered architecture's config.json without a field its release writes and transformers'
+    save_pretrained drops (harness.checkpoints.architectures: release_only)."""
+    from harness.checkpoints.architectures import architecture_for
+
+    arch = architecture_for(str(config.get("model_type", "")))
+    return bool(arch and arch.release_only and any(key not in config for key in arch.release_only))
 
 
 #: the generator's KV-scale namings (harness.checkpoints.kv_scales) by the key scale's name ending
