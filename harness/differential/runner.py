@@ -531,8 +531,8 @@ def _judge_report(engine: str, report: dict, finding, unused: set[str] = frozens
     # a weight the model holds but did not load, its checkpoint tensors unexpected: the engine left
     # it as initialised (random), whatever its scales say; the scales' keys are part of that finding
     unloaded = {_module(k) for k in missing if "scale" not in k} & {_module(k) for k in unexpected}
-    if unloaded:
-        weights = sorted(k for k in missing if _module(k) in unloaded)
+    if unloaded:  # every weight it left unloaded belongs here (a tied head whose embeddings were dropped too)
+        weights = sorted(k for k in missing if _module(k) in unloaded or "scale" not in k)
         keys = [k for k in unexpected if _module(k) in unloaded]
         finding(
             engine,
@@ -542,7 +542,7 @@ def _judge_report(engine: str, report: dict, finding, unused: set[str] = frozens
             "layout or under names the engine did not convert them to)",
             metrics={"missing": weights[:50], "unexpected": keys[:50]},
         )
-        missing = [k for k in missing if _module(k) not in unloaded]
+        missing = [k for k in missing if k not in weights]
         unexpected = [k for k in unexpected if _module(k) not in unloaded]
     scale_missing = [k for k in missing if "scale" in k]
     scale_unexpected = [k for k in unexpected if "scale" in k]
