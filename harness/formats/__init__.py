@@ -26,6 +26,7 @@ REGISTRY: dict[str, str] = {
     "modelopt-nvfp4": "harness.formats.modelopt_nvfp4:FORMAT",
     "modelopt-fp8": "harness.formats.modelopt_fp8:FORMAT",
     "ct-int4": "harness.formats.ct_int4:FORMAT",
+    "ct-int8": "harness.formats.ct_int4:INT8",
     "ct-mxfp4": "harness.formats.ct_mxfp4:FORMAT",
     "mxfp4": "harness.formats.mxfp4:FORMAT",
 }

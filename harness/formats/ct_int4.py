@@ -1,19 +1,26 @@
-"""`ct-int4`: compressed-tensors `pack-quantized` int4 weight-only (W4A16), symmetric, per group.
+"""`ct-int4` and `ct-int8`: compressed-tensors `pack-quantized` integer weight-only (W4A16,
+W4A16_ASYM, W8A16), per group.
 
-Tensors: `weight_packed` int32 [N, ceil(K/8)], `weight_scale` in the model dtype
-[N, ceil(K/g)], `weight_shape` int64 [2] = [N, K]. Each int32 word holds 8 consecutive
-columns, column 8w + i in bits 4i..4i+3 (least significant first), each stored offset-binary
-(code + 8, so code = nibble - 8 in [-8, 7]); a last partial word is padded with zero nibbles.
-W = code * weight_scale[row, column // g]. Symmetric: no `weight_zero_point` (an asymmetric
-config is refused). Config: `quant_method: compressed-tensors`, `format: pack-quantized`, one
-config group with int 4-bit `group` weights of `group_size` g (32, 64 or 128), no activations.
+Tensors: `weight_packed` int32 [N, ceil(K*b/32)], `weight_scale` in the model dtype
+[N, ceil(K/g)], `weight_shape` int64 [2] = [N, K], and for an asymmetric scheme
+`weight_zero_point` int32 [ceil(N*b/32), ceil(K/g)]. Codes are b-bit (b = 4 or 8) integers in
+[-2**(b-1), 2**(b-1) - 1] stored offset-binary (code + 2**(b-1)); a word holds 32/b consecutive
+columns, column (32/b)w + i in bits b*i.. (least significant first), a last partial word padded
+with zero slots (harness.formats.int_packing). Zero points are codes of the same width, packed
+the same way but along the rows (compressed-tensors' `packed_dim=0`).
+W = (code - zero_point[row, column // g]) * weight_scale[row, column // g]; a symmetric scheme
+has no zero point (0). Config: `quant_method: compressed-tensors`, `format: pack-quantized`, one
+config group with int b-bit `group` weights of `group_size` g (32, 64 or 128), no activations.
 
 Scales follow llm-compressor's min-max observer and compressed-tensors 0.20's
-`calculate_qparams` / compressor, in the model dtype: scale = amax / 7.5 per group of g
-columns, a zero scale replaced by finfo(dtype).eps; code = round(clamp(w / scale, -8, 7))
-(round half to even). A K that is not a multiple of g has a partial last group: the layout
-expresses it (ct allocates ceil(K/g) scales, with a warning) and so does this quantizer, but
-ct 0.20's quantize and dequantize raise for it, so such modules are `exact-or-refuse`.
+`calculate_qparams` / compressor, in the model dtype, with lo = min(group min, 0) and
+hi = max(group max, 0): symmetric, scale = max(|lo|, hi) / ((qmax - qmin) / 2); asymmetric,
+scale = (hi - lo) / (qmax - qmin) and zero_point = round(clamp(qmin - lo / scale, qmin, qmax))
+(an all-zero group: zero point 0); a zero scale replaced by finfo(dtype).eps;
+code = round(clamp(w / scale + zero_point, qmin, qmax)) (round half to even). A K that is not a
+multiple of g has a partial last group: the layout expresses it (ct allocates ceil(K/g) scales,
+with a warning) and so does this quantizer, but ct 0.20's quantize and dequantize raise for it,
+so such modules are `exact-or-refuse`.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch
 
 from harness.core.errors import UnsupportedFormat
 from harness.core.numerics import ceil_div
+from harness.formats import int_packing
 from harness.formats.base import (
     FormatError,
     Knob,
@@ -33,50 +41,77 @@ from harness.formats.base import (
     require_tensor,
 )
 from harness.formats.ct_common import partial_last_group, single_group, single_group_config
-from harness.formats.fp8_block import block_amax, expand_block_grid
+from harness.formats.fp8_block import expand_block_grid
 
 FORMAT_NAME = "pack-quantized"
 GROUP_SIZES = (32, 64, 128)
-NIBBLES_PER_WORD = 8
-CODE_MIN, CODE_MAX = -8, 7
-#: offset-binary: the nibble stores code + 8
-CODE_OFFSET = 8
 SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def config_group(config) -> dict | None:
-    """The single config group of a compressed-tensors pack-quantized int4 config, else None."""
+def code_range(bits: int) -> tuple[int, int]:
+    """[qmin, qmax] of a signed b-bit code."""
+    return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+
+
+def config_group(config, bits: int) -> dict | None:
+    """The single config group of a compressed-tensors pack-quantized `bits`-bit int config, else None."""
     group = single_group(config, FORMAT_NAME)
     weights = (group or {}).get("weights")
-    if not isinstance(weights, dict) or (weights.get("type"), weights.get("num_bits")) != ("int", 4):
+    if not isinstance(weights, dict) or (weights.get("type"), weights.get("num_bits")) != ("int", bits):
         return None
     return group
 
 
+def group_min_max(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """min(group min, 0) and max(group max, 0) per row and group of columns, in the weight's dtype
+    (a partial last group padded with zeros, which move neither)."""
+    rows, cols = weight.shape
+    padded = torch.zeros(rows, ceil_div(cols, group) * group, dtype=weight.dtype)
+    padded[:, :cols] = weight
+    grouped = padded.reshape(rows, -1, group)
+    zero = torch.zeros((), dtype=weight.dtype)
+    return torch.minimum(grouped.amin(-1), zero), torch.maximum(grouped.amax(-1), zero)
+
+
+def ct_int_qparams(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool):
+    """compressed-tensors 0.20's `calculate_qparams` for int weights, in lo's dtype: (scale, zero
+    point as int8 codes, or None when symmetric)."""
+    qmin, qmax = code_range(bits)
+    dtype = lo.dtype
+    eps = torch.tensor(torch.finfo(dtype).eps, dtype=dtype)
+    if symmetric:
+        scale = torch.maximum(lo.abs(), hi) / torch.tensor((qmax - qmin) / 2, dtype=dtype)
+        return torch.where(scale == 0, eps, scale), None
+    scale = (hi - lo) / torch.tensor(float(qmax - qmin), dtype=dtype)
+    zero = torch.clamp(torch.tensor(float(qmin), dtype=dtype) - lo / scale, qmin, qmax)
+    zero = torch.where(scale == 0, torch.zeros_like(zero), zero)  # 0/0: an all-zero group
+    return torch.where(scale == 0, eps, scale), torch.round(zero).to(torch.int8)
+
+
 def ct_int4_scale(group_amax: torch.Tensor) -> torch.Tensor:
     """`calculate_qparams`, symmetric int4: amax / ((7 - -8) / 2) in amax's dtype; 0 -> finfo.eps."""
-    scale = group_amax / torch.tensor((CODE_MAX - CODE_MIN) / 2, dtype=group_amax.dtype)
-    return torch.where(scale == 0, torch.tensor(torch.finfo(scale.dtype).eps, dtype=scale.dtype), scale)
+    return ct_int_qparams(-group_amax, group_amax, 4, True)[0]
+
+
+def pack_codes(codes: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
+    """Signed codes -> int32 words along `dim`, offset-binary (compressed-tensors' `pack_to_int32`)."""
+    return int_packing.pack(codes.to(torch.int64) + 2 ** (bits - 1), bits, dim)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, extent: int, dim: int = 1) -> torch.Tensor:
+    """int32 words -> signed int64 codes, `dim` grown to `extent` (the reference, from the bits)."""
+    return int_packing.unpack(packed, bits, extent, dim) - 2 ** (bits - 1)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """int8 codes [N, K] -> int32 words [N, ceil(K/8)]: offset-binary nibbles, column 8w + i at
     bit 4i of word w, zero nibbles padding the last word."""
-    rows, cols = codes.shape
-    words = ceil_div(cols, NIBBLES_PER_WORD)
-    nibbles = torch.zeros(rows, words * NIBBLES_PER_WORD, dtype=torch.int64)
-    nibbles[:, :cols] = codes.to(torch.int64) + CODE_OFFSET
-    shifts = 4 * torch.arange(NIBBLES_PER_WORD, dtype=torch.int64)
-    unsigned = (nibbles.reshape(rows, words, NIBBLES_PER_WORD) << shifts).sum(dim=-1)
-    return torch.where(unsigned >= 2**31, unsigned - 2**32, unsigned).to(torch.int32)
+    return pack_codes(codes, 4)
 
 
 def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
     """int32 words [N, ceil(K/8)] -> int64 codes [N, K], from the words' bits (the reference)."""
-    unsigned = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = 4 * torch.arange(NIBBLES_PER_WORD, dtype=torch.int64, device=packed.device)
-    nibbles = (unsigned.unsqueeze(-1) >> shifts) & 0xF
-    return nibbles.reshape(packed.shape[0], -1)[:, :cols] - CODE_OFFSET
+    return unpack_codes(packed, 4, cols)
 
 
 def read_weight_shape(tensor: torch.Tensor) -> tuple[int, int]:
@@ -91,62 +126,79 @@ def read_weight_shape(tensor: torch.Tensor) -> tuple[int, int]:
     return rows, cols
 
 
-class CtInt4(QuantFormat):
-    name = "ct-int4"
-    description = "compressed-tensors int4 pack-quantized W4A16 (int32 weight_packed, per-group weight_scale)"
-    suffixes = ("weight_packed", "weight_scale", "weight_shape")
+class CtPackQuantized(QuantFormat):
+    """One code width of ct's pack-quantized format; the instances differ only in `bits`."""
+
+    suffixes = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
     marker = "weight_packed"
-    knobs = {"group_size": Knob(128, GROUP_SIZES, "columns that share one weight_scale")}
+
+    def __init__(self, bits: int, name: str, description: str):
+        self.bits, self.name, self.description = bits, name, description
+        self.knobs = {
+            "group_size": Knob(128, GROUP_SIZES, "columns that share one weight_scale"),
+            "symmetric": Knob(True, (True, False), "False: asymmetric, a packed weight_zero_point per group"),
+        }
 
     def matches(self, quantization_config):
-        return config_group(quantization_config) is not None
+        return config_group(quantization_config, self.bits) is not None
 
     def quantization_config(self, knobs, ignore):
         weights = {
             "dynamic": False,
             "group_size": knobs["group_size"],
-            "num_bits": 4,
+            "num_bits": self.bits,
             "strategy": "group",
-            "symmetric": True,
+            "symmetric": knobs["symmetric"],
             "type": "int",
         }
         return single_group_config(FORMAT_NAME, weights, ignore)
 
     def knobs_from_config(self, quantization_config):
-        group = config_group(quantization_config)
+        group = config_group(quantization_config, self.bits)
         if group is None:
-            raise FormatError(f"quantization_config is not compressed-tensors {FORMAT_NAME} int4")
+            raise FormatError(f"quantization_config is not compressed-tensors {FORMAT_NAME} int{self.bits}")
         weights = group["weights"]
-        wanted = {"strategy": "group", "symmetric": True}
-        wrong = {key: weights.get(key) for key, value in wanted.items() if weights.get(key) != value}
-        if wrong:
+        if weights.get("strategy") != "group":
             raise UnsupportedFormat(
-                f"compressed-tensors {FORMAT_NAME} int4 with {wrong} weights (the harness defines {wanted} only)"
+                f"compressed-tensors {FORMAT_NAME} int{self.bits} with strategy {weights.get('strategy')!r} "
+                "weights (the harness defines 'group' only)"
             )
         if weights.get("actorder") == "group":
-            raise UnsupportedFormat("int4 weights with actorder 'group' (a weight_g_idx permutation)")
+            raise UnsupportedFormat(f"int{self.bits} weights with actorder 'group' (a weight_g_idx permutation)")
         if group.get("input_activations"):
-            raise FormatError("int4 pack-quantized with quantized input activations is not W4A16")
+            raise FormatError(f"int{self.bits} pack-quantized with quantized input activations is not weight-only")
+        if not isinstance(weights.get("symmetric", True), bool):
+            raise FormatError(f"symmetric {weights.get('symmetric')!r} is not a bool")
+        if weights.get("zp_dtype") not in (None, "torch.int8"):  # llm-compressor 0.14 states torch.int8
+            raise UnsupportedFormat(f"int{self.bits} zero points of zp_dtype {weights.get('zp_dtype')!r}")
         size = weights.get("group_size")
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise FormatError(f"group_size {size!r} is not a positive int")
-        return {"group_size": size}
+        return {"group_size": size, "symmetric": weights.get("symmetric", True)}
 
     def quantize(self, weight, knobs, *, model_dtype, activation_amax):
         # the observer and the compressor see the module's weight, in the model dtype
         weight = weight.to(model_dtype)
         rows, cols = weight.shape
         block = self.scale_block(knobs, (rows, cols))
-        scale = ct_int4_scale(block_amax(weight, block).to(model_dtype))  # a max is exact in any dtype
+        lo, hi = group_min_max(weight, block[1])  # a min or max is exact in any dtype
+        scale, zero = ct_int_qparams(lo, hi, self.bits, knobs["symmetric"])
         scaled = weight / expand_block_grid(scale, rows, cols, block)
-        codes = torch.round(scaled.clamp(CODE_MIN, CODE_MAX)).to(torch.int8)
+        if zero is not None:
+            scaled = scaled + expand_block_grid(zero, rows, cols, block).to(model_dtype)
+        qmin, qmax = code_range(self.bits)
+        codes = torch.round(scaled.clamp(qmin, qmax)).to(torch.int8)
         tensors = {
-            "weight_packed": pack_int4(codes),
+            "weight_packed": pack_codes(codes, self.bits),
             "weight_scale": scale,
             "weight_shape": torch.tensor([rows, cols], dtype=torch.int64),
         }
         column_group = torch.arange(cols) // block[1]
-        result = QuantizedWeight(tensors, truth=codes.to(torch.float64) * scale.to(torch.float64)[:, column_group])
+        offsets = codes.to(torch.float64)
+        if zero is not None:
+            tensors["weight_zero_point"] = pack_codes(zero, self.bits, dim=0)
+            offsets = offsets - zero.to(torch.float64)[:, column_group]
+        result = QuantizedWeight(tensors, truth=offsets * scale.to(torch.float64)[:, column_group])
         return partial_last_group(result, cols, block[1], "group_size")
 
     def dequantize(self, tensors, knobs):
@@ -154,23 +206,47 @@ class CtInt4(QuantFormat):
         scale = require_tensor(tensors, "weight_scale")
         require_dtype("weight_packed", packed, (torch.int32,))
         require_dtype("weight_scale", scale, SCALE_DTYPES)
-        if "weight_zero_point" in tensors:
-            raise FormatError("weight_zero_point present: this int4 format is symmetric")
         rows, cols = read_weight_shape(require_tensor(tensors, "weight_shape"))
-        require_shape("weight_packed", packed, (rows, ceil_div(cols, NIBBLES_PER_WORD)), "8 int4 per int32 word")
+        per = int_packing.slots_per_word(self.bits)
+        require_shape(
+            "weight_packed", packed, (rows, int_packing.packed_extent(cols, self.bits)), f"{per} int{self.bits} per int32"
+        )
         group = knobs["group_size"]
-        require_shape("weight_scale", scale, (rows, ceil_div(cols, group)), f"one scale per {group} columns")
+        groups = ceil_div(cols, group)
+        require_shape("weight_scale", scale, (rows, groups), f"one scale per {group} columns")
         require_finite("weight_scale", scale)
-        codes = unpack_int4(packed, cols).to(torch.float64)
-        return codes * expand_block_grid(scale.to(torch.float64), rows, cols, (1, group))
+        codes = unpack_codes(packed, self.bits, cols).to(torch.float64)
+        column_group = torch.arange(cols) // group
+        if knobs.get("symmetric", True):
+            if "weight_zero_point" in tensors:
+                raise FormatError("weight_zero_point present: the config declares symmetric weights")
+        else:
+            zero = require_tensor(tensors, "weight_zero_point")
+            require_dtype("weight_zero_point", zero, (torch.int32,))
+            require_shape(
+                "weight_zero_point",
+                zero,
+                (int_packing.packed_extent(rows, self.bits), groups),
+                f"int{self.bits} zero points packed along the rows, one per group",
+            )
+            codes = codes - unpack_codes(zero, self.bits, rows, dim=0).to(torch.float64)[:, column_group]
+        return codes * scale.to(torch.float64)[:, column_group]
 
     def scale_block(self, knobs, shape):
         return 1, knobs["group_size"]
 
     def subnormal_amax(self, knobs, weight_amax):
-        # scale = amax / 7.5 = 2**-130: subnormal in bfloat16 and float32 (normal down to 2**-126);
-        # a float16 model's scale underflows to 0 and becomes eps instead
-        return 7.5 * 2.0**-130
+        # scale = amax / ((qmax - qmin) / 2) = 2**-130: subnormal in bfloat16 and float32 (normal
+        # down to 2**-126); a float16 model's scale underflows to 0 and becomes eps instead.
+        # Asymmetric: a one-signed group's span is amax, over (qmax - qmin) steps
+        qmin, qmax = code_range(self.bits)
+        steps = (qmax - qmin) / (2 if knobs.get("symmetric", True) else 1)
+        return steps * 2.0**-130
 
 
-FORMAT = CtInt4()
+FORMAT = CtPackQuantized(
+    4, "ct-int4", "compressed-tensors int4 pack-quantized W4A16 (int32 weight_packed, per-group weight_scale)"
+)
+INT8 = CtPackQuantized(
+    8, "ct-int8", "compressed-tensors int8 pack-quantized W8A16 (int32 weight_packed, per-group weight_scale)"
+)

@@ -14,8 +14,9 @@ Exactness (asserted bit for bit, NaN where the reference has NaN):
 - FP8 (`fp8-block`, `ct-fp8-*`, `modelopt-fp8`): code (4 significant bits) x scale (float32,
   bfloat16 or float16, all exact in float32) is exact in float64, so the reference holds the exact
   product; one float32 multiply rounds it once to nearest-even: float32 output == `reference.to(float32)`.
-- int4 (`ct-int4`): code (an integer in [-8, 7], at most 3 significant bits) x group scale (float32,
-  bfloat16 or float16) is exact in float64 as well; the same single float32 multiply, the same equality.
+- int4/int8 (`ct-int4`, `ct-int8`): code minus zero point (an integer in [-255, 255], at most 8
+  significant bits, exact in float32) x group scale (float32, bfloat16 or float16: at most 24
+  significant bits) is exact in float64 as well; the same single float32 multiply, the same equality.
 - NVFP4: e2m1 x e4m3 scale (at most 6 significant bits) is exact in float32; the per-tensor scale
   is then applied by one float32 division (compressed-tensors) or multiplication (ModelOpt). The
   reference rounds the quotient to float64 first, but rounding to 53 bits and then to 24 equals
@@ -53,7 +54,8 @@ from harness.core.numerics import E2M1_TABLE, E4M3_TABLE, NVFP4_GROUP, ceil_div
 from harness.formats import nvfp4_common as nv
 from harness.formats.base import FormatError, QuantFormat
 from harness.formats.ct_fp8 import CtFp8
-from harness.formats.ct_int4 import CODE_OFFSET, NIBBLES_PER_WORD, CtInt4, read_weight_shape
+from harness.formats.ct_int4 import CtPackQuantized, read_weight_shape
+from harness.formats.int_packing import pack, packed_extent, unpack
 from harness.formats.ct_mxfp4 import E8M0_BIAS, CtMxfp4
 from harness.formats.ct_mxfp4 import GROUP as MXFP4_GROUP
 from harness.formats.ct_nvfp4 import CtNvfp4
@@ -276,19 +278,22 @@ class Fp8Kernel:
         }
 
 
-class Int4Kernel:
-    """`ct-int4`: each byte of the int32 words holds two columns (low nibble first, the words read
-    least significant byte first on a little-endian machine); one lookup per byte in a table of
-    its two codes, then one float32 multiply by the group's scale per element."""
+class IntKernel:
+    """`ct-int4`, `ct-int8`: each byte of the int32 words holds 8/b columns (low bits first, the
+    words read least significant byte first on a little-endian machine); one lookup per byte in a
+    table of its codes, the group's zero point subtracted (an integer: exact), then one float32
+    multiply by the group's scale per element."""
 
-    packed, scale, shape_name = "weight_packed", "weight_scale", "weight_shape"
+    packed, scale, shape_name, zero_name = "weight_packed", "weight_scale", "weight_shape", "weight_zero_point"
 
-    def __init__(self):
-        codes = torch.arange(16, dtype=torch.float32) - CODE_OFFSET
+    def __init__(self, bits: int = 4):
+        self.bits, self.per_byte = bits, 8 // bits
+        codes = torch.arange(2**bits, dtype=torch.float32) - 2 ** (bits - 1)
         byte = torch.arange(256)
-        #: [packed byte] -> (low-nibble code, high-nibble code) as one int64 (exact in float32)
-        pairs = torch.stack([codes[byte & 0xF], codes[byte >> 4]], dim=-1).contiguous()
-        self.pair_table = pairs.view(torch.int64).reshape(-1)
+        mask = 2**bits - 1
+        #: [packed byte] -> its codes in column order, as one int64 (two float32) or int32 (one)
+        slots = torch.stack([codes[(byte >> (bits * i)) & mask] for i in range(self.per_byte)], dim=-1).contiguous()
+        self.table = slots.view(torch.int64 if self.per_byte == 2 else torch.int32).reshape(-1)
 
     def shape(self, tensors):
         return read_weight_shape(tensors[self.shape_name])
@@ -298,24 +303,30 @@ class Int4Kernel:
 
     def fill(self, out, fmt, knobs, tensors, runner: TileRunner) -> None:
         if sys.byteorder != "little":
-            raise HarnessError("the fast ct-int4 dequantizer reads int32 words byte by byte (little-endian only)")
+            raise HarnessError(f"the fast {fmt.name} dequantizer reads int32 words byte by byte (little-endian only)")
         rows, cols = out.shape
         group = fmt.scale_block(knobs, (rows, cols))[1]
-        words = ceil_div(cols, NIBBLES_PER_WORD)
-        width = words * NIBBLES_PER_WORD  # columns the words hold, the last word's padding included
+        width = packed_extent(cols, self.bits) * 32 // self.bits  # columns the words hold, padding included
         whole, full = cols // group, cols // group * group
         packed = tensors[self.packed].contiguous().view(torch.uint8)  # [rows, 4 * words]
         scales = tensors[self.scale].to(torch.float32)
-        table = self.pair_table.to(out.device)
+        zeros = None
+        if self.zero_name in tensors:
+            zeros = (unpack(tensors[self.zero_name], self.bits, rows, 0) - 2 ** (self.bits - 1)).to(torch.float32)
+        table = self.table.to(out.device)
         tile_rows = max(1, runner.tile_elements // width)
 
         def work(first: int, scratch: _Scratch) -> None:
             last = min(first + tile_rows, rows)
-            indices = scratch.get("indices", torch.int32, (last - first) * width // 2, out.device)
+            indices = scratch.get("indices", torch.int32, (last - first) * width // self.per_byte, out.device)
             decoded = scratch.get("decoded", torch.float32, (last - first) * width, out.device)
             indices.copy_(packed[first:last].reshape(-1))
-            torch.index_select(table, 0, indices, out=decoded.view(torch.int64))
+            torch.index_select(table, 0, indices, out=decoded.view(table.dtype))
             decoded, target = decoded.view(last - first, width), out[first:last]
+            if zeros is not None:
+                decoded[:, :full].unflatten(-1, (whole, group)).sub_(zeros[first:last, :whole, None])
+                if full < cols:
+                    decoded[:, full:cols].sub_(zeros[first:last, whole:])
             torch.mul(
                 decoded[:, :full].unflatten(-1, (whole, group)),
                 scales[first:last, :whole, None],
@@ -327,19 +338,26 @@ class Int4Kernel:
         runner.run(list(range(0, rows, tile_rows)), work)
 
     def sub_problem(self, fmt, knobs, tensors, tile: Tile) -> dict[str, torch.Tensor]:
-        """The words, scales and shape of the columns from the last boundary at or before the tile
-        that is both a word's and a group's, to the tile's end (the tile is its last columns)."""
+        """The words, scales (and zero points) and shape of the columns from the last boundary at or
+        before the tile that is both a word's and a group's, to the tile's end (the tile is its last
+        columns). Zero points are packed along the rows: the tile's rows are unpacked and packed again."""
         rows, cols = self.shape(tensors)
         group = fmt.scale_block(knobs, (rows, cols))[1]
+        per_word = 32 // self.bits
         start, stop = tile.cols.start, tile.cols.stop
-        start -= start % math.lcm(group, NIBBLES_PER_WORD)
-        return dict(tensors) | {
-            self.packed: tensors[self.packed][tile.rows, start // NIBBLES_PER_WORD : ceil_div(stop, NIBBLES_PER_WORD)],
-            self.scale: tensors[self.scale][tile.rows, start // group : ceil_div(stop, group)],
+        start -= start % math.lcm(group, per_word)
+        groups = slice(start // group, ceil_div(stop, group))
+        problem = dict(tensors) | {
+            self.packed: tensors[self.packed][tile.rows, start // per_word : ceil_div(stop, per_word)],
+            self.scale: tensors[self.scale][tile.rows, groups],
             self.shape_name: torch.tensor(
                 [tile.rows.stop - tile.rows.start, stop - start], dtype=tensors[self.shape_name].dtype
             ),
         }
+        if self.zero_name in tensors:
+            codes = unpack(tensors[self.zero_name], self.bits, rows, 0)[tile.rows, groups]
+            problem[self.zero_name] = pack(codes, self.bits, 0)
+        return problem
 
 
 class Nvfp4Kernel:
@@ -455,14 +473,14 @@ class Mxfp4Kernel:
         }
 
 
-def kernel_for(fmt: QuantFormat) -> Fp8Kernel | Nvfp4Kernel | Int4Kernel | Mxfp4Kernel:
+def kernel_for(fmt: QuantFormat) -> Fp8Kernel | Nvfp4Kernel | IntKernel | Mxfp4Kernel:
     """The fast kernel of a built-in format; a plugin's format has none."""
     if isinstance(fmt, Fp8Block):
         return Fp8Kernel("weight_scale_inv")
     if isinstance(fmt, CtFp8 | ModeloptFp8):
         return Fp8Kernel("weight_scale")
-    if isinstance(fmt, CtInt4):
-        return Int4Kernel()
+    if isinstance(fmt, CtPackQuantized):
+        return IntKernel(fmt.bits)
     if isinstance(fmt, CtMxfp4):
         return Mxfp4Kernel()
     if isinstance(fmt, CtNvfp4):

@@ -1,5 +1,6 @@
-"""ct-int4 against compressed-tensors' own calculate_qparams, pack helpers and ModelCompressor;
-our reference against the quantizer's own truth; refusals."""
+"""ct-int4 and ct-int8 (symmetric and with zero points) against compressed-tensors' own
+calculate_qparams, pack helpers and ModelCompressor; our reference against the quantizer's own
+truth; refusals."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from harness.formats import detect_format, get_format
 from harness.formats.base import FormatError
-from harness.formats.ct_int4 import FORMAT, pack_int4, unpack_int4
+from harness.formats.ct_int4 import FORMAT, INT8, pack_codes, pack_int4, unpack_codes, unpack_int4
 
 # K a multiple of every group size, of 32 only, and smaller than one group
 SHAPES = [(37, 256), (9, 96), (1, 32)]
@@ -27,7 +28,7 @@ def make_weight(shape, seed=0, dtype=torch.bfloat16):
     return weight.to(dtype)
 
 
-def ct_reference(weight, knobs):
+def ct_reference(weight, knobs, fmt=FORMAT):
     """Calibrate with ct's calculate_qparams per group (llm-compressor's min-max observer), then
     compress and decompress with ModelCompressor (PackedQuantizationCompressor)."""
     pytest.importorskip("compressed_tensors")
@@ -35,7 +36,7 @@ def ct_reference(weight, knobs):
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    config = QuantizationConfig.model_validate(FORMAT.quantization_config(knobs, []))
+    config = QuantizationConfig.model_validate(fmt.quantization_config(knobs, []))
     model = torch.nn.Sequential(torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype))
     with torch.no_grad():
         model[0].weight.copy_(weight)
@@ -64,34 +65,45 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape,group", CASES)
-def test_matches_compressed_tensors(shape, group, dtype):
-    knobs = FORMAT.resolve_knobs({"group_size": group})
+@pytest.mark.parametrize(
+    "fmt,symmetric", [(FORMAT, True), (FORMAT, False), (INT8, True), (INT8, False)], ids=["int4", "int4-asym", "int8", "int8-asym"]
+)
+def test_matches_compressed_tensors(shape, group, dtype, fmt, symmetric):
+    knobs = fmt.resolve_knobs({"group_size": group, "symmetric": symmetric})
     weight = make_weight(shape, seed=sum(shape), dtype=dtype)
-    ours = FORMAT.quantize(weight, knobs, model_dtype=dtype, activation_amax=1.0)
-    compressed, decompressed = ct_reference(weight, knobs)
-    assert set(compressed) == set(ours.tensors) == {"weight_packed", "weight_scale", "weight_shape"}
+    ours = fmt.quantize(weight, knobs, model_dtype=dtype, activation_amax=1.0)
+    compressed, decompressed = ct_reference(weight, knobs, fmt)
+    expected = {"weight_packed", "weight_scale", "weight_shape"} | (set() if symmetric else {"weight_zero_point"})
+    assert set(compressed) == set(ours.tensors) == expected
     for name, tensor in ours.tensors.items():
         assert tensor.dtype == compressed[name].dtype, name
         assert torch.equal(tensor, compressed[name]), name
-    reference = FORMAT.dequantize(ours.tensors, FORMAT.knobs_from_config(FORMAT.quantization_config(knobs, [])))
+    reference = fmt.dequantize(ours.tensors, fmt.knobs_from_config(fmt.quantization_config(knobs, [])))
     # ct multiplies code * scale in the scale (model) dtype: one rounding of the exact product
     assert decompressed.dtype == dtype
     assert torch.equal(reference.to(dtype), decompressed)
     assert torch.equal(reference, ours.truth)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dim", [0, 1])
 @pytest.mark.parametrize("cols", [1, 7, 8, 9, 31, 129, 200])
-def test_packing_is_compressed_tensors(cols):
-    """Any K, partial last word included: our packer and unpacker agree with ct's helpers bit for bit."""
+def test_packing_is_compressed_tensors(cols, dim, bits):
+    """Any extent, partial last word included, along columns (weights) or rows (zero points): our
+    packer and unpacker agree with ct's helpers bit for bit."""
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
-    codes = torch.randint(-8, 8, (5, cols), generator=torch.Generator().manual_seed(cols), dtype=torch.int8)
-    codes[0, :8] = torch.tensor([-8, 7, 0, -1, 1, -8, 7, 3])[: min(cols, 8)].to(torch.int8)  # sign-bit words
-    packed = pack_int4(codes)
-    assert torch.equal(packed, pack_to_int32(codes, 4))
-    assert torch.equal(unpack_int4(packed, cols), codes.to(torch.int64))
-    assert torch.equal(unpack_from_int32(packed, 4, torch.Size([5, cols])), codes)
+    low, high = -(2 ** (bits - 1)), 2 ** (bits - 1)
+    codes = torch.randint(low, high, (5, cols), generator=torch.Generator().manual_seed(cols), dtype=torch.int8)
+    codes[0, :8] = torch.tensor([low, high - 1, 0, -1, 1, low, high - 1, 3])[: min(cols, 8)].to(torch.int8)
+    codes = codes.T.contiguous() if dim == 0 else codes
+    packed = pack_codes(codes, bits, dim)
+    assert torch.equal(packed, pack_to_int32(codes, bits, packed_dim=dim))
+    assert torch.equal(unpack_codes(packed, bits, cols, dim), codes.to(torch.int64))
+    assert torch.equal(unpack_from_int32(packed, bits, codes.shape, packed_dim=dim), codes)
+    if bits == 4 and dim == 1:
+        assert torch.equal(pack_int4(codes), packed) and torch.equal(unpack_int4(packed, cols), codes.to(torch.int64))
 
 
 def test_nibble_order_and_offset_binary():
@@ -156,8 +168,11 @@ def test_all_zero_weight_and_subnormal_scale():
     assert torch.equal(FORMAT.dequantize(result.tensors, knobs), result.truth)
 
 
-def test_config_is_what_ct_writes(tmp_path):
-    """The fragment equals ModelCompressor.update_config's output for ct's W4A16 preset."""
+@pytest.mark.parametrize(
+    "preset,fmt,symmetric", [("W4A16", FORMAT, True), ("W4A16_ASYM", FORMAT, False), ("W8A16", INT8, True)]
+)
+def test_config_is_what_ct_writes(tmp_path, preset, fmt, symmetric):
+    """The fragment equals ModelCompressor.update_config's output for ct's W4A16, W4A16_ASYM and W8A16 presets."""
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
@@ -168,22 +183,22 @@ def test_config_is_what_ct_writes(tmp_path):
             "lm_head": torch.nn.Linear(256, 8, dtype=torch.bfloat16),
         }
     )
-    apply_quantization_config(model, QuantizationConfig(config_groups={"W4A16": ["Linear"]}, ignore=["lm_head"]))
+    apply_quantization_config(model, QuantizationConfig(config_groups={preset: ["Linear"]}, ignore=["lm_head"]))
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     compressor.update_config(str(tmp_path))
     written = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
-    config = FORMAT.quantization_config(FORMAT.resolve_knobs({}), ["lm_head"])
+    config = fmt.quantization_config(fmt.resolve_knobs({"symmetric": symmetric}), ["lm_head"])
     assert config == written
-    assert detect_format(config) is FORMAT
-    assert FORMAT.knobs_from_config(config) == {"group_size": 128}
+    assert detect_format(config) is fmt
+    assert fmt.knobs_from_config(config) == {"group_size": 128, "symmetric": symmetric}
 
 
 def test_other_formats_not_matched_and_unsupported_configs_refused():
     config = FORMAT.quantization_config(FORMAT.resolve_knobs({"group_size": 32}), [])
     assert [name for name in ("ct-nvfp4a16", "ct-fp8-channel") if get_format(name).matches(config)] == []
     for change, message in [
-        ({"symmetric": False}, "symmetric"),
+        ({"symmetric": "no"}, "symmetric"),
         ({"strategy": "channel"}, "strategy"),
         ({"actorder": "group"}, "actorder"),
         ({"group_size": 0}, "group_size"),
@@ -194,7 +209,7 @@ def test_other_formats_not_matched_and_unsupported_configs_refused():
             FORMAT.knobs_from_config(bad)
     int8 = json.loads(json.dumps(config))
     int8["config_groups"]["group_0"]["weights"]["num_bits"] = 8
-    assert not FORMAT.matches(int8)
+    assert not FORMAT.matches(int8) and detect_format(int8) is INT8
 
 
 def test_malformed_tensors_raise():
@@ -214,6 +229,17 @@ def test_malformed_tensors_raise():
         ({"weight_shape": torch.tensor([6, -80])}, "positive"),
         ({"weight_zero_point": torch.zeros(1, 3, dtype=torch.int32)}, "symmetric"),
     ]
+    asym = FORMAT.resolve_knobs({"group_size": 32, "symmetric": False})
+    zeros = FORMAT.quantize(make_weight((6, 80)), asym, model_dtype=torch.bfloat16, activation_amax=1.0).tensors
+    for change, message in [
+        ({"weight_zero_point": zeros["weight_zero_point"].to(torch.int8)}, "weight_zero_point has dtype"),
+        ({"weight_zero_point": zeros["weight_zero_point"].T.contiguous()}, "weight_zero_point has shape"),
+        ({"weight_zero_point": zeros["weight_zero_point"][:, :2]}, "weight_zero_point has shape"),
+    ]:
+        with pytest.raises(FormatError, match=message):
+            FORMAT.dequantize({**zeros, **change}, asym)
+    with pytest.raises(FormatError, match="missing tensor 'weight_zero_point'"):
+        FORMAT.dequantize({k: v for k, v in zeros.items() if k != "weight_zero_point"}, asym)
     for change, message in malformed:
         with pytest.raises(FormatError, match=message):
             FORMAT.dequantize({**tensors, **change}, knobs)

@@ -286,11 +286,12 @@ INT4_GROUPS = [32, 64, 128, 12, 100, 136, 256]
 
 @pytest.mark.parametrize("group", INT4_GROUPS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_int4_any_group_and_padded_word_equals_the_reference(group, dtype):
+@pytest.mark.parametrize("name,symmetric", [("ct-int4", True), ("ct-int4", False), ("ct-int8", False)])
+def test_int_any_group_and_padded_word_equals_the_reference(group, dtype, name, symmetric):
     """Every element and every verification tile's sub-problem, bit for bit, with the last word
-    padded and groups that straddle words and tiles."""
-    fmt = get_format("ct-int4")
-    knobs = {"group_size": group}
+    padded, groups that straddle words and tiles, and zero points (packed along the rows) cut by tiles."""
+    fmt = get_format(name)
+    knobs = {"group_size": group, "symmetric": symmetric}  # any group a config may state, not only the knob's
     generator = torch.Generator().manual_seed(group)
     for shape in INT4_SHAPES:
         weight = torch.randn(shape, generator=generator) * torch.exp(torch.randn(shape, generator=generator) * 2)
