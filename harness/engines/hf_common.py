@@ -248,7 +248,7 @@ def held_weights(model, fmt=None, knobs=None) -> dict[str, torch.Tensor]:
         params = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
         if not params:
             continue
-        packed = "weight" in params and (params["weight"].dtype in (torch.float8_e4m3fn, torch.uint8))
+        packed = "weight" in params and (params["weight"].dtype in (torch.float8_e4m3fn, torch.uint8, torch.int8))
         packed = packed or ("weight_packed" in params)
         if packed and fmt is not None:
             tensors = {k: v for k, v in params.items() if k in fmt.suffixes}

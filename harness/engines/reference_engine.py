@@ -7,6 +7,8 @@ it behaves as the manifest says a correct loader must.
 
 from __future__ import annotations
 
+import dataclasses
+
 from harness.core.naming import canonical_name
 from harness.engines.base import EngineUnsupported, LoadReport
 from harness.engines.hf_common import HFModelEngine, checkpoint_dtype, unquantized_model
@@ -119,6 +121,10 @@ class ReferenceEngine(HFModelEngine):
                 # and one that dequantizes with that held scale in the model dtype rounds each value
                 # on its own (compressed-tensors' fake quantization): that input, exactly
                 probe[f"{name}.quantized_held"] = quantize_activations(rows_in, plan.scheme, stored.to(weight.dtype))
+            elif plan.scheme.dynamic:  # a dynamic scale computed in the model dtype, as compressed-tensors'
+                # calculate_qparams does: an int8 grid is fine enough for that scale's rounding to move codes
+                model_dtype = dataclasses.replace(plan.scheme, arithmetic="model")
+                probe[f"{name}.quantized_held"] = quantize_activations(rows_in, model_dtype)
             if plan.scheme.static:
                 inverted = quantize_activations(rows_in, plan.scheme, 1.0 / stored.to(torch.float64))
                 if torch.isfinite(inverted).all():

@@ -41,7 +41,7 @@ from harness.engines.vllm_capability import unsupported_reason as probed_unsuppo
 # the model object here. setdefault, so that a user's explicit choice still wins.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-PACKED_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+PACKED_DTYPES = (torch.float8_e4m3fn, torch.uint8, torch.int8, torch.int32)
 #: the scale suffixes vLLM registers on a quantized Linear, as the formats name them
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
 #: a FusedMoE layer's stacked tensors: `w13_<suffix>` (gate rows, then up rows) and `w2_<suffix>` (down)

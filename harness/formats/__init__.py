@@ -27,6 +27,7 @@ REGISTRY: dict[str, str] = {
     "modelopt-fp8": "harness.formats.modelopt_fp8:FORMAT",
     "ct-int4": "harness.formats.ct_int4:FORMAT",
     "ct-int8": "harness.formats.ct_int4:INT8",
+    "ct-w8a8": "harness.formats.ct_w8a8:FORMAT",
     "ct-mxfp4": "harness.formats.ct_mxfp4:FORMAT",
     "mxfp4": "harness.formats.mxfp4:FORMAT",
 }

@@ -9,6 +9,8 @@ transformers' fp8 config; ModelOpt's `quant_algo`):
 - FP8, dynamic per token: the same with s = amax(row) / 448, per row; per tensor: over all of x;
 - FP8, dynamic per group: s = amax / 448 over each row's groups of `group_size` columns (FP8_BLOCK
   and DeepSeek's 1 x 128); a last partial group is the columns that remain;
+- INT8, dynamic per token, symmetric (compressed-tensors' W8A8): s = amax(row) / 127.5 (its
+  `calculate_qparams`: amax / ((127 - -128) / 2)), x -> round(clamp(x / s, -128, 127)) * s;
 - NVFP4 (FP4 E2M1, tensor_group, groups of 16): with G the global scale in the divisor convention
   (compressed-tensors' `input_global_scale`; ModelOpt's `input_scale` is 1 / G), each group's
   scale b = e4m3(amax / 6 * G) and x -> e2m1(x * G / b) * b / G.
@@ -32,9 +34,13 @@ from harness.core.errors import HarnessError
 from harness.core.numerics import E2M1_MAX, E2M1_TABLE, E4M3_MAX, NVFP4_GROUP, encode_e2m1, encode_e4m3
 
 
+#: compressed-tensors' symmetric int8 scale divisor: (127 - -128) / 2
+INT8_HALF_RANGE = 127.5
+
+
 @dataclass(frozen=True)
 class ActivationScheme:
-    kind: str  # "fp8" or "nvfp4"
+    kind: str  # "fp8", "int8" or "nvfp4"
     strategy: str  # "tensor", "token", "group", "tensor_group"
     dynamic: bool  # scales computed from the activation (NVFP4's group scales always are)
     group_size: int | None = None
@@ -69,6 +75,10 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
         if strategy not in ("tensor", "token", "group") or (strategy == "token" and not dynamic):
             raise HarnessError(f"FP8 activations with strategy {strategy!r} are not defined here")
         return ActivationScheme("fp8", strategy, dynamic, args.get("group_size"), "" if dynamic else "input_scale")
+    if bits == 8 and args.get("type") == "int":
+        if (strategy, args.get("dynamic"), args.get("symmetric", True)) != ("token", True, True):
+            raise HarnessError(f"INT8 activations with strategy {strategy!r} are defined here dynamic, symmetric, per token only")
+        return ActivationScheme("int8", "token", True)
     if bits == 4 and args.get("type") == "float" and strategy in ("tensor_group", "tensor"):
         if method == "modelopt":
             return ActivationScheme("nvfp4", "tensor_group", True, NVFP4_GROUP, "input_scale", multiplier=True)
@@ -123,6 +133,11 @@ def quantize_activations(x: torch.Tensor, scheme: ActivationScheme, stored: torc
             groups, columns = _grouped(x64, scheme.group_size)
             result = _fp8(groups, groups.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).flatten(-2)[..., :columns]
         return result.to(x.dtype)
+    if scheme.kind == "int8":
+        scale = x64.abs().amax(dim=-1, keepdim=True) / INT8_HALF_RANGE
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        result = torch.round((x64 / safe).clamp(-128, 127)) * safe
+        return torch.where(scale > 0, result, torch.zeros_like(result)).to(x.dtype)
     value = float(stored.to(torch.float64).reshape(()))
     global_scale = 1.0 / value if scheme.multiplier else value
     groups, columns = _grouped(x64, NVFP4_GROUP)

@@ -59,6 +59,7 @@ from harness.formats.int_packing import pack, packed_extent, unpack
 from harness.formats.ct_mxfp4 import E8M0_BIAS, CtMxfp4
 from harness.formats.ct_mxfp4 import GROUP as MXFP4_GROUP
 from harness.formats.ct_nvfp4 import CtNvfp4
+from harness.formats.ct_w8a8 import CtW8a8
 from harness.formats.fp8_block import Fp8Block
 from harness.formats.modelopt_fp8 import ModeloptFp8
 from harness.formats.modelopt_nvfp4 import ModeloptNvfp4
@@ -217,16 +218,21 @@ def fp8_row_tiles(rows: int, block_rows: int, tile_rows: int) -> Iterator[tuple[
         yield whole * block_rows, 1, rows % block_rows
 
 
+#: the 256 int8 codes by their byte (two's complement), as float32
+INT8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.int8).to(torch.float32)
+
+
 class Fp8Kernel:
-    """`fp8-block`, `ct-fp8-*` and `modelopt-fp8`: e4m3 code x its block's scale, one float32
-    multiply per element (a per-tensor scale is one block the size of the weight)."""
+    """`fp8-block`, `ct-fp8-*`, `modelopt-fp8` and `ct-w8a8`: a one-byte code (e4m3 or int8) x its
+    block's scale, one float32 multiply per element (a per-tensor scale is one block the size of
+    the weight)."""
 
     packed = "weight"
-    #: the 256 e4m3 codes, decoded from their bits (float32 holds every one exactly)
-    table = E4M3_TABLE.to(torch.float32)
 
-    def __init__(self, scale: str):
+    def __init__(self, scale: str, table: torch.Tensor | None = None):
         self.scale = scale
+        #: the 256 codes, decoded from their bits (float32 holds every one exactly)
+        self.table = E4M3_TABLE.to(torch.float32) if table is None else table
 
     def shape(self, tensors):
         return tuple(tensors[self.packed].shape)
@@ -479,6 +485,8 @@ def kernel_for(fmt: QuantFormat) -> Fp8Kernel | Nvfp4Kernel | IntKernel | Mxfp4K
         return Fp8Kernel("weight_scale_inv")
     if isinstance(fmt, CtFp8 | ModeloptFp8):
         return Fp8Kernel("weight_scale")
+    if isinstance(fmt, CtW8a8):
+        return Fp8Kernel("weight_scale", INT8_TABLE)
     if isinstance(fmt, CtPackQuantized):
         return IntKernel(fmt.bits)
     if isinstance(fmt, CtMxfp4):
