@@ -256,15 +256,16 @@ def size_edges(name: str, knobs: Mapping[str, Any]) -> tuple[int, int]:
 @cache
 def partial_block(name: str) -> tuple[int, str]:
     """(the format's block width, what it makes of a K with a partial last block: "refused", or
-    the expectation it writes): asked of the format itself by quantizing one row of block width + 1
-    with its default knobs; (1, "exact") for a format without column blocks."""
+    the expectation it writes): asked of the format itself by quantizing 8 rows (a whole int32 word
+    of int4 rows: AWQ packs along them) of block width + 1 with its default knobs; (1, "exact") for
+    a format without column blocks."""
     fmt = get_format(name)
     knobs = fmt.resolve_knobs({})
     cols = fmt.scale_block(knobs, (1, 2**20))[1]
     if cols >= 2**20:
         return 1, "exact"
     try:
-        quantized = fmt.quantize(torch.ones(1, cols + 1), knobs, model_dtype=torch.float32, activation_amax=1.0)
+        quantized = fmt.quantize(torch.ones(8, cols + 1), knobs, model_dtype=torch.float32, activation_amax=1.0)
     except FormatError:
         return cols, "refused"
     return cols, quantized.expectation

@@ -30,6 +30,8 @@ REGISTRY: dict[str, str] = {
     "ct-w8a8": "harness.formats.ct_w8a8:FORMAT",
     "ct-mxfp4": "harness.formats.ct_mxfp4:FORMAT",
     "mxfp4": "harness.formats.mxfp4:FORMAT",
+    "gptq": "harness.formats.gptq:FORMAT",
+    "awq": "harness.formats.awq:FORMAT",
 }
 
 FORMAT_NAMES = tuple(REGISTRY)

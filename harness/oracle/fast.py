@@ -479,6 +479,10 @@ class Mxfp4Kernel:
         }
 
 
+#: built-in formats the fast path does not cover yet (their float64 reference is the only path)
+WITHOUT_KERNEL = ("gptq", "awq")
+
+
 def kernel_for(fmt: QuantFormat) -> Fp8Kernel | Nvfp4Kernel | IntKernel | Mxfp4Kernel:
     """The fast kernel of a built-in format; a plugin's format has none."""
     if isinstance(fmt, Fp8Block):

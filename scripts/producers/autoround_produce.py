@@ -8,14 +8,16 @@ token-id batches], device_map="cpu", seed=0, ...).quantize_and_save(dir, format=
 RTN mode (with its default optimized RTN); one case runs 2 SignRound iterations.
 
 Output: ``OUT/autoround/<case>/`` holding the checkpoint as AutoRound saves it (tokenizer files removed),
-``provenance.json`` and ``producer_truth/weights.safetensors``: each quantized Linear's weight as AutoRound holds it
-in memory right before packing (its quantize-dequantize result, float32), captured by wrapping
-``auto_round.export.formats.base.OutputFormat.immediate_pack`` and the formats' ``save_quantized`` (observation
-only; the packing code runs unchanged), where the format's packing path exposes it (the int formats do; the
-nvfp4/mxfp4/fp8 auto_round exports do not, and provenance.json says so). Failures per case go to
-``OUT/autoround/FAILED.json``.
+``provenance.json`` and ``producer_truth/weights.safetensors``: for each Linear packed to an int format (auto_round,
+auto_gptq, auto_awq), the float32 weight [out, in] = (q - z) * s that AutoRound's packer is handed, from its own
+integer weight q (round(W / s + z) clamped, as the packer computes it, checked equal to the packed qweight), its
+scales s and zero points z (before any storage convention such as GPTQ's z - 1), captured by wrapping the
+packers (``auto_round_extension.torch.qlinear_torch[_zp].QuantLinear.pack``, ``WQLinear_GEMM.from_linear``)
+and the exports' ``pack_layer`` for the name (observation only; AutoRound's code runs unchanged). The
+nvfp4/mxfp4/fp8 auto_round exports go through other packers, not captured (provenance.json says so). Failures per
+case go to ``OUT/autoround/FAILED.json``.
 
-Usage: python scripts/producers/autoround_produce.py --out DIR [--only SUBSTRING ...]
+Usage: python scripts/producers/autoround_produce.py --out DIR [--only SUBSTRING ...] [--exact]
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import producing  # noqa: E402  (beside this script)
 import torch  # noqa: E402
 from auto_round import AutoRound  # noqa: E402
-from auto_round.export.formats.base import OutputFormat  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import (  # noqa: E402
@@ -114,46 +115,131 @@ def calibration_data() -> list[dict[str, torch.Tensor]]:
 
 
 CAPTURED: dict[str, torch.Tensor] = {}
+# per captured weight: max |AutoRound's in-memory (fake-quantized, model dtype) weight - captured truth|
+HELD_DIFF: dict[str, float] = {}
+PACKING: list[str] = []  # the layer name whose pack_layer is running (innermost last)
 
 
-def capture(name: str, module: torch.nn.Module) -> None:
-    weight = getattr(module, "weight", None)
-    if isinstance(module, torch.nn.Linear) and hasattr(module, "scale") and weight is not None:
-        if weight.device.type != "meta" and int(getattr(module, "bits", 16)) <= 8:
-            CAPTURED[f"{name}.weight"] = weight.detach().float().cpu().clone().contiguous()
+def _unpack_rows(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """GPTQ-style qweight [K*bits/32, N] (32/bits input rows per int32 word, row p*w+i at bits*i) -> int [K, N]."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32).view(1, per, 1)
+    return ((qweight.unsqueeze(1) >> shifts) & (2**bits - 1)).reshape(-1, qweight.shape[1])
+
+
+def _unpack_awq(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """AWQ GEMM qweight [K, N*bits/32] (nibble i of word w holds column 8w + [0,2,4,6,1,3,5,7][i]) -> int [K, N]."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32).view(1, 1, per)
+    nibbles = (qweight.unsqueeze(2) >> shifts) & (2**bits - 1)  # [K, N/8, i]
+    order = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])  # column j of a word sits in nibble order[j]
+    return nibbles[:, :, order].reshape(qweight.shape[0], -1)
+
+
+def _intweight(weight: torch.Tensor, scales: torch.Tensor, zeros, group_size: int, maxq: int, device) -> torch.Tensor:
+    """AutoRound's own integer weight [out, in], computed with the very operations its packers run
+    (``auto_round_extension.torch.qlinear_torch*.QuantLinear.pack_248_bits`` and
+    ``export_to_awq.utils.WQLinear_GEMM.from_linear``) on the same tensors: round(W / s + z), clamped to [0, maxq].
+    `scales`/`zeros` here are [out, groups]; the packer's result is checked against this after it ran."""
+    k = weight.shape[1]
+    repeat_scales = scales.to(device).repeat_interleave(group_size, 1)
+    if isinstance(zeros, torch.Tensor):
+        repeat_zeros = zeros.to(device).repeat_interleave(group_size, 1)
+        intweight = torch.round(weight.to(device) / repeat_scales[:, :k] + repeat_zeros[:, :k])
+    else:
+        intweight = torch.round(weight.to(device) / repeat_scales[:, :k] + zeros)
+    return intweight.clamp_(0, maxq).to(torch.int32).cpu()
+
+
+def _record(linear: torch.nn.Module, intweight: torch.Tensor, scales: torch.Tensor, zeros, group_size: int) -> None:
+    """truth = (q - z) * s in float32, from AutoRound's int weight, scales and zero points as handed to the packer."""
+    if not PACKING:
+        raise RuntimeError("an AutoRound packer ran outside a wrapped pack_layer: cannot name the weight")
+    k = intweight.shape[1]
+    s = scales.detach().cpu().float().repeat_interleave(group_size, 1)[:, :k]
+    if isinstance(zeros, torch.Tensor):
+        z = zeros.detach().cpu().float().repeat_interleave(group_size, 1)[:, :k]
+    else:
+        z = float(zeros)
+    truth = ((intweight.float() - z) * s).contiguous()
+    name = f"{PACKING[-1]}.weight"
+    if name in CAPTURED:
+        raise RuntimeError(f"{name} packed twice")
+    CAPTURED[name] = truth
+    HELD_DIFF[name] = (linear.weight.detach().cpu().float() - truth).abs().max().item()
 
 
 def install_truth_hooks() -> None:
-    """Record each quantized Linear's in-memory weight just before AutoRound packs it (observation only)."""
-    original_pack = OutputFormat.immediate_pack
+    """Record, for each Linear AutoRound packs to an int format, the float weight its packed integers, scales and
+    zero points stand for (observation only: every wrapper calls the original with the same arguments and returns
+    its result; the wrappers only read the inputs and the packed output).
 
-    @functools.wraps(original_pack)
-    def immediate_pack(self, name, model, device, **kwargs):
-        capture(name, model.get_submodule(name))
-        return original_pack(self, name, model, device, **kwargs)
+    - ``pack_layer`` of ``export_to_autogptq``, ``export_to_autoround`` and ``export_to_awq``: only to know the
+      layer's name while it is packed.
+    - ``QuantLinear.pack`` of ``auto_round_extension.torch.qlinear_torch_zp`` (auto_gptq; GPTQ's stored zero - 1)
+      and ``qlinear_torch`` (auto_round, packing auto_round:auto_gptq; zero stored as is), and
+      ``WQLinear_GEMM.from_linear`` (auto_awq): the integer weight is recomputed from the same (weight, scales,
+      zeros) with the packer's own operations, then checked equal to what the packer wrote into qweight."""
+    import auto_round.export.export_to_autogptq.export as gptq_export
+    import auto_round.export.export_to_autoround.export as autoround_export
+    import auto_round.export.export_to_awq.export as awq_export
+    from auto_round.export.export_to_awq.utils import WQLinear_GEMM
+    from auto_round.utils import get_packing_device
+    from auto_round_extension.torch import qlinear_torch, qlinear_torch_zp
 
-    OutputFormat.immediate_pack = immediate_pack
+    for module in (gptq_export, autoround_export, awq_export):
+        original_pack_layer = module.pack_layer
 
-    def wrap_save(cls: type) -> None:
-        original_save = cls.__dict__.get("save_quantized")
-        if original_save is None:
-            return
+        def pack_layer(*args, _original=original_pack_layer, **kwargs):
+            PACKING.append(args[0] if args else kwargs.get("name", kwargs.get("layer_name")))
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                PACKING.pop()
 
-        @functools.wraps(original_save)
-        def save_quantized(self, *args, **kwargs):
-            model = kwargs.get("model")
-            if model is not None:
-                for name, module in model.named_modules():
-                    capture(name, module)
-            return original_save(self, *args, **kwargs)
+        module.pack_layer = functools.wraps(original_pack_layer)(pack_layer)
 
-        cls.save_quantized = save_quantized
+    for cls in (qlinear_torch.QuantLinear, qlinear_torch_zp.QuantLinear):
+        original_pack = cls.pack
 
-    pending = list(OutputFormat.__subclasses__())
-    while pending:
-        cls = pending.pop()
-        wrap_save(cls)
-        pending.extend(cls.__subclasses__())
+        def pack(self, linear, scales, zeros, g_idx=None, device=None, _original=original_pack):
+            observe = type(linear) is torch.nn.Linear and self.bits in (2, 4, 8)
+            if observe:
+                intweight = _intweight(
+                    linear.weight.data, scales, zeros, self.group_size, self.maxq, get_packing_device(device)
+                )
+            result = _original(self, linear, scales, zeros, g_idx, device)
+            if observe:
+                if not torch.equal(_unpack_rows(self.qweight, self.bits).t(), intweight):
+                    raise RuntimeError("the recomputed int weight differs from the one AutoRound packed")
+                _record(linear, intweight, scales, zeros, self.group_size)
+            return result
+
+        cls.pack = functools.wraps(original_pack)(pack)
+
+    original_from_linear = WQLinear_GEMM.from_linear.__func__
+
+    def from_linear(cls, linear, w_bit, group_size, init_only=False, scales=None, zeros=None, device=None):
+        observe = not init_only and w_bit == 4 and scales is not None and zeros is not None
+        if observe:
+            group = group_size if group_size != -1 else linear.in_features
+            # from_linear takes scales/zeros as [groups, out]; its intweight uses their transpose
+            intweight = _intweight(
+                linear.weight,
+                scales.t(),
+                zeros.t() if isinstance(zeros, torch.Tensor) else zeros,
+                group,
+                2**w_bit - 1,
+                get_packing_device(device),
+            )
+        result = original_from_linear(cls, linear, w_bit, group_size, init_only, scales, zeros, device)
+        if observe:
+            if not torch.equal(_unpack_awq(result.qweight, w_bit).t(), intweight):
+                raise RuntimeError("the recomputed int weight differs from the one AutoRound packed (awq)")
+            _record(linear, intweight, scales.t(), zeros.t() if isinstance(zeros, torch.Tensor) else zeros, group)
+        return result
+
+    WQLinear_GEMM.from_linear = classmethod(functools.wraps(original_from_linear)(from_linear))
 
 
 def prepare(directory: Path) -> None:
@@ -169,6 +255,7 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
         shutil.rmtree(case_dir)
     started = time.time()
     CAPTURED.clear()
+    HELD_DIFF.clear()
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
@@ -197,14 +284,23 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
         "base model: tiny random Llama, bfloat16, weights ~ N(0, 0.02) from torch.Generator(seed), norms = 1",
         f"calibration: {CALIB_SAMPLES} random token-id sequences of length {CALIB_SEQLEN} (seed {SEED + 1})",
         "tokenizer: local WordLevel tokenizer (AutoRound requires one); its files are removed from the output",
-        "producer_truth: each quantized nn.Linear's in-memory weight (AutoRound's quantize-dequantize result) "
-        "captured right before packing, by wrapping OutputFormat.immediate_pack and the formats' save_quantized",
+        "producer_truth: per packed int Linear, float32 (q - z) * s with AutoRound's own integer weight q "
+        "(round(W / s + z) clamped to [0, 2^bits - 1], recomputed with its packer's operations on the same tensors "
+        "and checked equal to the qweight it packed), and the scales s and zero points z it handed to the packer "
+        "(pre-storage: GPTQ's z - 1 and the fp16 cast of stored scales not applied); captured by wrapping "
+        "auto_round_extension.torch.qlinear_torch(_zp).QuantLinear.pack, WQLinear_GEMM.from_linear and the "
+        "exports' pack_layer (for the name); observation only",
         f"elapsed_s={time.time() - started:.2f}",
     ]
+    if HELD_DIFF:
+        notes.append(
+            "max |AutoRound's in-memory fake-quantized weight (model dtype) - producer_truth| over all weights: "
+            f"{max(HELD_DIFF.values()):.3e}"
+        )
     if not CAPTURED:
         notes.append(
-            "no producer_truth: this format's packing path (neither OutputFormat.immediate_pack nor save_quantized "
-            "with an nn.Linear carrying a scale) exposed no in-memory quantize-dequantize weight"
+            "no producer_truth: this format's packing path (not the int packers qlinear_torch(_zp) / "
+            "WQLinear_GEMM) exposes no integer weight, scales and zeros to capture"
         )
     provenance = {
         "producer": "auto-round",
@@ -231,8 +327,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="output root; cases go to OUT/autoround/")
     parser.add_argument("--only", nargs="*", default=[], help="run only cases whose name contains one of these")
+    parser.add_argument("--exact", action="store_true", help="--only names whole cases, not substrings")
     args = parser.parse_args()
-    cases = [c for c in CASES if not args.only or any(s in c for s in args.only)]
+    if args.exact and (unknown := sorted(set(args.only) - set(CASES))):
+        parser.error(f"unknown cases: {', '.join(unknown)}")
+    cases = [c for c in CASES if not args.only or any(s == c if args.exact else s in c for s in args.only)]
     install_truth_hooks()
     return producing.run_cases(PRODUCER, cases, args.out, prepare, run_case)
 

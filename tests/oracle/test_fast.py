@@ -11,12 +11,13 @@ from safetensors.torch import load_file
 from harness.checkpoints.recipe import Recipe, apply_settings
 from harness.checkpoints.writer import generate
 from harness.commands.cli import main
-from harness.core.errors import CheckpointError
+from harness.core.errors import CheckpointError, HarnessError
 from harness.formats import FORMAT_NAMES, get_format
 from harness.formats.base import FormatError
 from harness.oracle import fast
 from harness.oracle.fast import (
     FastDequantizer,
+    WITHOUT_KERNEL,
     FastPathMismatch,
     first_difference,
     kernel_for,
@@ -99,9 +100,13 @@ def quantized_modules(directory):
         yield module, fmt, knobs, {suffix: checkpoint.tensor(name) for suffix, name in parts.items()}
 
 
-def test_every_registered_format_has_a_fast_kernel():
+def test_every_registered_format_has_a_fast_kernel_or_says_it_has_none():
     for name in FORMAT_NAMES:
-        kernel_for(get_format(name))
+        if name in WITHOUT_KERNEL:
+            with pytest.raises(HarnessError, match=f"format '{name}' has no fast dequantizer; run without --fast"):
+                kernel_for(get_format(name))
+        else:
+            kernel_for(get_format(name))
 
 
 @pytest.mark.parametrize("case", list(EXACT))
