@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
+from harness.core.errors import first_line
 from harness.engines.base import EngineUnsupported, LoadReport
 from harness.engines.hf_common import HFModelEngine, captured_warnings, input_device, stored_names
 
@@ -25,6 +27,22 @@ def has_quantizer(method: str) -> bool:
     from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
 
     return method in AUTO_QUANTIZER_MAPPING
+
+
+#: how transformers' quantizers say a backend package is missing ("Loading a GPTQ quantized model
+#: requires optimum (`pip install optimum`)", "... requires gptqmodel. Please install it with ...")
+_REQUIRES = re.compile(r"requires (?:the )?`?([A-Za-z][\w-]*)`?")
+
+
+def missing_backend(error: BaseException) -> str | None:
+    """The package a quantizer says it requires, when that package is really not importable here."""
+    import importlib.util
+
+    found = _REQUIRES.search(str(error))
+    if not found:
+        return None
+    package = found.group(1)
+    return package if importlib.util.find_spec(package.replace("-", "_")) is None else None
 
 
 class TransformersEngine(HFModelEngine):
@@ -57,6 +75,12 @@ class TransformersEngine(HFModelEngine):
                     raise EngineUnsupported(
                         f"transformers {self.version()} has no quantizer for quant_method '{method}' "
                         f"and refuses the checkpoint: {explain(error, logged)}"
+                    ) from error
+                missing = missing_backend(error)
+                if missing:
+                    raise EngineUnsupported(
+                        f"transformers {self.version()} loads quant_method '{method}' through the package "
+                        f"'{missing}', which is not installed here: {first_line(error)}"
                     ) from error
                 raise RuntimeError(explain(error, logged)) from error
         self.model.eval()

@@ -115,9 +115,10 @@ def calibration_data() -> list[dict[str, torch.Tensor]]:
 
 
 CAPTURED: dict[str, torch.Tensor] = {}
-# per captured weight: max |AutoRound's in-memory (fake-quantized, model dtype) weight - captured truth|
+# per captured weight: max |AutoRound's in-memory fake-quantized weight (as handed to the packer) - captured truth|
 HELD_DIFF: dict[str, float] = {}
 PACKING: list[str] = []  # the layer name whose pack_layer is running (innermost last)
+PACKERS: set[str] = set()  # "packer class: scales dtype handed to it"
 
 
 def _unpack_rows(qweight: torch.Tensor, bits: int) -> torch.Tensor:
@@ -151,7 +152,9 @@ def _intweight(weight: torch.Tensor, scales: torch.Tensor, zeros, group_size: in
     return intweight.clamp_(0, maxq).to(torch.int32).cpu()
 
 
-def _record(linear: torch.nn.Module, intweight: torch.Tensor, scales: torch.Tensor, zeros, group_size: int) -> None:
+def _record(
+    packer: str, linear: torch.nn.Module, intweight: torch.Tensor, scales: torch.Tensor, zeros, group_size: int
+) -> None:
     """truth = (q - z) * s in float32, from AutoRound's int weight, scales and zero points as handed to the packer."""
     if not PACKING:
         raise RuntimeError("an AutoRound packer ran outside a wrapped pack_layer: cannot name the weight")
@@ -166,6 +169,8 @@ def _record(linear: torch.nn.Module, intweight: torch.Tensor, scales: torch.Tens
     if name in CAPTURED:
         raise RuntimeError(f"{name} packed twice")
     CAPTURED[name] = truth
+    zero_kind = f"zeros {zeros.dtype}" if isinstance(zeros, torch.Tensor) else f"zero {zeros!r}"
+    PACKERS.add(f"{packer} (weight {linear.weight.dtype}, scales {scales.dtype}, {zero_kind})")
     HELD_DIFF[name] = (linear.weight.detach().cpu().float() - truth).abs().max().item()
 
 
@@ -212,7 +217,7 @@ def install_truth_hooks() -> None:
             if observe:
                 if not torch.equal(_unpack_rows(self.qweight, self.bits).t(), intweight):
                     raise RuntimeError("the recomputed int weight differs from the one AutoRound packed")
-                _record(linear, intweight, scales, zeros, self.group_size)
+                _record(f"{type(self).__module__}.QuantLinear.pack", linear, intweight, scales, zeros, self.group_size)
             return result
 
         cls.pack = functools.wraps(original_pack)(pack)
@@ -236,7 +241,14 @@ def install_truth_hooks() -> None:
         if observe:
             if not torch.equal(_unpack_awq(result.qweight, w_bit).t(), intweight):
                 raise RuntimeError("the recomputed int weight differs from the one AutoRound packed (awq)")
-            _record(linear, intweight, scales.t(), zeros.t() if isinstance(zeros, torch.Tensor) else zeros, group)
+            _record(
+                "WQLinear_GEMM.from_linear",
+                linear,
+                intweight,
+                scales.t(),
+                zeros.t() if isinstance(zeros, torch.Tensor) else zeros,
+                group,
+            )
         return result
 
     WQLinear_GEMM.from_linear = classmethod(functools.wraps(original_from_linear)(from_linear))
@@ -256,6 +268,7 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
     started = time.time()
     CAPTURED.clear()
     HELD_DIFF.clear()
+    PACKERS.clear()
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
@@ -292,9 +305,16 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
         "exports' pack_layer (for the name); observation only",
         f"elapsed_s={time.time() - started:.2f}",
     ]
+    if PACKERS:
+        notes.append(
+            "packed by: "
+            + "; ".join(sorted(PACKERS))
+            + " (the packers store scales as float16: where they were float32 in memory, the files' dequantization "
+            "differs from producer_truth by that rounding)"
+        )
     if HELD_DIFF:
         notes.append(
-            "max |AutoRound's in-memory fake-quantized weight (model dtype) - producer_truth| over all weights: "
+            "max |AutoRound's in-memory fake-quantized weight handed to the packer - producer_truth| over all weights: "
             f"{max(HELD_DIFF.values()):.3e}"
         )
     if not CAPTURED:

@@ -35,6 +35,8 @@ FORMAT_PIECES = {
     "modelopt-nvfp4": "nvfp4",
     "ct-mxfp4": "mxfp4",
     "mxfp4": "mxfp4",
+    "ct-int4": "integer",
+    "ct-int8": "integer",
 }
 ENGINE_PIECES = {
     "transformers": ("modules", "engine_transformers"),
