@@ -8,7 +8,9 @@ Tensors, for a Linear with N outputs and K inputs, groups of g inputs, G = ceil(
 - `scales` [G, N] (float16 as AutoAWQ writes it; bfloat16 and float32 read too).
 W[n, k] = (q[k, n] - z[k // g, n]) * scales[k // g, n]. Config: `{"quant_method": "awq", "bits": 4,
 "group_size": g, "zero_point": true, "version": "gemm", "modules_to_not_convert": [...]}`.
-`zero_point: false` and the GEMV / Marlin / exllama layouts are not defined here.
+`zero_point: false` and the GEMV / Marlin / exllama layouts are not defined here. AutoRound's own
+format (`quant_method: auto-round`) with `packing_format: auto_round:auto_awq` is this layout
+(AutoRound packs it with AutoAWQ's GEMM packer; its config says `sym: false` for the zero points).
 
 Scales follow AutoAWQ's `pseudo_quantize_tensor` (float32, per group, no clamping to zero):
 scale = max(hi - lo, 1e-5) / 15 with lo, hi the group's min and max, z = clamp(-round(lo / scale),
@@ -38,6 +40,7 @@ from harness.formats.base import (
 from harness.formats.int_packing import AWQ_ORDER
 
 QUANT_METHOD = "awq"
+AUTO_ROUND, AUTO_ROUND_AWQ = "auto-round", "auto_round:auto_awq"
 BITS = 4
 MAXQ = 2**BITS - 1
 PER_WORD = 32 // BITS
@@ -53,7 +56,10 @@ class Awq(QuantFormat):
     knobs = {"group_size": Knob(128, GROUP_SIZES, "inputs per group")}
 
     def matches(self, quantization_config):
-        return quantization_config.get("quant_method") == QUANT_METHOD
+        method = quantization_config.get("quant_method")
+        if method == AUTO_ROUND:
+            return quantization_config.get("packing_format") == AUTO_ROUND_AWQ
+        return method == QUANT_METHOD
 
     def quantization_config(self, knobs, ignore):
         return {
@@ -74,6 +80,8 @@ class Awq(QuantFormat):
         version = str(get("version", "gemm")).lower()
         if version != "gemm":
             raise UnsupportedFormat(f"AWQ version {get('version')!r} (the harness defines the GEMM layout only)")
+        if get("quant_method") == AUTO_ROUND and (get("sym") is not False or get("data_type", "int") != "int"):
+            raise UnsupportedFormat(f"auto-round {AUTO_ROUND_AWQ} with sym={get('sym')!r}, data_type={get('data_type')!r}")
         if get("zero_point", True) is not True:
             raise UnsupportedFormat(f"AWQ with zero_point={get('zero_point')!r} (the harness defines zero points)")
         group = get("group_size", 128)

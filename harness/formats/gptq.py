@@ -14,6 +14,9 @@ quantized the inputs in a permuted order (by decreasing Hessian diagonal), and g
 input's group, in any order. A checkpoint without `g_idx` means k // g. Config:
 `{"quant_method": "gptq", "bits", "group_size", "desc_act", "sym", "checkpoint_format", ...}`;
 modules left unquantized other than `lm_head` are named in GPTQModel's `dynamic` as `-:` regexes.
+AutoRound's own format (`quant_method: auto-round`) with `packing_format` `auto_round:auto_gptq`
+is this layout with v1 zeros (AutoRound packs it with its GPTQ packer, `g_idx` omitted);
+`auto_round` and `auto_round:gptqmodel` store the zeros as they are (v2).
 
 Scales follow GPTQ's `Quantizer.find_params` (float32, per group): lo = min(group min, 0),
 hi = max(group max, 0); symmetric: hi = max(|lo|, hi), lo = -hi; an all-zero group gets
@@ -48,11 +51,19 @@ from harness.formats.base import (
 )
 
 QUANT_METHOD = "gptq"
+AUTO_ROUND = "auto-round"
+#: AutoRound's packing formats in GPTQ's layout -> the checkpoint_format their zeros follow
+AUTO_ROUND_PACKING = {"auto_round:auto_gptq": "gptq", "auto_round": "gptq_v2", "auto_round:gptqmodel": "gptq_v2"}
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 GROUP_SIZES = (32, 64, 128, -1)
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: modules every GPTQ producer leaves unquantized without saying so
 IMPLICITLY_PLAIN = ("lm_head",)
+
+
+def auto_round_packing(quantization_config) -> str:
+    """AutoRound's packing_format (its default, when absent, is its own v2 layout)."""
+    return str(quantization_config.get("packing_format") or "auto_round")
 
 
 def plain_pattern(module: str) -> str:
@@ -114,7 +125,10 @@ class Gptq(QuantFormat):
     }
 
     def matches(self, quantization_config):
-        return quantization_config.get("quant_method") == QUANT_METHOD
+        method = quantization_config.get("quant_method")
+        if method == AUTO_ROUND:
+            return auto_round_packing(quantization_config) in AUTO_ROUND_PACKING
+        return method == QUANT_METHOD
 
     def quantization_config(self, knobs, ignore):
         config = {
@@ -138,12 +152,17 @@ class Gptq(QuantFormat):
         if not self.matches(quantization_config):
             raise FormatError(f"quantization_config is not quant_method {QUANT_METHOD}")
         get = quantization_config.get
+        if get("quant_method") == AUTO_ROUND:
+            if get("data_type", "int") != "int":
+                raise UnsupportedFormat(f"auto-round with data_type {get('data_type')!r} in GPTQ's layout")
+            layout = AUTO_ROUND_PACKING[auto_round_packing(quantization_config)]
+        else:
+            layout = get("checkpoint_format") or "gptq"
         bits, group = get("bits"), get("group_size", 128)
         if bits not in (4, 8):
             raise UnsupportedFormat(f"GPTQ with bits={bits!r} (the harness defines 4 and 8)")
         if not isinstance(group, int) or isinstance(group, bool) or (group <= 0 and group != -1):
             raise FormatError(f"group_size {group!r} is not a positive int or -1")
-        layout = get("checkpoint_format") or "gptq"
         if layout not in CHECKPOINT_FORMATS:
             raise UnsupportedFormat(f"GPTQ checkpoint_format {layout!r} (the harness defines {', '.join(CHECKPOINT_FORMATS)})")
         for key in ("sym", "desc_act"):

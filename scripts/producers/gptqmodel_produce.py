@@ -161,13 +161,18 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
     CAPTURED.clear()
     torch.manual_seed(SEED)
     config = QuantizeConfig(**COMMON_CONFIG, **kwargs)
-    model = GPTQModel.load(str(base_dir), config, device="cpu")
     quantize_kwargs = QUANTIZE_KWARGS.get(case, {})
-    model.quantize(calibration_data(), batch_size=4, **quantize_kwargs)
+    cwd = Path.cwd()
     with tempfile.TemporaryDirectory(prefix="gptqmodel-save-") as tmp:
-        model.save(tmp)
-        shutil.copytree(tmp, case_dir)
-    del model
+        os.chdir(tmp)  # GPTQModel writes its per-run logs under ./logs/: keep them out of the repository
+        try:
+            model = GPTQModel.load(str(base_dir), config, device="cpu")
+            model.quantize(calibration_data(), batch_size=4, **quantize_kwargs)
+            model.save(str(Path(tmp) / "saved"))
+            del model
+        finally:
+            os.chdir(cwd)
+        shutil.copytree(Path(tmp) / "saved", case_dir)
     for name in (*TOKENIZER_FILES, *DROPPED_FILES):
         (case_dir / name).unlink(missing_ok=True)
     files = producing.digests(case_dir)
@@ -217,6 +222,7 @@ def main() -> int:
     parser.add_argument("--out", required=True, type=Path, help="output root; cases go to OUT/gptqmodel/")
     parser.add_argument("--only", nargs="*", default=[], help="run only cases whose name contains one of these")
     args = parser.parse_args()
+    args.out = args.out.resolve()
     cases = [c for c in CASES if not args.only or any(s in c for s in args.only)]
     install_truth_hooks()
     return producing.run_cases(PRODUCER, cases, args.out, prepare, run_case)
