@@ -81,7 +81,9 @@ class Awq(QuantFormat):
         if version != "gemm":
             raise UnsupportedFormat(f"AWQ version {get('version')!r} (the harness defines the GEMM layout only)")
         if get("quant_method") == AUTO_ROUND and (get("sym") is not False or get("data_type", "int") != "int"):
-            raise UnsupportedFormat(f"auto-round {AUTO_ROUND_AWQ} with sym={get('sym')!r}, data_type={get('data_type')!r}")
+            raise UnsupportedFormat(
+                f"auto-round {AUTO_ROUND_AWQ} with sym={get('sym')!r}, data_type={get('data_type')!r}"
+            )
         if get("zero_point", True) is not True:
             raise UnsupportedFormat(f"AWQ with zero_point={get('zero_point')!r} (the harness defines zero points)")
         group = get("group_size", 128)

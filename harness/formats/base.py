@@ -55,6 +55,8 @@ class QuantFormat:
     suffixes: tuple[str, ...] = ()
     #: the suffix whose presence marks a module as quantized in a checkpoint
     marker: str = ""
+    #: suffixes the quantizer writes that a checkpoint may omit, the format defining their default
+    optional: tuple[str, ...] = ()
     #: format parameters (block size, scale dtype, perturbation switches)
     knobs: Mapping[str, Knob] = {}
 

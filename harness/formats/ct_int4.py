@@ -209,7 +209,10 @@ class CtPackQuantized(QuantFormat):
         rows, cols = read_weight_shape(require_tensor(tensors, "weight_shape"))
         per = int_packing.slots_per_word(self.bits)
         require_shape(
-            "weight_packed", packed, (rows, int_packing.packed_extent(cols, self.bits)), f"{per} int{self.bits} per int32"
+            "weight_packed",
+            packed,
+            (rows, int_packing.packed_extent(cols, self.bits)),
+            f"{per} int{self.bits} per int32",
         )
         group = knobs["group_size"]
         groups = ceil_div(cols, group)

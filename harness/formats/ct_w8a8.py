@@ -52,7 +52,9 @@ def config_group(config) -> dict | None:
 
 class CtW8a8(QuantFormat):
     name = "ct-w8a8"
-    description = "compressed-tensors INT8 W8A8 int-quantized (int8 weight, per-channel scale, per-token int8 activations)"
+    description = (
+        "compressed-tensors INT8 W8A8 int-quantized (int8 weight, per-channel scale, per-token int8 activations)"
+    )
     suffixes = ("weight", "weight_scale")
     marker = "weight_scale"
     knobs = {}

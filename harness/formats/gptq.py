@@ -116,6 +116,7 @@ class Gptq(QuantFormat):
     description = "GPTQ int4/int8 (qweight packed along inputs, qzeros, float16 scales, g_idx; v1 or v2 zeros)"
     suffixes = ("qweight", "qzeros", "scales", "g_idx")
     marker = "qweight"
+    optional = ("g_idx",)  # absent: k // group_size
     knobs = {
         "bits": Knob(4, (4, 8), "code width"),
         "group_size": Knob(128, GROUP_SIZES, "inputs per group (-1: one group per row)"),
@@ -164,7 +165,9 @@ class Gptq(QuantFormat):
         if not isinstance(group, int) or isinstance(group, bool) or (group <= 0 and group != -1):
             raise FormatError(f"group_size {group!r} is not a positive int or -1")
         if layout not in CHECKPOINT_FORMATS:
-            raise UnsupportedFormat(f"GPTQ checkpoint_format {layout!r} (the harness defines {', '.join(CHECKPOINT_FORMATS)})")
+            raise UnsupportedFormat(
+                f"GPTQ checkpoint_format {layout!r} (the harness defines {', '.join(CHECKPOINT_FORMATS)})"
+            )
         for key in ("sym", "desc_act"):
             if not isinstance(get(key, key == "sym"), bool):
                 raise FormatError(f"{key} {get(key)!r} is not a bool")

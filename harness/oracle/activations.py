@@ -33,7 +33,6 @@ import torch
 from harness.core.errors import HarnessError
 from harness.core.numerics import E2M1_MAX, E2M1_TABLE, E4M3_MAX, NVFP4_GROUP, encode_e2m1, encode_e4m3
 
-
 #: compressed-tensors' symmetric int8 scale divisor: (127 - -128) / 2
 INT8_HALF_RANGE = 127.5
 
@@ -77,7 +76,9 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
         return ActivationScheme("fp8", strategy, dynamic, args.get("group_size"), "" if dynamic else "input_scale")
     if bits == 8 and args.get("type") == "int":
         if (strategy, args.get("dynamic"), args.get("symmetric", True)) != ("token", True, True):
-            raise HarnessError(f"INT8 activations with strategy {strategy!r} are defined here dynamic, symmetric, per token only")
+            raise HarnessError(
+                f"INT8 activations with strategy {strategy!r} are defined here dynamic, symmetric, per token only"
+            )
         return ActivationScheme("int8", "token", True)
     if bits == 4 and args.get("type") == "float" and strategy in ("tensor_group", "tensor"):
         if method == "modelopt":

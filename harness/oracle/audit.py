@@ -499,7 +499,7 @@ def check_parts(view: ModuleView, fmt: QuantFormat, expected: dict, result: Audi
                     "orphan-scale", f"{view.name}.{suffix}", part.file, f"a scale without a quantized weight: {how}"
                 )
         return
-    for suffix in sorted(set(expected) - set(view.parts)):
+    for suffix in sorted(set(expected) - set(view.parts) - set(fmt.optional)):
         result.add(
             "missing-scale",
             f"{view.name}.{suffix}",

@@ -55,12 +55,12 @@ from harness.formats import nvfp4_common as nv
 from harness.formats.base import FormatError, QuantFormat
 from harness.formats.ct_fp8 import CtFp8
 from harness.formats.ct_int4 import CtPackQuantized, read_weight_shape
-from harness.formats.int_packing import pack, packed_extent, unpack
 from harness.formats.ct_mxfp4 import E8M0_BIAS, CtMxfp4
 from harness.formats.ct_mxfp4 import GROUP as MXFP4_GROUP
 from harness.formats.ct_nvfp4 import CtNvfp4
 from harness.formats.ct_w8a8 import CtW8a8
 from harness.formats.fp8_block import Fp8Block
+from harness.formats.int_packing import pack, packed_extent, unpack
 from harness.formats.modelopt_fp8 import ModeloptFp8
 from harness.formats.modelopt_nvfp4 import ModeloptNvfp4
 from harness.oracle.reference import format_and_knobs, group_modules

@@ -66,7 +66,9 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape,group", CASES)
 @pytest.mark.parametrize(
-    "fmt,symmetric", [(FORMAT, True), (FORMAT, False), (INT8, True), (INT8, False)], ids=["int4", "int4-asym", "int8", "int8-asym"]
+    "fmt,symmetric",
+    [(FORMAT, True), (FORMAT, False), (INT8, True), (INT8, False)],
+    ids=["int4", "int4-asym", "int8", "int8-asym"],
 )
 def test_matches_compressed_tensors(shape, group, dtype, fmt, symmetric):
     knobs = fmt.resolve_knobs({"group_size": group, "symmetric": symmetric})

@@ -16,8 +16,8 @@ from harness.formats import FORMAT_NAMES, get_format
 from harness.formats.base import FormatError
 from harness.oracle import fast
 from harness.oracle.fast import (
-    FastDequantizer,
     WITHOUT_KERNEL,
+    FastDequantizer,
     FastPathMismatch,
     first_difference,
     kernel_for,
