@@ -37,6 +37,7 @@ FORMAT_PIECES = {
     "mxfp4": "mxfp4",
     "ct-int4": "integer",
     "ct-int8": "integer",
+    "ct-w8a8": "integer",
 }
 ENGINE_PIECES = {
     "transformers": ("modules", "engine_transformers"),

@@ -1,13 +1,15 @@
-"""Integer weights: compressed-tensors pack-quantized (W4A16, W4A16_ASYM, W8A16).
+"""Integer weights: compressed-tensors pack-quantized (W4A16, W4A16_ASYM, W8A16) and int-quantized (W8A8).
 
 b-bit codes (b = 4 or 8) in [-2**(b-1), 2**(b-1) - 1], stored offset-binary (code + 2**(b-1)),
 32/b consecutive columns per int32 word, column (32/b)w + i in bits b*i.. of word w; one scale per
 row and group of columns; an asymmetric scheme adds a zero point per row and group, packed the
-same way but along the rows.
+same way but along the rows. int-quantized stores the int8 codes themselves as `weight`, one scale
+per row (its inputs are quantized too: dynamic per-token int8).
 
 Definitions:
   ct-int4: W = (code - weight_zero_point) * weight_scale of its row and group (zero point 0 when symmetric)
   ct-int8: W = (code - weight_zero_point) * weight_scale of its row and group (zero point 0 when symmetric)
+  ct-w8a8: W = weight (int8) * weight_scale of its row
 """
 
 from __future__ import annotations
@@ -21,13 +23,19 @@ from harness.lanes.upstream.parts.parameters import FORMAT, KNOBS
 
 # ---- reproduce.py ----
 
-BITS = 8 if FORMAT == "ct-int8" else 4
+BITS = 4 if FORMAT == "ct-int4" else 8
 QMIN, QMAX = -(2 ** (BITS - 1)), 2 ** (BITS - 1) - 1
 SYMMETRIC = KNOBS.get("symmetric", True)
+#: int-quantized W8A8: unpacked int8 codes, one scale per row
+UNPACKED = FORMAT == "ct-w8a8"
+
+
+def group_size(cols: int) -> int:
+    return cols if UNPACKED else KNOBS["group_size"]
 
 
 def scale_block(shape) -> tuple[int, int]:
-    return 1, KNOBS["group_size"]
+    return 1, group_size(shape[1])
 
 
 def pack(codes: torch.Tensor, dim: int) -> torch.Tensor:
@@ -56,7 +64,7 @@ def quantize_weight(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     (hi - lo) / (QMAX - QMIN), zero point = round(clamp(QMIN - lo / scale)); code = round(clamp(w / scale + zp))."""
     weight = weight.to(MODEL_DTYPE)
     rows, cols = weight.shape
-    group = KNOBS["group_size"]
+    group = group_size(cols)
     groups = math.ceil(cols / group)
     padded = torch.zeros(rows, groups * group, dtype=weight.dtype)
     padded[:, :cols] = weight
@@ -74,6 +82,8 @@ def quantize_weight(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     scale = torch.where(scale == 0, torch.full_like(scale, eps), scale)
     scaled = weight / scale[:, column] + zp[:, column].to(weight.dtype)
     codes = torch.round(scaled.clamp(QMIN, QMAX)).to(torch.int64)
+    if UNPACKED:
+        return {"weight": codes.to(torch.int8), "weight_scale": scale}
     tensors = {
         "weight_packed": pack(codes, dim=1),
         "weight_scale": scale,
@@ -86,9 +96,11 @@ def quantize_weight(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def dequantize_definition(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """W = (code - zero point) * scale of its row and group, in float64."""
+    if UNPACKED:
+        return tensors["weight"].to(torch.float64) * tensors["weight_scale"].to(torch.float64)
     rows, cols = (int(v) for v in tensors["weight_shape"])
     codes = unpack(tensors["weight_packed"], cols, dim=1)
-    column = torch.arange(cols) // KNOBS["group_size"]
+    column = torch.arange(cols) // group_size(cols)
     if "weight_zero_point" in tensors:
         codes = codes - unpack(tensors["weight_zero_point"], rows, dim=0)[:, column]
     return codes.to(torch.float64) * tensors["weight_scale"].to(torch.float64)[:, column]
