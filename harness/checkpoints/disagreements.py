@@ -57,6 +57,12 @@ DISAGREEMENTS = {
         "the index lists its scale but no shard holds it: a loader must refuse, never use an initial value",
         needs_index=True,
     ),
+    "index-stale-duplicate": Disagreement(
+        "exact-or-refuse",
+        "a stale copy of its scale (other values) is stored, unlisted, in another shard; the index names "
+        "the true one: load the indexed tensor, or refuse the duplicate, never load the stale copy",
+        needs_index=True,
+    ),
     "status-not-compressed": Disagreement(
         "exact-or-refuse",
         "quantization_status is 'frozen' while the tensors are compressed: decompress them or refuse",
@@ -119,12 +125,17 @@ def edit_tensors(kind: str, module: str, tensors: dict[str, torch.Tensor], marke
 
 
 #: how the index misstates the target's main scale, by disagreement: left out, placed in a shard
-#: file that is not on disk, or listed (in the target's weight's shard) though no shard holds it
+#: file that is not on disk, listed (in the target's weight's shard) though no shard holds it, or
+#: listed truly while a stale copy sits unlisted in another shard (a loader that reads every
+#: tensor of every file it opens meets both)
 INDEX_EDITS = {
     "index-omits-tensor": "omit",
     "index-names-absent-shard": "absent-shard",
     "index-lists-absent-tensor": "absent-tensor",
+    "index-stale-duplicate": "stale-duplicate",
 }
+#: index edits after which the index no longer leads to every tensor (its reader refuses)
+UNREADABLE_EDITS = ("absent-shard", "absent-tensor")
 
 
 def index_edits(kind: str, module: str, names: list[str], marker: str) -> dict[str, str]:
@@ -140,7 +151,15 @@ def misstates_its_index(manifest: dict | None) -> bool:
     """Whether a checkpoint the harness wrote disagrees with its own index on purpose (its reader
     then refuses it, and the engines are judged by what the manifest expects)."""
     perturb = ((manifest or {}).get("resolved") or {}).get("perturb") or {}
-    return perturb.get("disagreement") in INDEX_EDITS and INDEX_EDITS[perturb["disagreement"]] != "omit"
+    return INDEX_EDITS.get(perturb.get("disagreement")) in UNREADABLE_EDITS
+
+
+def stale_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """The values a stale duplicate holds: a float scale doubled, an integer's lowest bit flipped
+    (an E8M0 exponent one off, one code of each packed word changed)."""
+    if tensor.is_floating_point():
+        return (tensor.to(torch.float64) * 2).to(tensor.dtype)
+    return tensor ^ 1
 
 
 def absent_shard(shards: int) -> str:

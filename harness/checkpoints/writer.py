@@ -339,16 +339,21 @@ def _write_shards(
     misstated: dict[str, str] | None = None,
 ) -> None:
     """The shards, and the index over them, which misstates the names in `misstated` as
-    disagreements.INDEX_EDITS says: left out, placed in an absent shard file, or listed though
-    absent (in the first shard)."""
+    disagreements.INDEX_EDITS says: left out, placed in an absent shard file, listed though
+    absent (in the first shard), or listed truly beside a stale unlisted copy in another shard."""
     misstated = misstated or {}
     if shards == 1:
         save_file({n: tensors[n].contiguous() for n in names}, str(out / SINGLE_FILE), metadata={"format": "pt"})
         return
     placement = assign_shards(names, shards, split_pairs)
     files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    # a stale copy goes to the last shard, read after the true one (which moves to the first if it was
+    # there): a loader that reads every file in order and keeps the last copy holds the stale one
+    stale = {n: shards - 1 for n, how in misstated.items() if how == "stale-duplicate"}
+    placement |= {n: 0 for n in stale if placement[n] == shards - 1}
     for index, file in enumerate(files):
         chunk = {n: tensors[n].contiguous() for n in names if placement[n] == index}
+        chunk |= {n: disagreements.stale_copy(tensors[n]).contiguous() for n, at in stale.items() if at == index}
         save_file(chunk, str(out / file), metadata={"format": "pt"})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {

@@ -18,6 +18,13 @@ below 2**-24), stored as 127 + floor(log2(scale)); codes = E2M1(clamp(w / scale,
 A K that is even but not a multiple of 32 has a partial last group: the layout holds it (ct
 allocates ceil(K/32) scales, with a warning), ct 0.20's quantize and dequantize raise for it, so
 such modules are `exact-or-refuse`, as `ct-int4`'s.
+
+Scale encoding (knob `scale_storage`): the E8M0 bytes are stored as uint8, as every real producer
+writes them (llm-compressor / ct, gpt-oss's release), or typed as torch.float8_e8m0fnu, the same
+bytes (safetensors F8_E8M0). The config is the same for both: the storage is a property of the
+tensors, so the reference reads each scale by its bits whichever of the two dtypes types it. A
+loader that converts a float8_e8m0fnu scale to an integer by value (`.to(torch.int32)`: byte 130,
+8.0, becomes 8, not 130) reads every exponent wrong.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 from harness.core.numerics import E2M1_MAX, encode_e2m1, pack_e2m1, unpack_e2m1
 from harness.formats.base import (
     FormatError,
+    Knob,
     QuantFormat,
     QuantizedWeight,
     require_dtype,
@@ -46,6 +54,13 @@ E8M0_NAN = 0xFF
 ELEMENT_EXPONENT = 2
 #: ct's `_get_dtype_eps(torch.uint8)`: the scale that replaces one that is 0 in the model dtype
 ZERO_SCALE = 1.0
+#: the dtypes the E8M0 scale bytes may be stored as, by `scale_storage` (the same bytes either way)
+SCALE_STORAGES = {"uint8": torch.uint8, "float8_e8m0fnu": torch.float8_e8m0fnu}
+TYPED_STORAGE_NOTE = (
+    "E8M0 scales stored as float8_e8m0fnu (the same bytes as uint8, typed): a loader must read them "
+    "by their bits; one that converts them to an integer by value (.to(torch.int32): byte 130, 8.0, "
+    "becomes 8, not 130) reads every exponent wrong"
+)
 
 
 def config_group(config) -> dict | None:
@@ -80,8 +95,14 @@ def compress_mx_scale(scale: torch.Tensor) -> torch.Tensor:
     return (torch.floor(torch.log2(scale.to(torch.float64))) + E8M0_BIAS).to(torch.int64).to(torch.uint8)
 
 
+def e8m0_codes(scale: torch.Tensor) -> torch.Tensor:
+    """The E8M0 bytes of a uint8 or float8_e8m0fnu scale, as uint8: by their bits, never by value."""
+    return scale.view(torch.uint8)
+
+
 def decode_e8m0(codes: torch.Tensor) -> torch.Tensor:
     """uint8 E8M0 codes -> float64 2**(code - 127) (the reference; 0xFF must be refused before)."""
+    codes = e8m0_codes(codes)
     return torch.ldexp(torch.ones(codes.shape, dtype=torch.float64), codes.to(torch.int64) - E8M0_BIAS)
 
 
@@ -98,7 +119,13 @@ class CtMxfp4(QuantFormat):
     description = "compressed-tensors MXFP4 (weight_packed E2M1, uint8 E8M0 weight_scale per 32 columns)"
     suffixes = ("weight_packed", "weight_scale")
     marker = "weight_packed"
-    knobs = {}
+    knobs = {
+        "scale_storage": Knob(
+            "uint8",
+            tuple(SCALE_STORAGES),
+            "dtype the E8M0 scale bytes are stored as (the same bytes; the config does not change)",
+        ),
+    }
 
     def matches(self, quantization_config):
         return config_group(quantization_config) is not None
@@ -153,8 +180,13 @@ class CtMxfp4(QuantFormat):
         magnitude = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64)[codes & 7]
         values = torch.where((codes & 8) != 0, -magnitude, magnitude)
         powers = torch.exp2(stored.to(torch.float64) - E8M0_BIAS)[:, torch.arange(cols) // GROUP]
-        result = QuantizedWeight({"weight_packed": pack_e2m1(codes), "weight_scale": stored}, truth=values * powers)
-        return partial_last_group(result, cols, GROUP, "the MXFP4 group size")
+        storage = knobs.get("scale_storage", "uint8")
+        typed = stored.view(SCALE_STORAGES[storage])  # the same bytes
+        result = QuantizedWeight({"weight_packed": pack_e2m1(codes), "weight_scale": typed}, truth=values * powers)
+        result = partial_last_group(result, cols, GROUP, "the MXFP4 group size")
+        if storage != "uint8":
+            result.notes.append(TYPED_STORAGE_NOTE)
+        return result
 
     def dequantize(self, tensors, knobs):
         packed = require_tensor(tensors, "weight_packed")
@@ -162,7 +194,8 @@ class CtMxfp4(QuantFormat):
         require_dtype("weight_packed", packed, (torch.uint8,))
         if packed.dim() != 2:
             raise FormatError(f"weight_packed has {packed.dim()} dimensions, expected 2")
-        require_dtype("weight_scale", scale, (torch.uint8,))
+        require_dtype("weight_scale", scale, tuple(SCALE_STORAGES.values()))
+        scale = e8m0_codes(scale)  # float8_e8m0fnu: the same bytes, read by their bits
         rows, cols = packed.shape[0], 2 * packed.shape[1]
         groups = -(-cols // GROUP)
         require_shape(

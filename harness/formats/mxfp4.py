@@ -9,6 +9,8 @@ nibble: W[n, k] = e2m1 * 2**(scale - 127), the OCP MX v1.0 definition `ct-mxfp4`
 [N, K/32] for a K that is a multiple of 32 (the block layout cannot hold a partial group), so
 the per-expert view reuses that format's quantizer and reference dequantizer. gate_up rows
 alternate gate, up, gate, ... (gpt-oss's own order); that is the architecture's business.
+The `scale_storage` knob (inherited) stores `_scales` as float8_e8m0fnu instead, the same bytes
+typed (F8_E8M0 on disk); the config does not change and the reference reads the bytes either way.
 
 Config, as the release writes it: `{"quant_method": "mxfp4", "modules_to_not_convert": [...]}`
 with layer wildcards (`model.layers.*.self_attn`, `model.layers.*.mlp.router`, ...). The scales

@@ -222,7 +222,11 @@ def test_malformed_tensors_raise_in_one_line():
         ({"weight_scale": tensors["weight_scale"][:, :2]}, "weight_scale has shape"),
         ({"weight_scale": tensors["weight_scale"].to(torch.bfloat16)}, "weight_scale has dtype"),
         ({"weight_scale": tensors["weight_scale"].view(torch.float8_e4m3fn)}, "weight_scale has dtype"),
+        ({"weight_scale": tensors["weight_scale"].view(torch.int8)}, "weight_scale has dtype"),
+        ({"weight_scale": tensors["weight_scale"].view(torch.float8_e5m2)}, "weight_scale has dtype"),
+        ({"weight_scale": tensors["weight_scale"].view(torch.float8_e8m0fnu)[:, :2]}, "weight_scale has shape"),
         ({"weight_scale": nan_scale}, "NaN"),
+        ({"weight_scale": nan_scale.view(torch.float8_e8m0fnu)}, "NaN"),
     ]
     for change, message in malformed:
         with pytest.raises(FormatError, match=message) as caught:
@@ -252,3 +256,86 @@ def test_generated_checkpoint_dequantizes_to_truth(tmp_path, arch, sizes):
     partial = any(module["shape"][1] % 32 for module in manifest["modules"].values())
     assert partial == bool(hidden % 32 or intermediate % 32)
     assert manifest["expectation"] == ("exact-or-refuse" if partial else "exact")
+
+
+STORAGES = ("uint8", "float8_e8m0fnu")
+
+
+@pytest.mark.parametrize("name", ["ct-mxfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(37, 96), (1, 32), (130, 160), (5, 256), (3, 50)], ids=str)
+def test_scale_storages_hold_the_same_bytes_and_the_same_truth(name, shape, dtype):
+    """`scale_storage`: the E8M0 bytes typed uint8 or float8_e8m0fnu are the same bytes, the packed
+    codes and the truth the same, and the reference reads both by their bits to that truth, bit for
+    bit (never by value: float8_e8m0fnu's byte 130 is 8.0, which `.to(int)` would make 8)."""
+    fmt = get_format(name)
+    if name == "mxfp4" and shape[1] % 32:
+        pytest.skip("mxfp4's blocks hold whole groups only")
+    weight = make_weight(shape, seed=sum(shape), dtype=torch.float32)
+    written = {}
+    for storage in STORAGES:
+        knobs = fmt.resolve_knobs({"scale_storage": storage})
+        written[storage] = fmt.quantize(weight, knobs, model_dtype=dtype, activation_amax=1.0)
+        assert written[storage].tensors["weight_scale"].dtype == getattr(torch, storage)
+        # what the reference gets from a checkpoint: knobs read back from the config, which says nothing of the storage
+        read_back = fmt.knobs_from_config(fmt.quantization_config(knobs, []))
+        assert "scale_storage" not in read_back
+        reference = fmt.dequantize(written[storage].tensors, read_back)
+        assert reference.dtype == torch.float64 and torch.equal(reference, written[storage].truth)
+    plain, typed = written["uint8"], written["float8_e8m0fnu"]
+    assert torch.equal(typed.tensors["weight_scale"].view(torch.uint8), plain.tensors["weight_scale"])
+    assert torch.equal(typed.tensors["weight_packed"], plain.tensors["weight_packed"])
+    assert torch.equal(typed.truth, plain.truth)
+    assert (typed.expectation, typed.notes[:-1]) == (plain.expectation, plain.notes)
+    assert "by value" in typed.notes[-1]
+
+
+def test_scale_storage_leaves_the_config_alone():
+    for name in ("ct-mxfp4", "mxfp4"):
+        fmt = get_format(name)
+        configs = [fmt.quantization_config(fmt.resolve_knobs({"scale_storage": s}), ["lm_head"]) for s in STORAGES]
+        assert configs[0] == configs[1]
+        assert fmt.knobs_from_config(configs[1]) == {}
+    with pytest.raises(ValueError, match="scale_storage"):
+        FORMAT.resolve_knobs({"scale_storage": "float8_e4m3fn"})
+
+
+def test_e8m0fnu_scales_read_by_their_bits():
+    """Byte 130 typed float8_e8m0fnu is 2**3 (its value 8.0 too): read by the bits, as the uint8 byte."""
+    packed = torch.tensor([[0x97, 0x00]], dtype=torch.uint8)
+    for code in (0, 120, 127, 130, 254):
+        scale = torch.tensor([[code]], dtype=torch.uint8)
+        plain = FORMAT.dequantize({"weight_packed": packed, "weight_scale": scale}, {})
+        typed = FORMAT.dequantize({"weight_packed": packed, "weight_scale": scale.view(torch.float8_e8m0fnu)}, {})
+        assert torch.equal(plain, typed) and typed[0, 0] == 6.0 * 2.0 ** (code - 127)
+    # the misreading the storage is there to expose: by value, byte 130 becomes 8 and 120 becomes 0
+    by_value = torch.tensor([130, 120], dtype=torch.uint8).view(torch.float8_e8m0fnu).to(torch.int32)
+    assert by_value.tolist() == [8, 0]
+
+
+@pytest.mark.parametrize("name, arch", [("ct-mxfp4", "llama"), ("mxfp4", "gpt_oss")])
+def test_generated_checkpoint_with_typed_scales_dequantizes_to_truth(tmp_path, name, arch):
+    """`gen --set scale_storage=float8_e8m0fnu`: the scales are F8_E8M0 on disk, the config is the
+    uint8 checkpoint's, and the reference (knobs from the config alone) reads the truth."""
+    from safetensors.torch import load_file
+
+    from harness.checkpoints.reader import Checkpoint
+    from harness.checkpoints.recipe import Recipe
+    from harness.checkpoints.writer import TRUTH_FILE, generate
+    from harness.oracle.reference import dequantize_checkpoint
+
+    config = {"num_hidden_layers": 1}
+    written = {}
+    for storage in STORAGES:
+        out = tmp_path / storage
+        manifest = generate(Recipe(name, arch, seed=1, config=config, knobs={"scale_storage": storage}), out)
+        assert manifest["expectation"] == "exact"
+        truth = load_file(str(out / TRUTH_FILE))
+        got = dict(dequantize_checkpoint(out))
+        assert set(got) == set(truth) and all(torch.equal(got[n], truth[n]) for n in truth)
+        checkpoint = Checkpoint(out)
+        scales = {n: d for n, d in checkpoint.storage_dtypes().items() if n.endswith(("weight_scale", "_scales"))}
+        assert scales and set(scales.values()) == {"U8" if storage == "uint8" else "F8_E8M0"}
+        written[storage] = (json.loads((out / "config.json").read_text()), truth)
+    assert written["uint8"][0] == written["float8_e8m0fnu"][0]
+    assert all(torch.equal(written["uint8"][1][n], t) for n, t in written["float8_e8m0fnu"][1].items())

@@ -356,6 +356,9 @@ def unscriptable(reproducer: Reproducer) -> str | None:
         reads_weights = False  # vLLM's script reads the embedding alone (parts/engine_vllm.py), never an expert
     if set(reproducer.kinds) == {"load-error"}:
         reads_weights = False  # the script judges whether the engine loads; a load that fails reads nothing
+    if reproducer.engine == "vllm" and reproducer.recipe.perturb.get("disagreement") == "index-stale-duplicate":
+        # vLLM's script judges layer sizes and a finite forward pass: a stale scale passes both
+        return "a stale duplicate's values in vLLM (its script reads no values of a repacked weight)"
     experts = any(".experts." in name for name in tensor_table(reproducer))
     if reads_weights and experts and reproducer.engine not in SCRIPT_EXPERT_ENGINES:
         return f"routed experts ({reproducer.recipe.arch}) with {reproducer.engine}"

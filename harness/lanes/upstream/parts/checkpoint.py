@@ -117,12 +117,21 @@ def kv_scales(config) -> dict[str, torch.Tensor]:
 
 
 #: how the index misstates the target's scale, by disagreement (omitted; placed in a shard file
-#: that is not on disk; listed in the first shard though no shard holds it)
+#: that is not on disk; listed in the first shard though no shard holds it; listed truly while a
+#: stale copy with other values sits unlisted in the last shard)
 INDEX_EDITS = {
     "index-omits-tensor": "omit",
     "index-names-absent-shard": "absent-shard",
     "index-lists-absent-tensor": "absent-tensor",
+    "index-stale-duplicate": "stale-duplicate",
 }
+
+
+def stale_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A stale duplicate's values: a float scale doubled, an integer's lowest bit flipped."""
+    if tensor.is_floating_point():
+        return (tensor.to(torch.float64) * 2).to(tensor.dtype)
+    return tensor ^ 1
 
 
 def disagree(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -154,9 +163,14 @@ def write_tensors(directory, tensors: dict[str, torch.Tensor], scales: dict[str,
     primary = [name for name in tensors if name not in scales]
     place = {name: min(i * shards // len(primary), shards - 1) for i, name in enumerate(primary)}
     place |= {scale: (place[weight] + 1) % shards for scale, weight in scales.items()}
+    # a stale copy in the last shard, read after the true one (moved to the first if it was last)
+    stale = [name for name, how in misstated.items() if how == "stale-duplicate"]
+    place |= {name: 0 for name in stale if place[name] == shards - 1}
     files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
     for index, file in enumerate(files):
         chunk = {name: tensor for name, tensor in tensors.items() if place[name] == index}
+        if index == shards - 1:
+            chunk |= {name: stale_copy(tensors[name]) for name in stale}
         save_file(chunk, str(directory / file), metadata={"format": "pt"})
     weight_map = {name: files[place[name]] for name in tensors if misstated.get(name) != "omit"}
     for name, how in misstated.items():
