@@ -129,6 +129,16 @@ def assert_disagreement(directory: Path, manifest: dict) -> None:
         assert fmt.marker not in suffixes or len(set(scales) & set(suffixes)) < len(scales), suffixes
         if kind == "scale-renamed":
             assert {"weight_scale", "weight_scale_inv"} & set(suffixes) - set(fmt.suffixes), suffixes
+    elif kind == "index-stale-duplicate":  # the target's scale in two shards, the index naming one
+        (name,) = {n for n in stored if sum(n in header for header in shards.values()) > 1}
+        assert name.startswith(f"{target}.") and name != f"{target}.{fmt.suffixes[0]}", name
+        indexed = shards[weight_map[name]]
+        (stale,) = [file for file, header in shards.items() if name in header and header is not indexed]
+        assert sorted(shards).index(stale) > sorted(shards).index(weight_map[name])  # read after the true one
+        from safetensors import safe_open
+
+        copies = [safe_open(str(directory / f), "pt").get_tensor(name) for f in (weight_map[name], stale)]
+        assert not torch.equal(*copies)
     elif kind in INDEX_EDITS:  # the index misstates exactly one tensor, the target's scale
         misstated = {n for n in stored | set(weight_map) if n not in shards.get(weight_map.get(n), {})}
         (name,) = misstated

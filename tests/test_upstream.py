@@ -571,7 +571,18 @@ def test_unexpressible_reproducers_are_refused_in_one_line(case):
     assert "\n" not in str(refused.value) and f"harness check {issue_id}" in str(refused.value)
 
 
+#: known issues whose standalone script cannot judge them yet, each reproduced by `harness check`
+#: (tests/differential/test_known_issues.py replays it through the harness)
+WITHOUT_SCRIPT = {
+    # vLLM repacks the weights; its script judges layer sizes and a finite forward, and a stale x2
+    # scale passes both (the harness reads vLLM's parameters before the repack)
+    "vllm-unlisted-stale-duplicate-loaded",
+}
+
+
 def test_every_known_issue_has_a_standalone_script():
     """issue #15: every known issue has a reproducer that runs without this project. A new entry
-    whose recipe the scripts cannot write fails here until parts/ learn it."""
-    assert not UNEXPRESSIBLE, {issue.id: unscriptable(from_issue(issue)) for issue in UNEXPRESSIBLE}
+    whose recipe the scripts cannot write fails here until parts/ learn it (or WITHOUT_SCRIPT
+    names it, with why)."""
+    missing = {issue.id: unscriptable(from_issue(issue)) for issue in UNEXPRESSIBLE}
+    assert set(missing) == WITHOUT_SCRIPT, missing

@@ -101,7 +101,7 @@ def target_module(linear_modules: list[str]) -> str:
 
 def main_scale(suffixes: list[str], marker: str) -> str:
     """The scale a loader cannot do without: the marker when it is a scale, else the first scale."""
-    scales = [s for s in suffixes if s not in ("weight", "weight_packed", "input_scale")]
+    scales = [s for s in suffixes if s not in ("weight", "weight_packed", "qweight", "input_scale")]
     return marker if marker in scales else scales[0]
 
 

@@ -452,7 +452,7 @@ class Mxfp4Kernel:
         whole = width // self.group_bytes
         table = self.pair_table(out.dtype, out.device)
         packed = tensors[self.packed].contiguous()
-        scale_codes = tensors[self.scale].contiguous()
+        scale_codes = tensors[self.scale].contiguous().view(torch.uint8)  # E8M0 by its bits, typed or not
         pairs = out.view(table.dtype)
         tile_rows = max(1, runner.tile_elements // cols)
 
