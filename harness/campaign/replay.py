@@ -38,6 +38,8 @@ def reproduce_known_issue(issue: KnownIssue, session: EngineSession, work: Path)
     version = session.versions[issue.engine]
     if not issue.applies_to(issue.engine, version):
         return f"skipped: {issue.engine} {version} is outside {issue.versions}", []
+    if issue.outside_this_machine():
+        return f"skipped: {issue.outside_this_machine()}", []
     recipe = Recipe.from_json({"seed": 0, **issue.reproducer})
     engines = judged_with_reference(issue.engine)
     relations = RELATION_NAMES if "relation" in issue.kinds else ()  # a relation finding shows only when checked

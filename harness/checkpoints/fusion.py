@@ -43,7 +43,8 @@ def shares_scales(fmt, knobs: Mapping) -> bool:
     """True when the format's scale blocks are one row or the whole tensor: parts stacked by
     rows then quantize to exactly the tensors each part would store with a shared scale."""
     probe = (4099, 4096)  # rows no block edge divides
-    return fmt.scale_block(fmt.resolve_knobs(knobs), probe)[0] in (1, probe[0])
+    resolved = fmt.resolve_knobs(knobs)
+    return fmt.splits_by_rows(resolved) and fmt.scale_block(resolved, probe)[0] in (1, probe[0])
 
 
 def quantize_shared(

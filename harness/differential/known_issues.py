@@ -64,6 +64,18 @@ class KnownIssue:
     dtypes: list[str] | None = None
     upstream: str = ""
     status: str = "open"
+
+    def outside_this_machine(self) -> str | None:
+        """Why this machine cannot show the issue (a precondition on `isa` alone that is false
+        here), else None."""
+        from harness.core.machine import isa_class
+
+        here = {"isa": isa_class()}
+        for predicate in self.when:
+            if predicate.names == {"isa"} and not predicate.holds(here):
+                return f"this machine's kind ({here['isa']}) is outside {predicate.text!r}"
+        return None
+
     raw: dict = field(default_factory=dict)
 
     def applies_to(self, engine: str, version: str) -> bool:

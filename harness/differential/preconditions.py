@@ -18,6 +18,7 @@ from typing import Any
 
 from harness.core.errors import HarnessError
 from harness.core.findings import Finding
+from harness.core.machine import isa_class
 
 #: config.json fields always in the context (every scalar top-level field is; these are promised)
 CONFIG_NAMES = (
@@ -35,7 +36,9 @@ CONFIG_NAMES = (
 #: derived from the config: bytes per element of its dtype, and one routed expert's intermediate
 #: size under whatever field the architecture keeps it (Mixtral's intermediate_size, the others'
 #: moe_intermediate_size); only for a registered mixture-of-experts architecture
-DERIVED_NAMES = ("dtype_bytes", "expert_width")
+#: `isa`: this machine's instruction-set class (harness.core.machine.isa_class: amx-fp8, amx,
+#: avx512-bf16, avx512, avx2), for an engine whose kernel, and so whose bug, depends on it
+DERIVED_NAMES = ("dtype_bytes", "expert_width", "isa")
 #: names of a finding about one module (weight-mismatch etc.)
 MODULE_NAMES = ("rows", "cols", "block_rows", "block_cols", "partial", "expert", "tp", "parallel")
 
@@ -235,6 +238,7 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
         context["quant_method"] = quantization["quant_method"]
     context["dtype"] = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
     context |= derived_facts(config, context["dtype"])
+    context["isa"] = isa_class()
     hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
     if config.get("head_dim") is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
         context["head_dim"] = hidden // heads

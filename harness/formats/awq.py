@@ -141,6 +141,9 @@ class Awq(QuantFormat):
     def scale_block(self, knobs, shape):
         return 1, knobs["group_size"]
 
+    def splits_by_rows(self, knobs):
+        return False  # outputs lie along dim 1 (qweight, scales), packed in qzeros
+
     def subnormal_amax(self, knobs, weight_amax):
         # float16 scales: subnormal below 2**-14; a one-signed group's scale = amax / 15
         return MAXQ * 2.0**-20

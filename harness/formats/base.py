@@ -106,6 +106,11 @@ class QuantFormat:
         """An amax for one scale block that makes its stored scale subnormal in its dtype."""
         raise NotImplementedError
 
+    def splits_by_rows(self, knobs: Mapping[str, Any]) -> bool:
+        """Whether every tensor a module stores holds its output rows unpacked along dim 0, so that
+        the rows of a weight stacked from parts split back into each part's tensors."""
+        return True
+
 
 def require_finite(name: str, tensor: torch.Tensor) -> None:
     """Refuse scales that are NaN or infinite: no definition gives them a meaning."""

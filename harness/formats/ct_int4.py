@@ -238,6 +238,9 @@ class CtPackQuantized(QuantFormat):
     def scale_block(self, knobs, shape):
         return 1, knobs["group_size"]
 
+    def splits_by_rows(self, knobs):
+        return knobs.get("symmetric", True)  # zero points are packed across rows
+
     def subnormal_amax(self, knobs, weight_amax):
         # scale = amax / ((qmax - qmin) / 2) = 2**-130: subnormal in bfloat16 and float32 (normal
         # down to 2**-126); a float16 model's scale underflows to 0 and becomes eps instead.

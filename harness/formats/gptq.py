@@ -251,6 +251,9 @@ class Gptq(QuantFormat):
     def scale_block(self, knobs, shape):
         return 1, (shape[1] if knobs["group_size"] == -1 else knobs["group_size"])
 
+    def splits_by_rows(self, knobs):
+        return False  # outputs lie along dim 1 (qweight, scales), packed in qzeros
+
     def subnormal_amax(self, knobs, weight_amax):
         # float16 scales: subnormal below 2**-14; scale = 2 * amax / (2**b - 1) (symmetric span)
         return (2 ** knobs["bits"] - 1) / 2 * 2.0**-20

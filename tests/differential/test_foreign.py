@@ -100,15 +100,15 @@ def test_qwen3_moe_as_transformers_saves_it_is_clean_against_the_reference(tmp_p
 
 
 def test_a_scheme_the_harness_does_not_define_is_unsupported_with_exit_2(tmp_path):
-    def asymmetric(config):
-        config["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    def per_channel(config):  # int4 weights per channel (strategy channel, no group size)
+        config["quantization_config"]["config_groups"]["group_0"]["weights"].update(strategy="channel", group_size=None)
 
-    directory = foreign(tmp_path, saved_config=asymmetric, format="ct-int4")
+    directory = foreign(tmp_path, saved_config=per_channel, format="ct-int4")
     for command in ("compare", "audit"):
         result = cli(command, directory, *(["--engines", "reference"] if command == "compare" else []))
         assert result.returncode == 2, result.stdout + result.stderr
         (line,) = result.stderr.strip().splitlines()
-        assert line.startswith("unsupported: ") and "symmetric" in line, line
+        assert line.startswith("unsupported: ") and "channel" in line, line
 
 
 def test_an_error_inside_layout_detection_is_an_error(monkeypatch):
