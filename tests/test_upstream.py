@@ -550,7 +550,7 @@ def test_upstream_usage_errors_exit_2(argv, tmp_path, capsys):
 UNEXPRESSIBLE_CHANGES = {
     "fused-part scales": ("transformers-fp8-block-grid-inferred-from-shape", {"layout": {"fused_scales": "shared"}}),
     "expert weights in vLLM": ("vllm-ct-moe-expert-without-scale-loads", {"kinds": ["weight-mismatch"]}),
-    "ct-int4": ("transformers-fp8-block-grid-inferred-from-shape", {"format": "ct-int4"}),
+    "gptq": ("transformers-fp8-block-grid-inferred-from-shape", {"format": "gptq"}),
     "activations in bfloat16": (
         "transformers-fp8-block-cpu-activations-unquantized",
         {"layout": {"dtype": "bfloat16"}},

@@ -102,7 +102,8 @@ def target_module(linear_modules: list[str]) -> str:
 def main_scale(suffixes: list[str], marker: str) -> str:
     """The scale a loader cannot do without: the marker when it is a scale, else the first scale."""
     scales = [s for s in suffixes if s not in ("weight", "weight_packed", "qweight", "input_scale")]
-    return marker if marker in scales else scales[0]
+    named = [s for s in scales if "scale" in s]  # GPTQ/AWQ: `scales` before `qzeros`
+    return marker if marker in scales else (named or scales)[0]
 
 
 def edit_tensors(kind: str, module: str, tensors: dict[str, torch.Tensor], marker: str) -> list[str]:
