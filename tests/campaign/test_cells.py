@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from harness.campaign.cells import Coverage, parse_shard, shard_cells
 from harness.campaign.strategies import recipes
+from harness.checkpoints.disagreements import CHOICES as DISAGREEMENT_CHOICES
 from harness.checkpoints.recipe import PERTURB_DEFAULTS
 from harness.core.errors import HarnessError
-from harness.checkpoints.disagreements import CHOICES as DISAGREEMENT_CHOICES
 from harness.formats import FORMAT_NAMES, get_format
 
 COVERAGE = Coverage.load()
