@@ -32,11 +32,10 @@ from harness.formats.base import (
     Knob,
     QuantFormat,
     QuantizedWeight,
-    require_dtype,
     require_finite,
     require_shape,
-    require_tensor,
 )
+from harness.formats.gptq import packed_tensors
 from harness.formats.int_packing import AWQ_ORDER
 
 QUANT_METHOD = "awq"
@@ -45,7 +44,6 @@ BITS = 4
 MAXQ = 2**BITS - 1
 PER_WORD = 32 // BITS
 GROUP_SIZES = (32, 64, 128)
-SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class Awq(QuantFormat):
@@ -120,12 +118,7 @@ class Awq(QuantFormat):
         return result
 
     def dequantize(self, tensors, knobs):
-        qweight, qzeros, scales = (require_tensor(tensors, s) for s in ("qweight", "qzeros", "scales"))
-        for name, tensor in (("qweight", qweight), ("qzeros", qzeros)):
-            require_dtype(name, tensor, (torch.int32,))
-        require_dtype("scales", scales, SCALE_DTYPES)
-        if scales.dim() != 2 or qweight.dim() != 2:
-            raise FormatError(f"qweight {list(qweight.shape)} and scales {list(scales.shape)} must be 2-D")
+        qweight, qzeros, scales = packed_tensors(tensors)
         group = knobs["group_size"]
         cols, rows = qweight.shape[0], scales.shape[1]
         groups = ceil_div(cols, group)

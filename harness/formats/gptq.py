@@ -111,6 +111,17 @@ def gptq_qparams(weight: torch.Tensor, members: torch.Tensor, bits: int, symmetr
     return scale.to(torch.float16), zero.to(torch.int64)
 
 
+def packed_tensors(tensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ's and AWQ's qweight and qzeros (int32) and scales (a float dtype), each 2-D."""
+    qweight, qzeros, scales = (require_tensor(tensors, s) for s in ("qweight", "qzeros", "scales"))
+    for name, tensor in (("qweight", qweight), ("qzeros", qzeros)):
+        require_dtype(name, tensor, (torch.int32,))
+    require_dtype("scales", scales, SCALE_DTYPES)
+    if qweight.dim() != 2 or scales.dim() != 2:
+        raise FormatError(f"qweight {list(qweight.shape)} and scales {list(scales.shape)} must be 2-D")
+    return qweight, qzeros, scales
+
+
 class Gptq(QuantFormat):
     name = "gptq"
     description = "GPTQ int4/int8 (qweight packed along inputs, qzeros, float16 scales, g_idx; v1 or v2 zeros)"
@@ -216,12 +227,7 @@ class Gptq(QuantFormat):
         return result
 
     def dequantize(self, tensors, knobs):
-        qweight, qzeros, scales = (require_tensor(tensors, s) for s in ("qweight", "qzeros", "scales"))
-        for name, tensor in (("qweight", qweight), ("qzeros", qzeros)):
-            require_dtype(name, tensor, (torch.int32,))
-        require_dtype("scales", scales, SCALE_DTYPES)
-        if qweight.dim() != 2 or scales.dim() != 2:
-            raise FormatError(f"qweight {list(qweight.shape)} and scales {list(scales.shape)} must be 2-D")
+        qweight, qzeros, scales = packed_tensors(tensors)
         bits, group = knobs["bits"], knobs["group_size"]
         per = int_packing.slots_per_word(bits)
         rows = qweight.shape[1]
