@@ -561,10 +561,10 @@ def set_quant(ck: Path, value) -> None:
     edit_json(ck / "config.json", lambda config: config.__setitem__("quantization_config", value))
 
 
-@case("quant-method-awq", cli=True)
-def _(sandbox, ck):
-    set_quant(ck, {"quant_method": "awq", "bits": 4, "group_size": 128})
-    return Expect(["config.json", "awq"], "no supported format|unknown|unsupported")
+@case("quant-method-exl2", cli=True)
+def _(sandbox, ck):  # ExLlamaV2's format: real, and not one the harness defines
+    set_quant(ck, {"quant_method": "exl2", "bits": 4.0})
+    return Expect(["config.json", "exl2"], "no supported format|unknown|unsupported")
 
 
 @case("quant-method-garbage", cli=True)
@@ -801,7 +801,7 @@ def _(sandbox, ck):
 @case("gen-unknown-format", cli=True)
 def _(sandbox, ck):
     return Expect(
-        ["awq"], "unknown format", args=["gen", "--format", "awq", "--arch", "llama", "--out", str(sandbox / "new")]
+        ["exl2"], "unknown format", args=["gen", "--format", "exl2", "--arch", "llama", "--out", str(sandbox / "new")]
     )
 
 
