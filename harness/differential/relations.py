@@ -235,6 +235,10 @@ def _check_shards(relation: Relation, judgement: Judgement, engine: str) -> str:
     why = relation.inapplicable(judgement.config)
     if why or judgement.hazards:
         return f"not checked: {why or 'a hostile layout'}"
+    if judgement.fmt is not None and not judgement.fmt.splits_by_rows(judgement.knobs or {}):
+        # GPTQ/AWQ hold outputs along dim 1, asymmetric zero points are packed across rows: the
+        # emulation slices row-major tensors only
+        return f"not checked: {judgement.fmt.name} does not store each output row on its own (its slices are not rows)"
     layers = sorted({0, first_sparse_layer(judgement.config) or 0})
     try:
         worker = judgement.session.helper(engine, WORKER_SPEC, relation.name)
