@@ -88,11 +88,6 @@ def ct_int_qparams(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: boo
     return torch.where(scale == 0, eps, scale), torch.round(zero).to(torch.int8)
 
 
-def ct_int4_scale(group_amax: torch.Tensor) -> torch.Tensor:
-    """`calculate_qparams`, symmetric int4: amax / ((7 - -8) / 2) in amax's dtype; 0 -> finfo.eps."""
-    return ct_int_qparams(-group_amax, group_amax, 4, True)[0]
-
-
 def pack_codes(codes: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
     """Signed codes -> int32 words along `dim`, offset-binary (compressed-tensors' `pack_to_int32`)."""
     return int_packing.pack(codes.to(torch.int64) + 2 ** (bits - 1), bits, dim)
