@@ -239,25 +239,30 @@ def stored_names(directory: str | Path) -> list[str] | None:
         return None
 
 
+#: integer dtypes a weight holds codes in (ct-w8a8's int8, MXFP4 blocks)
+CODE_DTYPES = (torch.uint8, torch.int8)
+
+
 def held_weights(model, fmt=None, knobs=None) -> dict[str, torch.Tensor]:
     """The model's parameters under canonical names, float32. A Linear that still holds packed
     tensors (its weight not floating point, or FP8) is dequantized with the format's reference
-    from exactly the tensors it holds."""
+    from exactly the tensors it holds; one that holds codes but not the format's scale (a module
+    the loader took for unquantized) holds the codes as its values."""
     result = {}
     for module_name, module in model.named_modules():
         params = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
         if not params:
             continue
-        packed = "weight" in params and (params["weight"].dtype in (torch.float8_e4m3fn, torch.uint8, torch.int8))
+        packed = "weight" in params and (params["weight"].dtype in (torch.float8_e4m3fn, *CODE_DTYPES))
         packed = packed or ("weight_packed" in params)
-        if packed and fmt is not None:
+        if packed and fmt is not None and fmt.marker in params:
             tensors = {k: v for k, v in params.items() if k in fmt.suffixes}
-            result[canonical_name(f"{module_name}.weight")] = fmt.dequantize(tensors, knobs).to(torch.float32)
+            result[canonical_name(f"{module_name}.weight")] = fmt.dequantize_held(tensors, knobs).to(torch.float32)
             if "bias" in params:
                 result[canonical_name(f"{module_name}.bias")] = params["bias"].float()
             continue
         for name, tensor in params.items():
-            if name in COMPARED and tensor.is_floating_point():
+            if name in COMPARED and (tensor.is_floating_point() or tensor.dtype in CODE_DTYPES):
                 result[canonical_name(f"{module_name}.{name}" if module_name else name)] = tensor.float()
     return result
 

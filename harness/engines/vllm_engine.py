@@ -385,7 +385,7 @@ class VllmEngine(Engine):
             return weight
         if self.fmt is None:
             raise RuntimeError(f"{name} holds {weight.dtype} weights but config.json declares no quantization format")
-        return self.fmt.dequantize({s: t for s, t in tensors.items() if s in self.fmt.suffixes}, self.knobs)
+        return self.fmt.dequantize_held({s: t for s, t in tensors.items() if s in self.fmt.suffixes}, self.knobs)
 
     def dequantized_parts(self, module: str, tensors: dict, info: dict) -> dict[str, torch.Tensor]:
         """Dequantize one packed Linear as vLLM's kernel reads it; fused parts come back split."""
@@ -415,13 +415,13 @@ class VllmEngine(Engine):
                     else tensor[start : start + rows]
                     for suffix, tensor in held.items()
                 }
-                result[f"{module.rpartition('.')[0]}.{part}.weight"] = self.fmt.dequantize(piece, self.knobs)
+                result[f"{module.rpartition('.')[0]}.{part}.weight"] = self.fmt.dequantize_held(piece, self.knobs)
                 start += rows
             return result
         if "input_scale" in held and held["input_scale"].numel() > 1:
             # one static activation scale per fused part; vLLM runs the fused layer with their max
             held["input_scale"] = held["input_scale"].amax().reshape(1)
-        weight = self.fmt.dequantize(held, self.knobs)
+        weight = self.fmt.dequantize_held(held, self.knobs)
         if not parts:
             return {"weight": weight}
         return split_rows(module, "weight", weight, parts)

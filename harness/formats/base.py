@@ -8,6 +8,7 @@ written from the format's definition. Formats never import an engine.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,16 @@ class QuantFormat:
         """Reference dequantization to float64 [N, K]; raise FormatError on malformed input."""
         raise NotImplementedError
 
+    def dequantize_held(self, tensors: Mapping[str, torch.Tensor], knobs: Mapping[str, Any]) -> torch.Tensor:
+        """An engine's held tensors decoded as they are. A non-finite scale an engine holds (a slot
+        its loader never wrote, left uninitialised) is the engine's state, judged as its weights
+        (non-finite or mismatched), not a file to refuse; malformed shapes still raise."""
+        token = _FINITE_REQUIRED.set(False)
+        try:
+            return self.dequantize(tensors, knobs)
+        finally:
+            _FINITE_REQUIRED.reset(token)
+
     def scale_block(self, knobs: Mapping[str, Any], shape: tuple[int, int]) -> tuple[int, int]:
         """The [rows, cols] region of a weight of `shape` that shares one scale."""
         raise NotImplementedError
@@ -112,12 +123,19 @@ class QuantFormat:
         return True
 
 
-def require_finite(name: str, tensor: torch.Tensor) -> None:
-    """Refuse scales that are NaN or infinite: no definition gives them a meaning."""
+#: False while an engine's held state is decoded (QuantFormat.dequantize_held)
+_FINITE_REQUIRED: ContextVar[bool] = ContextVar("finite_required", default=True)
+
+
+def require_finite(name: str, tensor: torch.Tensor, why: str = "") -> None:
+    """Refuse scales that are NaN or infinite in a checkpoint: no definition gives them a meaning."""
+    if not _FINITE_REQUIRED.get():
+        return
     values = tensor.to(torch.float64)
     bad = ~torch.isfinite(values)
     if bad.any():
-        raise FormatError(f"{name} has {int(bad.sum())} non-finite value(s)")
+        detail = f" ({why})" if why else ""
+        raise FormatError(f"{name} has {int(bad.sum())} non-finite value(s){detail}")
 
 
 def require_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:

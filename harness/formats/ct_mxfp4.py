@@ -38,6 +38,7 @@ from harness.formats.base import (
     QuantFormat,
     QuantizedWeight,
     require_dtype,
+    require_finite,
     require_shape,
     require_tensor,
 )
@@ -101,7 +102,7 @@ def e8m0_codes(scale: torch.Tensor) -> torch.Tensor:
 
 
 def decode_e8m0(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 E8M0 codes -> float64 2**(code - 127) (the reference; 0xFF must be refused before)."""
+    """uint8 E8M0 codes -> float64 2**(code - 127) (0xFF, NaN, is the caller's to handle)."""
     codes = e8m0_codes(codes)
     return torch.ldexp(torch.ones(codes.shape, dtype=torch.float64), codes.to(torch.int64) - E8M0_BIAS)
 
@@ -201,10 +202,9 @@ class CtMxfp4(QuantFormat):
         require_shape(
             "weight_scale", scale, (rows, groups), f"one E8M0 scale per {GROUP} columns of K {cols}, the last partial"
         )
-        nan = scale == E8M0_NAN
-        if nan.any():
-            raise FormatError(f"weight_scale has {int(nan.sum())} non-finite value(s) (E8M0 NaN code 0xFF)")
-        return unpack_e2m1(packed, cols) * expand_block_grid(decode_e8m0(scale), rows, cols, (1, GROUP))
+        decoded = torch.where(scale == E8M0_NAN, torch.tensor(float("nan"), dtype=torch.float64), decode_e8m0(scale))
+        require_finite("weight_scale", decoded, "E8M0 NaN code 0xFF")
+        return unpack_e2m1(packed, cols) * expand_block_grid(decoded, rows, cols, (1, GROUP))
 
     def scale_block(self, knobs, shape):
         return 1, GROUP

@@ -308,7 +308,7 @@ def dequantize_held(shard: Shard, truth: Truth) -> dict[str, torch.Tensor]:
     per_part = len(layout) > 1 and any(t.dim() == 1 and t.numel() == len(layout) for t in quantized.values())
     if not per_part:
         total = sum(rows for _, _, rows in layout)
-        whole = fmt.dequantize(with_shape(quantized, total, columns) if shaped else quantized, knobs)
+        whole = fmt.dequantize_held(with_shape(quantized, total, columns) if shaped else quantized, knobs)
         return {part.name: whole[start : start + rows] for part, start, rows in layout}
     result = {}
     for index, (part, start, rows) in enumerate(layout):
@@ -316,7 +316,7 @@ def dequantize_held(shard: Shard, truth: Truth) -> dict[str, torch.Tensor]:
             s: t[index : index + 1] if t.dim() == 1 and t.numel() == len(layout) else t[start : start + rows]
             for s, t in quantized.items()
         }
-        result[part.name] = fmt.dequantize(with_shape(piece, rows, columns) if shaped else piece, knobs)
+        result[part.name] = fmt.dequantize_held(with_shape(piece, rows, columns) if shaped else piece, knobs)
     return result
 
 
