@@ -4,6 +4,12 @@ Tensors: `weight` float8_e4m3fn [N, K] and `weight_scale_inv` [ceil(N/bn), ceil(
 (float32 normally). Despite its name the scale is a multiplier: W = w * scale_inv per
 block, edge blocks partial. Config: `quant_method: fp8`, `weight_block_size` [bn, bk]
 (a scalar or one-element list means a square block), default [128, 128].
+
+`scale_fmt: ue8m0` (DeepSeek-V3.1, transformers' FineGrainedFP8Config) declares every scale a
+power of two: the quantizer rounds amax / 448 up to one, 2**ceil(log2(.)), and divides the
+weights by it. The scale is then stored in float32 (DeepSeek-V3.1), typed float8_e8m0fnu
+(transformers' own quantizer) or as its E8M0 bytes in uint8 (MXFP8 checkpoints); the last two
+are read by their bits: byte c means 2**(c - 127).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from typing import Any
 
 import torch
 
-from harness.core.errors import UnsupportedFormat
+from harness.core.errors import HarnessError, UnsupportedFormat
 from harness.core.numerics import E4M3_MAX, ceil_div, decode_e4m3, encode_e4m3
 from harness.formats.base import (
     FormatError,
@@ -25,6 +31,12 @@ from harness.formats.base import (
 )
 
 SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: knob `scale_fmt`: "float" (amax / 448 in scale_dtype), or power-of-two scales declared
+#: `scale_fmt: ue8m0` and stored in scale_dtype ("ue8m0"), typed float8_e8m0fnu ("ue8m0-e8m0fnu")
+#: or as E8M0 bytes ("ue8m0-uint8"); "ue8m0-unrounded" is a perturbation: declared ue8m0, stored
+#: amax / 448 (not powers of two): a loader must use the stored values or refuse, never round them
+SCALE_FMTS = ("float", "ue8m0", "ue8m0-e8m0fnu", "ue8m0-uint8", "ue8m0-unrounded")
+E8M0_STORAGE = {"ue8m0-e8m0fnu": torch.float8_e8m0fnu, "ue8m0-uint8": torch.uint8}
 
 
 def parse_block_size(value: Any) -> tuple[int, int]:
@@ -62,10 +74,16 @@ def block_amax(weight: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return padded.reshape(gn, bn, gk, bk).amax(dim=(1, 3))
 
 
-def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int], scale_dtype: torch.dtype):
-    """scale = amax/448 per block (1.0 for an all-zero block), q = clamp(w/scale) -> e4m3."""
+def quantize_fp8_blocks(
+    weight: torch.Tensor, block: tuple[int, int], scale_dtype: torch.dtype, power_of_two: bool = False
+):
+    """scale = amax/448 per block (1.0 for an all-zero block), rounded up to a power of two where
+    asked (UE8M0), q = clamp(w/scale) -> e4m3."""
     amax = block_amax(weight, block)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).to(scale_dtype)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    if power_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    scale = scale.to(scale_dtype)
     expanded = expand_block_grid(scale.to(torch.float32), *weight.shape, block)
     quantized = encode_e4m3(weight.to(torch.float32) / expanded)
     return quantized, scale
@@ -76,6 +94,8 @@ def block_truth(quantized: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     rows, cols = quantized.shape
     row_block = torch.arange(rows) // block[0]
     col_block = torch.arange(cols) // block[1]
+    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+        scale = decode_ue8m0("scale", scale)
     per_element = scale.to(torch.float64)[row_block][:, col_block]
     return quantized.to(torch.float64) * per_element
 
@@ -83,7 +103,7 @@ def block_truth(quantized: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], scale_name: str):
     """Reference: decode e4m3 from its bits, multiply by the block's scale."""
     require_dtype("weight", weight, (torch.float8_e4m3fn,))
-    require_dtype(scale_name, scale, (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu))
+    require_dtype(scale_name, scale, (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu, torch.uint8))
     if weight.dim() != 2:
         raise FormatError(f"weight has {weight.dim()} dimensions, expected 2")
     rows, cols = weight.shape
@@ -93,17 +113,25 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tupl
             f"{scale_name} has shape {list(scale.shape)} but weight [{rows}, {cols}] with block "
             f"{list(block)} needs the grid {list(grid)}"
         )
-    scale = decode_ue8m0(scale_name, scale) if scale.dtype == torch.float8_e8m0fnu else scale
+    scale = decode_ue8m0(scale_name, scale) if scale.dtype in (torch.float8_e8m0fnu, torch.uint8) else scale
     require_finite(scale_name, scale)
     return decode_e4m3(weight) * expand_block_grid(scale.to(torch.float64), rows, cols, block)
 
 
 def decode_ue8m0(name: str, scale: torch.Tensor) -> torch.Tensor:
-    """Power-of-two scales stored as float8_e8m0fnu (transformers' `scale_fmt: ue8m0`), decoded from
-    their bits: code c means 2**(c - 127); 0xFF is NaN."""
+    """Power-of-two scales stored as float8_e8m0fnu or E8M0 bytes in uint8 (`scale_fmt: ue8m0`),
+    decoded from their bits: code c means 2**(c - 127); 0xFF is NaN."""
     codes = scale.view(torch.uint8).to(torch.int64)
     decoded = torch.ldexp(torch.ones(codes.shape, dtype=torch.float64), codes - 127)
     return torch.where(codes == 255, torch.tensor(float("nan"), dtype=torch.float64), decoded)
+
+
+def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """Powers of two as their E8M0 bytes (2**e -> e + 127), uint8."""
+    codes = torch.log2(scale.to(torch.float64)).round() + 127
+    if codes.min() < 0 or codes.max() > 254:
+        raise HarnessError(f"a scale of 2**{int(codes.min()) - 127} has no E8M0 code (2**-127 .. 2**127)")
+    return codes.to(torch.uint8)
 
 
 def transpose_scale_grid(result: QuantizedWeight, scale_name: str, block: tuple[int, int]) -> None:
@@ -137,6 +165,7 @@ class Fp8Block(QuantFormat):
         "block_size_style": Knob("list", ("list", "one-element", "scalar"), "how weight_block_size is written"),
         "scale_dtype": Knob("float32", tuple(SCALE_DTYPES), "dtype of weight_scale_inv"),
         "scale_layout": Knob("normal", ("normal", "transposed"), "store the grid transposed (a perturbation)"),
+        "scale_fmt": Knob("float", SCALE_FMTS, "power-of-two (UE8M0) scales and how they are stored"),
     }
 
     def resolve_knobs(self, overrides):
@@ -156,24 +185,40 @@ class Fp8Block(QuantFormat):
     def quantization_config(self, knobs, ignore):
         rows, cols = knobs["block_rows"], knobs["block_cols"]
         block = {"list": [rows, cols], "one-element": [rows], "scalar": rows}[knobs["block_size_style"]]
-        return {
+        config = {
             "quant_method": "fp8",
             "activation_scheme": "dynamic",
             "fmt": "e4m3",
             "weight_block_size": block,
             "modules_to_not_convert": list(ignore),
         }
+        if knobs.get("scale_fmt", "float") != "float":
+            config["scale_fmt"] = "ue8m0"
+        return config
 
     def knobs_from_config(self, quantization_config):
         rows, cols = parse_block_size(quantization_config.get("weight_block_size"))
-        return {"block_rows": rows, "block_cols": cols}
+        scale_fmt = quantization_config.get("scale_fmt", "float")
+        if scale_fmt not in ("float", "ue8m0"):
+            raise FormatError(f"scale_fmt {scale_fmt!r} is not 'float' or 'ue8m0'")
+        return {"block_rows": rows, "block_cols": cols, "scale_fmt": scale_fmt}
 
     def quantize(self, weight, knobs, *, model_dtype, activation_amax):
         block = (knobs["block_rows"], knobs["block_cols"])
-        quantized, scale = quantize_fp8_blocks(weight, block, SCALE_DTYPES[knobs["scale_dtype"]])
+        scale_fmt = knobs.get("scale_fmt", "float")
+        rounded = scale_fmt not in ("float", "ue8m0-unrounded")
+        quantized, scale = quantize_fp8_blocks(weight, block, SCALE_DTYPES[knobs["scale_dtype"]], rounded)
         result = QuantizedWeight(
             {"weight": quantized, "weight_scale_inv": scale}, truth=block_truth(quantized, scale, block)
         )
+        if scale_fmt in E8M0_STORAGE:  # the same powers of two, stored as their E8M0 bytes
+            result.tensors["weight_scale_inv"] = e8m0_bytes(scale).view(E8M0_STORAGE[scale_fmt])
+        if scale_fmt == "ue8m0-unrounded":
+            result.expectation = "exact-or-refuse"
+            result.notes.append(
+                "scale_fmt ue8m0 declared, scales stored as amax / 448 (not powers of two): "
+                "use them as stored or refuse; rounding them moves every weight of the block"
+            )
         if knobs["scale_layout"] == "transposed":
             transpose_scale_grid(result, "weight_scale_inv", block)
         return result
@@ -189,6 +234,8 @@ class Fp8Block(QuantFormat):
         block = (knobs["block_rows"], knobs["block_cols"])
         weight = require_tensor(tensors, "weight")
         scale = require_tensor(tensors, "weight_scale_inv")
+        if scale.dtype == torch.uint8 and knobs.get("scale_fmt", "float") == "float":
+            raise FormatError("weight_scale_inv is uint8 (E8M0 bytes) but the config does not declare scale_fmt ue8m0")
         return dequantize_fp8_blocks(weight, scale, block, "weight_scale_inv")
 
 

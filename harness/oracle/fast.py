@@ -243,7 +243,12 @@ class Fp8Kernel:
     def fill(self, out, fmt, knobs, tensors, runner: TileRunner) -> None:
         rows, cols = out.shape
         block_rows, block_cols = fmt.scale_block(knobs, (rows, cols))
-        grid = tensors[self.scale].to(torch.float32).reshape(ceil_div(rows, block_rows), ceil_div(cols, block_cols))
+        stored = tensors[self.scale]
+        if stored.dtype in (torch.uint8, torch.float8_e8m0fnu):  # UE8M0 block scales, by their bits
+            grid = torch.exp2(stored.view(torch.uint8).to(torch.float32) - 127)
+        else:
+            grid = stored.to(torch.float32)
+        grid = grid.reshape(ceil_div(rows, block_rows), ceil_div(cols, block_cols))
         bn, bk = min(block_rows, rows), min(block_cols, cols)
         whole, full = cols // bk, cols // bk * bk
         codes = tensors[self.packed].contiguous().view(torch.uint8)

@@ -1,5 +1,10 @@
 """FP8 with a grid of scales: FineGrainedFP8, compressed-tensors float-quantized, ModelOpt FP8.
 
+KNOBS["scale_fmt"] (fp8-block): "ue8m0*" round each scale up to a power of two before quantizing
+(config `scale_fmt: ue8m0`), stored in the scale dtype, typed float8_e8m0fnu ("ue8m0-e8m0fnu") or
+as E8M0 bytes in uint8 ("ue8m0-uint8"), read by their bits; "ue8m0-unrounded" declares ue8m0 and
+stores amax / 448 unrounded.
+
 Definitions:
   fp8-block: W = fp8 * weight_scale_inv of its [{block_rows}, {block_cols}] block (edge blocks partial)
   ct-fp8-tensor: W = fp8 * weight_scale (one per tensor)
@@ -21,6 +26,9 @@ E4M3_MAX = 448.0
 #: tensor, channel or block
 STRATEGY = {"fp8-block": "block", "modelopt-fp8": "tensor"}.get(FORMAT, FORMAT.rpartition("-")[2])
 SCALE_NAME = "weight_scale_inv" if FORMAT == "fp8-block" else "weight_scale"
+SCALE_FMT = KNOBS.get("scale_fmt", "float")
+#: UE8M0 scales stored as their E8M0 bytes (2**e -> e + 127)
+E8M0_STORAGE = {"ue8m0-e8m0fnu": torch.float8_e8m0fnu, "ue8m0-uint8": torch.uint8}.get(SCALE_FMT)
 
 
 def scale_block(shape) -> tuple[int, int]:
@@ -52,12 +60,15 @@ def quantize_weight(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     padded = torch.zeros(grid_rows * bn, grid_cols * bk)
     padded[:rows, :cols] = weight.float().abs()
     amax = padded.reshape(grid_rows, bn, grid_cols, bk).amax(dim=(1, 3))
-    scale = (amax / E4M3_MAX).to(scale_dtype())
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    if SCALE_FMT not in ("float", "ue8m0-unrounded"):  # UE8M0: rounded up to a power of two
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    scale = scale.to(scale_dtype())
     quantized = (weight.float() / expand(scale.float(), rows, cols, (bn, bk))).clamp(-E4M3_MAX, E4M3_MAX)
+    stored = (torch.log2(scale.double()).round() + 127).to(torch.uint8).view(E8M0_STORAGE) if E8M0_STORAGE else scale
     tensors = {
         "weight": quantized.to(torch.float8_e4m3fn),
-        SCALE_NAME: scale.reshape(1) if STRATEGY == "tensor" else scale,
+        SCALE_NAME: stored.reshape(1) if STRATEGY == "tensor" else stored,
     }
     if KNOBS.get("input_scale"):  # a static per-tensor activation scale
         tensors["input_scale"] = torch.tensor([LAYOUT["activation_amax"] / E4M3_MAX]).to(scale_dtype())
@@ -71,7 +82,10 @@ def dequantize_definition(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """W = fp8 * scale of its block, in float64."""
     weight = tensors["weight"]
     rows, cols = weight.shape
-    scale = tensors[SCALE_NAME].to(torch.float64)
+    scale = tensors[SCALE_NAME]
+    if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):  # E8M0 bytes, read by their bits
+        scale = torch.exp2(scale.view(torch.uint8).double() - 127)
+    scale = scale.to(torch.float64)
     scale = scale.reshape(1, 1) if STRATEGY == "tensor" else scale
     return weight.to(torch.float64) * expand(scale, rows, cols, scale_block((rows, cols)))
 
