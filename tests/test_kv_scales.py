@@ -22,6 +22,7 @@ FORMAT_OF = {
     "output_scale": "ct-fp8-tensor",
     "proj": "modelopt-nvfp4",
     "k-only": "ct-nvfp4",
+    "v-only": "ct-fp8-channel",
     "declared-only": "ct-fp8-channel",
 }
 
@@ -57,7 +58,7 @@ def test_a_correct_loader_passes_and_a_one_naming_loader_is_caught(kind, session
     generate(recipe, tmp_path / "c")
     checkpoint = Checkpoint(tmp_path / "c")
     scales = {n: checkpoint.tensor(n) for n in checkpoint.names() if is_kv_scale(n)}
-    assert len(scales) == {"k-only": 2, "declared-only": 0}.get(kind, 4)
+    assert len(scales) == {"k-only": 2, "v-only": 2, "declared-only": 0}.get(kind, 4)
     assert len({float(t) for t in scales.values()}) == len(scales)
     assert all(tuple(t.shape) == (() if kind == "proj" else (1,)) for t in scales.values())
     config = checkpoint.quantization_config

@@ -123,8 +123,10 @@ class Coverage:
                     return None
             if section == "layout":  # values this format and architecture can carry
                 values = tuple(v for v in values if not layout_refusal(name, v, fmt, ARCHITECTURES[cell.arch], {}))
-            if key == "perturb.disagreement":  # kinds this format can carry (two shards are always given)
-                config = fmt.quantization_config(fmt.resolve_knobs({}), [])
+            if key == "perturb.disagreement":  # kinds this format can carry (two shards are always given,
+                # and a static input scale where the format can store one: recipes repair both)
+                static = {"input_scale": True} if "input_scale" in fmt.knobs else {}
+                config = fmt.quantization_config(fmt.resolve_knobs(static), [])
                 values = tuple(v for v in values if disagreements.applies(v, 2, config))
             if not values:
                 return None

@@ -380,6 +380,8 @@ def fit_recipe(recipe: Recipe) -> None:
         recipe.perturb["disagreement"] = kind = "none"
     if kind == "none":
         return
+    if disagreements.DISAGREEMENTS[kind].needs_static_inputs and "input_scale" in fmt.knobs:
+        recipe.knobs["input_scale"] = True
     config = fmt.quantization_config(fmt.resolve_knobs(recipe.knobs), [])
     if disagreements.DISAGREEMENTS[kind].needs_index and recipe.layout["shards"] < 2:
         recipe.layout["shards"] = 2

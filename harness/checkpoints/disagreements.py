@@ -21,6 +21,7 @@ class Disagreement:
     note: str
     needs_index: bool = False  # only a sharded checkpoint has an index to disagree with
     needs_status: bool = False  # only compressed-tensors declares a quantization_status
+    needs_static_inputs: bool = False  # only a static activation scheme stores an input scale
 
 
 DISAGREEMENTS = {
@@ -35,6 +36,12 @@ DISAGREEMENTS = {
     ),
     "missing-scale": Disagreement(
         "refuse", "its scale tensor is absent: a loader must refuse, never use an initial value"
+    ),
+    "missing-input-scale": Disagreement(
+        "refuse",
+        "its static activation scale (input_scale / input_global_scale) is absent: a loader must refuse, "
+        "never quantize its inputs with an initial value",
+        needs_static_inputs=True,
     ),
     "scale-renamed": Disagreement(
         "refuse",
@@ -84,6 +91,27 @@ def check(kind: str, shards: int, quantization_config: dict) -> None:
         raise HarnessError(f"disagreement={kind} needs shards >= 2 (an index to disagree with)")
     if DISAGREEMENTS[kind].needs_status and "quantization_status" not in quantization_config:
         raise HarnessError(f"disagreement={kind} needs a compressed-tensors format (quantization_status)")
+    if DISAGREEMENTS[kind].needs_static_inputs and not static_inputs(quantization_config):
+        raise HarnessError(
+            f"disagreement={kind} needs static activation scales (input_scale=true, ModelOpt, NVFP4 W4A4)"
+        )
+
+
+def static_inputs(quantization_config: dict) -> bool:
+    """Whether the config declares activations quantized with a stored scale: a config group's
+    input_activations not dynamic (compressed-tensors, ModelOpt; NVFP4's "local" keeps a stored
+    global scale), or FineGrainedFP8's activation_scheme static."""
+    if quantization_config.get("activation_scheme") == "static":
+        return True
+    groups = (quantization_config.get("config_groups") or {}).values()
+    return any(
+        isinstance(g, dict) and (g.get("input_activations") or {}).get("dynamic", True) is not True for g in groups
+    )
+
+
+def input_scale(suffixes: list[str]) -> str:
+    """A module's stored static activation scale."""
+    return next(s for s in suffixes if s in ("input_scale", "input_global_scale"))
 
 
 def applies(kind: str, shards: int, quantization_config: dict) -> bool:
@@ -109,9 +137,18 @@ def main_scale(suffixes: list[str], marker: str) -> str:
 def edit_tensors(kind: str, module: str, tensors: dict[str, torch.Tensor], marker: str) -> list[str]:
     """Apply a tensor-level disagreement to `tensors` (checkpoint names) in place; the names a
     correct loader leaves unused (an orphan scale) are returned."""
-    if kind not in ("missing-scale", "index-lists-absent-tensor", "scale-renamed", "orphan-scale"):
+    if kind not in (
+        "missing-scale",
+        "index-lists-absent-tensor",
+        "scale-renamed",
+        "orphan-scale",
+        "missing-input-scale",
+    ):
         return []
     suffixes = [name.removeprefix(f"{module}.") for name in tensors if name.startswith(f"{module}.")]
+    if kind == "missing-input-scale":
+        del tensors[f"{module}.{input_scale(suffixes)}"]
+        return []
     scale = main_scale(suffixes, marker)
     if kind in ("missing-scale", "index-lists-absent-tensor"):
         del tensors[f"{module}.{scale}"]

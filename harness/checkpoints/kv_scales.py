@@ -5,6 +5,7 @@ real checkpoints use, and the config fragment that declares them.
 - `output_scale`: `self_attn.k_proj.output_scale` / `v_proj.output_scale` (older compressed-tensors);
 - `proj`: `self_attn.k_proj.k_scale` / `v_proj.v_scale` (ModelOpt);
 - `k-only`: `self_attn.k_scale` without its `v_scale`: half of the pair (exact-or-refuse);
+- `v-only`: `self_attn.v_scale` without its `k_scale`: the other half (exact-or-refuse);
 - `declared-only`: the config declares the FP8 cache, no layer stores a scale (exact-or-refuse).
 
 A scale is kv_amax / 448 (the FP8 e4m3 maximum), typed and shaped as its producer writes it: [1]
@@ -22,7 +23,7 @@ import torch
 
 from harness.core.errors import HarnessError
 
-CHOICES = ("none", "self_attn", "output_scale", "proj", "k-only", "declared-only")
+CHOICES = ("none", "self_attn", "output_scale", "proj", "k-only", "v-only", "declared-only")
 FP8_MAX = 448.0
 #: tensor-name endings that are KV-cache scales, under every naming above
 SUFFIXES = (
@@ -68,6 +69,7 @@ def tensors(kind: str, settings: Mapping, amax: float, model_dtype: torch.dtype)
         "output_scale": ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
         "proj": ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"),
         "k-only": ("self_attn.k_scale",),
+        "v-only": ("self_attn.v_scale",),
     }.get(kind, ())
     result = {}
     for layer in range(settings["num_hidden_layers"]):
@@ -89,6 +91,7 @@ def declare(kind: str, quantization_config: dict) -> None:
 
 NOTES = {
     "k-only": ("exact-or-refuse", "only k_scale of the KV pair is present: refuse, never run v with a default scale"),
+    "v-only": ("exact-or-refuse", "only v_scale of the KV pair is present: refuse, never run k with a default scale"),
     "declared-only": (
         "exact-or-refuse",
         "the config declares an FP8 KV cache and no k/v scale is stored: refuse, never run it with default scales",

@@ -319,13 +319,14 @@ _KV_NAMINGS = {"self_attn.k_scale": "self_attn", "k_proj.output_scale": "output_
 
 
 def kv_naming(names: list[str]) -> str | None:
-    """The KV-scale naming a checkpoint's tensors use (`k-only` where keys have no value scales)."""
+    """The KV-scale naming a checkpoint's tensors use (`k-only` where keys have no value scales,
+    `v-only` where values have no key scales)."""
     for ending, naming in _KV_NAMINGS.items():
         keys = [n for n in names if n.endswith(ending)]
         if keys:
             values = ending.replace("k_", "v_")
             return naming if any(n.endswith(values) for n in names) or naming != "self_attn" else "k-only"
-    return None
+    return "v-only" if any(n.endswith("self_attn.v_scale") for n in names) else None
 
 
 def module_context(finding: Finding) -> dict[str, Any]:

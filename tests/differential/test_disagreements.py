@@ -28,7 +28,8 @@ def test_a_correct_loader_passes_and_a_config_trusting_one_is_caught(kind, arch,
     config = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 96}
     if arch == "qwen3_moe":
         config["moe_intermediate_size"] = 48
-    recipe = Recipe(format="ct-fp8-tensor", arch=arch, config=config, perturb={"disagreement": kind})
+    knobs = {"input_scale": True} if DISAGREEMENTS[kind].needs_static_inputs else {}
+    recipe = Recipe(format="ct-fp8-tensor", arch=arch, config=config, knobs=knobs, perturb={"disagreement": kind})
     manifest = generate(recipe, tmp_path / "checkpoint")
     target = next(m for m, info in manifest["modules"].items() if DISAGREEMENTS[kind].note in info["notes"])
     assert (".experts.1." in target) == (arch == "qwen3_moe")  # per expert where there are experts

@@ -290,6 +290,8 @@ def disagreement_target(resolved, table: dict[str, list]) -> dict | None:
         [n.removesuffix(".weight") for n, (_, role) in table.items() if role == "linear"]
     )
     fmt = get_format(resolved.recipe.format)
+    if resolved.perturb["disagreement"] == "missing-input-scale":
+        return {"module": module, "scale": disagreements.input_scale(list(fmt.suffixes))}
     return {"module": module, "scale": disagreements.main_scale(list(fmt.suffixes), fmt.marker)}
 
 

@@ -34,6 +34,7 @@ KV_SCALE_NAMES = {
     "output_scale": ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
     "proj": ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale"),
     "k-only": ("self_attn.k_scale",),
+    "v-only": ("self_attn.v_scale",),
     "declared-only": (),
 }
 
@@ -141,7 +142,7 @@ def disagree(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     list, quantization_status) is in CONFIG as written."""
     kind, module, scale = PERTURB["disagreement"], DISAGREEMENT["module"], DISAGREEMENT["scale"]
     name = f"{module}.{scale}"
-    if kind in ("missing-scale", "index-lists-absent-tensor"):
+    if kind in ("missing-scale", "index-lists-absent-tensor", "missing-input-scale"):
         del tensors[name]
     elif kind == "scale-renamed":
         other = "weight_scale" if scale == "weight_scale_inv" else "weight_scale_inv"
