@@ -287,8 +287,8 @@ def whole_blocks_loadable(name: str) -> bool:
 
 
 #: what real producers write that the architectures' releases do not (docs/producers.md): expert part
-#: names (llm-compressor's Mixtral), a config.json as transformers saves it
-PRODUCER_LAYOUTS = ("expert_naming", "config_style")
+#: names (llm-compressor's Mixtral), a config.json as transformers saves it, `re:` ignore entries
+PRODUCER_LAYOUTS = ("expert_naming", "config_style", "ignore_style")
 
 
 @cache  # one strategy object per arguments: Hypothesis validates each new one

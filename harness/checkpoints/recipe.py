@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness.checkpoints import kv_scales
+from harness.checkpoints import ignore_patterns, kv_scales
 from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.disagreements import CHOICES as DISAGREEMENT_CHOICES
 from harness.checkpoints.fusion import CHOICES as FUSED_SCALES
@@ -36,6 +36,9 @@ LAYOUT_DEFAULTS: dict[str, Any] = {
     #: config.json as the model's release writes it ("release") or as transformers' save_pretrained
     #: writes it ("saved": fields its config class does not define dropped, architectures.release_only)
     "config_style": "release",
+    #: the ignore list by full names ("names") or as llm-compressor recipes spell it ("patterns":
+    #: `re:` entries, harness.checkpoints.ignore_patterns); compressed-tensors formats only
+    "ignore_style": "names",
 }
 LAYOUT_CHOICES: dict[str, tuple] = {
     "key_prefix": ("model.", VLM_PREFIX),
@@ -46,6 +49,7 @@ LAYOUT_CHOICES: dict[str, tuple] = {
     "kv_scales": KV_SCALES,
     "expert_naming": ("architecture", "projections"),
     "config_style": ("release", "saved"),
+    "ignore_style": ignore_patterns.CHOICES,
 }
 
 PERTURB_DEFAULTS: dict[str, Any] = {
@@ -109,7 +113,7 @@ class Recipe:
                 f"disagreement={perturb['disagreement']}: {self.arch} packs every expert of a projection "
                 "into one tensor, so no single module can disagree with the config"
             )
-        for key in (*_PACKED_FIXED, "expert_naming", "config_style"):
+        for key in (*_PACKED_FIXED, "expert_naming", "config_style", "ignore_style"):
             refusal = layout_refusal(key, layout[key], fmt, ARCHITECTURES[self.arch], knobs)
             if refusal:
                 raise HarnessError(refusal)
@@ -154,6 +158,12 @@ def layout_refusal(key: str, value: Any, fmt, arch, knobs: Mapping) -> str | Non
         return f"expert_naming={value!r}: {arch.name} has one naming of its experts' parts"
     if key == "config_style" and value != "release" and not arch.release_only:
         return f"config_style={value!r}: no field of {arch.name}'s release config is known to be dropped on save"
+    if key == "ignore_style" and value != "names":
+        quant_method = fmt.quantization_config(fmt.resolve_knobs(knobs), []).get("quant_method")
+        if quant_method != "compressed-tensors":
+            return (
+                f"ignore_style={value!r}: `re:` ignore entries are compressed-tensors' spelling, not {quant_method}'s"
+            )
     if key == "kv_scales":
         try:
             kv_scales.check(value, arch, fmt.quantization_config(fmt.resolve_knobs(knobs), []))

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from harness import __version__
-from harness.checkpoints import disagreements, fusion, kv_scales, packed_experts
+from harness.checkpoints import disagreements, fusion, ignore_patterns, kv_scales, packed_experts
 from harness.checkpoints.disagreements import DISAGREEMENTS
 from harness.checkpoints.reader import INDEX_FILE, SINGLE_FILE
 from harness.checkpoints.recipe import VLM_PREFIX, Recipe, ResolvedRecipe
@@ -295,7 +295,10 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
     ignored = arch.ignored_modules(resolved.settings) + ([target] if kind == "ignored-but-quantized" else [])
     if resolved.layout["quantize_lm_head"]:  # tied: no lm_head tensor, and the list no longer excludes it
         ignored.remove("lm_head")
-    config["quantization_config"] = fmt.quantization_config(resolved.knobs, [rename_key(m, prefix) for m in ignored])
+    ignore = ignore_patterns.spell(
+        ignored, resolved.layout["ignore_style"], resolved.settings["num_hidden_layers"], prefix
+    )
+    config["quantization_config"] = fmt.quantization_config(resolved.knobs, ignore)
     if kind == "status-not-compressed":
         config["quantization_config"]["quantization_status"] = "frozen"
     kv_scales.declare(resolved.layout["kv_scales"], config["quantization_config"])
