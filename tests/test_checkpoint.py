@@ -466,3 +466,26 @@ def test_hugging_face_cache_snapshot_symlinks_into_blobs_are_accepted(tmp_path):
         (snapshot / file.name).symlink_to(Path("..") / ".." / "blobs" / f"blob{index}")
     checkpoint = Checkpoint(snapshot)
     assert checkpoint.names() and checkpoint.tensor(checkpoint.names()[0]).numel() > 0
+
+
+def test_a_tensor_the_index_leaves_out_is_found_where_engines_find_it(tmp_path):
+    """index-omits-tensor: the scale is in a shard the index names for other tensors; `unlisted`
+    finds it, and the fixes' reader (misreadings' predictions) reads it as the engines do."""
+    from harness.checkpoints.recipe import Recipe
+    from harness.checkpoints.writer import generate
+    from harness.fixes._redequantize import QuantizedCheckpoint
+
+    recipe = Recipe(
+        format="fp8-block",
+        arch="llama",
+        config={"num_hidden_layers": 1},
+        layout={"shards": 2},
+        perturb={"disagreement": "index-omits-tensor"},
+    )
+    generate(recipe, tmp_path)
+    checkpoint = ckpt.Checkpoint(tmp_path)
+    unlisted = checkpoint.unlisted()
+    assert list(unlisted) == ["model.layers.0.mlp.down_proj.weight_scale_inv"]
+    assert "model.layers.0.mlp.down_proj.weight_scale_inv" not in checkpoint.names()
+    tensors = QuantizedCheckpoint.open(tmp_path).tensors("model.layers.0.mlp.down_proj")
+    assert set(tensors) == {"weight", "weight_scale_inv"}

@@ -360,6 +360,17 @@ class Checkpoint:
         """Every tensor's name, a packed expert tensor's as one name per expert."""
         return sorted([n for n in self.weight_map if n not in self._packed] + list(self.views))
 
+    def unlisted(self) -> dict[str, Path]:
+        """Tensors a shard the index names stores under a name the index does not list (what a
+        loader that reads every tensor of every file it opens finds): name -> shard. A stale copy of
+        a listed name is not one."""
+        return {
+            name: path
+            for path, header in self.headers.items()
+            for name in header
+            if name != "__metadata__" and name not in self.weight_map
+        }
+
     def storage_dtypes(self) -> dict[str, str]:
         """Tensor name -> its safetensors dtype (e.g. "F8_E4M3"), from the headers alone."""
         return {name: self.headers[self.shard_of(name)][self._stored(name)]["dtype"] for name in self.names()}
@@ -369,7 +380,8 @@ class Checkpoint:
         return view.stored if view else name
 
     def shard_of(self, name: str) -> Path:
-        return self.weight_map[self._stored(name)]
+        stored = self._stored(name)
+        return self.weight_map[stored] if stored in self.weight_map else self.unlisted()[stored]
 
     def tensor(self, name: str) -> torch.Tensor:
         path = self.shard_of(name)

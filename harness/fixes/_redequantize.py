@@ -38,7 +38,11 @@ class QuantizedCheckpoint:
     def open(cls, directory: str | Path) -> QuantizedCheckpoint:
         checkpoint = Checkpoint(directory)
         fmt, knobs = format_and_knobs(checkpoint)
-        modules, plain = group_modules(checkpoint.names(), fmt, checkpoint.storage_dtypes())
+        # a module's tensor stored in a shard but left out of the index is found, as the engines
+        # that read whole shard files find it (a misreading or a fix must read what they read)
+        modules, plain = group_modules(
+            checkpoint.names() + sorted(checkpoint.unlisted()), fmt, checkpoint.storage_dtypes()
+        )
         return cls(checkpoint, fmt, knobs, modules, plain)
 
     def tensors(self, module: str) -> dict[str, torch.Tensor]:

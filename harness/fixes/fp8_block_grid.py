@@ -48,7 +48,7 @@ from harness.fixes._redequantize import (
 )
 from harness.fixes._shared import SkipTensor
 from harness.fixes.base import Fix, FixReport
-from harness.formats.fp8_block import expand_block_grid
+from harness.formats.fp8_block import decode_ue8m0, expand_block_grid
 
 NAME = "fp8-block-grid"
 KNOWN_ISSUE = "transformers-fp8-block-grid-inferred-from-shape"
@@ -73,7 +73,9 @@ def inferred_grid_reading(codes: torch.Tensor, scale_inv: torch.Tensor) -> torch
             f"[{rows}, {cols}] does not divide by the grid {list(grid)}: transformers refuses "
             "this shape at load, so it did not dequantize it"
         )
-    # every e4m3 value is exact in float64
+    # every e4m3 value is exact in float64; UE8M0 scales (typed or bytes) are read by their bits
+    if scale_inv.dtype in (torch.float8_e8m0fnu, torch.uint8):
+        scale_inv = decode_ue8m0("weight_scale_inv", scale_inv)
     return codes.to(torch.float64) * expand_block_grid(scale_inv.to(torch.float64), rows, cols, inferred)
 
 
