@@ -35,7 +35,7 @@ from harness.formats.base import (
     require_finite,
     require_shape,
 )
-from harness.formats.gptq import packed_tensors
+from harness.formats.gptq import SCALE_STORAGES, packed_tensors
 from harness.formats.int_packing import AWQ_ORDER
 
 QUANT_METHOD = "awq"
@@ -51,7 +51,10 @@ class Awq(QuantFormat):
     description = "AWQ int4 GEMM (qweight packed along outputs in AWQ order, qzeros, float16 scales)"
     suffixes = ("qweight", "qzeros", "scales")
     marker = "qweight"
-    knobs = {"group_size": Knob(128, GROUP_SIZES, "inputs per group")}
+    knobs = {
+        "group_size": Knob(128, GROUP_SIZES, "inputs per group"),
+        "scale_storage": Knob("float16", tuple(SCALE_STORAGES), "dtype of scales (AutoAWQ writes float16)"),
+    }
 
     def matches(self, quantization_config):
         method = quantization_config.get("quant_method")
@@ -97,7 +100,7 @@ class Awq(QuantFormat):
         # per group of columns (a partial last group: its own columns only)
         lo = torch.stack([weight[:, g * group : (g + 1) * group].amin(dim=1) for g in range(groups)], dim=1)
         hi = torch.stack([weight[:, g * group : (g + 1) * group].amax(dim=1) for g in range(groups)], dim=1)
-        scale = ((hi - lo).clamp(min=1e-5) / MAXQ).to(torch.float16)  # [N, G]
+        scale = ((hi - lo).clamp(min=1e-5) / MAXQ).to(SCALE_STORAGES[knobs.get("scale_storage", "float16")])
         zero = (-torch.round(lo / scale.to(torch.float32))).clamp(0, MAXQ).to(torch.int64)
         column = torch.arange(cols) // group
         row_scale, row_zero = scale.to(torch.float32)[:, column], zero[:, column]
@@ -138,7 +141,8 @@ class Awq(QuantFormat):
         return False  # outputs lie along dim 1 (qweight, scales), packed in qzeros
 
     def subnormal_amax(self, knobs, weight_amax):
-        # float16 scales: subnormal below 2**-14; a one-signed group's scale = amax / 15
+        # a one-signed group's scale = amax / 15, float16 subnormal below 2**-14; AutoAWQ clamps the
+        # range at 1e-5, so bfloat16 and float32 scales cannot be subnormal: this is their smallest
         return MAXQ * 2.0**-20
 
 

@@ -57,6 +57,9 @@ AUTO_ROUND_PACKING = {"auto_round:auto_gptq": "gptq", "auto_round": "gptq_v2", "
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 GROUP_SIZES = (32, 64, 128, -1)
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: knob `scale_storage`: the dtype `scales` are stored in; producers write float16, some
+#: checkpoints carry the model's bfloat16 or float32 (the codes are computed against the stored value)
+SCALE_STORAGES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 #: modules every GPTQ producer leaves unquantized without saying so
 IMPLICITLY_PLAIN = ("lm_head",)
 
@@ -92,8 +95,10 @@ def group_index(cols: int, group: int, order: torch.Tensor | None) -> torch.Tens
     return (position // group).to(torch.int32)
 
 
-def gptq_qparams(weight: torch.Tensor, members: torch.Tensor, bits: int, symmetric: bool, min_zero: int):
-    """GPTQ's find_params for the inputs in `members` (float32): (scale float16 [N], zero [N])."""
+def gptq_qparams(
+    weight: torch.Tensor, members: torch.Tensor, bits: int, symmetric: bool, min_zero: int, dtype=torch.float16
+):
+    """GPTQ's find_params for the inputs in `members` (float32): (scale [N] in `dtype`, zero [N])."""
     block = weight[:, members].to(torch.float32)
     zero_t = torch.zeros((), dtype=torch.float32)
     lo, hi = torch.minimum(block.amin(dim=1), zero_t), torch.maximum(block.amax(dim=1), zero_t)
@@ -108,7 +113,7 @@ def gptq_qparams(weight: torch.Tensor, members: torch.Tensor, bits: int, symmetr
         zero = torch.full_like(scale, (maxq + 1) / 2)
     else:
         zero = torch.round(-lo / scale).clamp(min_zero, maxq)
-    return scale.to(torch.float16), zero.to(torch.int64)
+    return scale.to(dtype), zero.to(torch.int64)
 
 
 def packed_tensors(tensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,6 +139,7 @@ class Gptq(QuantFormat):
         "sym": Knob(True, (True, False), "symmetric: every zero point is 2**(bits-1)"),
         "desc_act": Knob(False, (False, True), "act-order: groups over permuted inputs (g_idx)"),
         "checkpoint_format": Knob("gptq", CHECKPOINT_FORMATS, "gptq (v1, zeros stored minus one) or gptq_v2"),
+        "scale_storage": Knob("float16", tuple(SCALE_STORAGES), "dtype of scales (producers write float16)"),
     }
 
     def matches(self, quantization_config):
@@ -199,10 +205,12 @@ class Gptq(QuantFormat):
         order = act_order(weight) if knobs["desc_act"] else None
         g_idx = group_index(cols, group, order)
         groups = group_count(cols, group)
-        scales = torch.empty(groups, rows, dtype=torch.float16)
+        dtype = SCALE_STORAGES[knobs.get("scale_storage", "float16")]
+        scales = torch.empty(groups, rows, dtype=dtype)
         zeros = torch.empty(groups, rows, dtype=torch.int64)
         for g in range(groups):
-            scales[g], zeros[g] = gptq_qparams(weight, torch.nonzero(g_idx == g).flatten(), bits, knobs["sym"], int(v1))
+            members = torch.nonzero(g_idx == g).flatten()
+            scales[g], zeros[g] = gptq_qparams(weight, members, bits, knobs["sym"], int(v1), dtype)
         row_scale = scales.to(torch.float32)[g_idx.long()].T  # [N, K]
         row_zero = zeros[g_idx.long()].T
         codes = (torch.round(weight / row_scale) + row_zero).clamp(0, 2**bits - 1).to(torch.int64)
@@ -261,8 +269,10 @@ class Gptq(QuantFormat):
         return False  # outputs lie along dim 1 (qweight, scales), packed in qzeros
 
     def subnormal_amax(self, knobs, weight_amax):
-        # float16 scales: subnormal below 2**-14; scale = 2 * amax / (2**b - 1) (symmetric span)
-        return (2 ** knobs["bits"] - 1) / 2 * 2.0**-20
+        # scale = 2 * amax / (2**b - 1) (symmetric span); float16 subnormal below 2**-14, the others
+        # below 2**-126
+        exponent = -20 if knobs.get("scale_storage", "float16") == "float16" else -130
+        return (2 ** knobs["bits"] - 1) / 2 * 2.0**exponent
 
 
 FORMAT = Gptq()

@@ -68,7 +68,7 @@ def test_gptq_reference_equals_the_quantizers_truth(knobs, shape):
     resolved = GPTQ.resolve_knobs(knobs)
     result = GPTQ.quantize(make_weight(shape, sum(shape)), resolved, model_dtype=torch.bfloat16, activation_amax=1.0)
     read = GPTQ.knobs_from_config(GPTQ.quantization_config(resolved, ["lm_head"]))
-    assert read == resolved
+    assert read == {k: v for k, v in resolved.items() if k != "scale_storage"}  # the tensors say that
     assert torch.equal(GPTQ.dequantize(result.tensors, read), result.truth)
     rows, cols = shape
     per = 32 // knobs["bits"]
@@ -109,7 +109,7 @@ def test_gptq_v1_stores_every_zero_point_minus_one():
 def test_awq_reference_equals_the_quantizers_truth(group, shape):
     knobs = AWQ.resolve_knobs({"group_size": group})
     result = AWQ.quantize(make_weight(shape, group), knobs, model_dtype=torch.bfloat16, activation_amax=1.0)
-    assert AWQ.knobs_from_config(AWQ.quantization_config(knobs, ["lm_head"])) == knobs
+    assert AWQ.knobs_from_config(AWQ.quantization_config(knobs, ["lm_head"])) == {"group_size": group}
     assert torch.equal(AWQ.dequantize(result.tensors, knobs), result.truth)
     assert result.expectation == ("exact" if shape[0] % 8 == 0 else "exact-or-refuse")
 
@@ -163,3 +163,17 @@ def test_malformed_tensors_raise_one_line():
         AWQ.dequantize({**awq.tensors, "qzeros": awq.tensors["qzeros"][:1]}, {"group_size": 32})
     with pytest.raises(FormatError, match="missing tensor 'scales'"):
         AWQ.dequantize({k: v for k, v in awq.tensors.items() if k != "scales"}, {"group_size": 32})
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "float32"])
+@pytest.mark.parametrize("fmt", [GPTQ, AWQ], ids=lambda f: f.name)
+def test_scales_stored_in_another_dtype_read_back_the_truth(fmt, storage):
+    """scale_storage: the codes are computed against the scale as stored, in its dtype."""
+    knobs = fmt.resolve_knobs({"scale_storage": storage})
+    result = fmt.quantize(make_weight((16, 256), 5), knobs, model_dtype=torch.bfloat16, activation_amax=1.0)
+    assert result.tensors["scales"].dtype == getattr(torch, storage)
+    assert torch.equal(fmt.dequantize(result.tensors, fmt.resolve_knobs({})), result.truth)
+    default = fmt.quantize(
+        make_weight((16, 256), 5), fmt.resolve_knobs({}), model_dtype=torch.bfloat16, activation_amax=1.0
+    )
+    assert not torch.equal(default.truth, result.truth)  # float16 scales round otherwise
