@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from harness.campaign.strategies import recipes
 from harness.checkpoints.architectures import ARCHITECTURES
-from harness.checkpoints.disagreements import DISAGREEMENTS, INDEX_EDITS
+from harness.checkpoints.disagreements import DISAGREEMENTS, INDEX_EDITS, static_inputs
 from harness.checkpoints.kv_scales import is_kv_scale
 from harness.checkpoints.reader import INDEX_FILE, SINGLE_FILE, Checkpoint, read_safetensors_header
 from harness.checkpoints.recipe import Recipe, home_architecture
@@ -148,6 +148,10 @@ def assert_disagreement(directory: Path, manifest: dict) -> None:
         how = INDEX_EDITS[kind]
         assert (name in weight_map) == (how != "omit") and (name in stored) == (how != "absent-tensor")
         assert how == "omit" or (weight_map[name] in shards) == (how != "absent-shard")
+    elif kind == "missing-input-scale":  # the weight and its own scales stay, its static input scale is gone
+        assert fmt.marker in suffixes and not {"input_scale", "input_global_scale"} & set(suffixes), suffixes
+        others = {n.rpartition(".")[2] for n in stored if n.endswith(("input_scale", "input_global_scale"))}
+        assert others, "no other module keeps a static input scale"
     elif kind == "status-not-compressed":
         assert quantization["quantization_status"] == "frozen"
     elif kind == "orphan-scale":
@@ -204,12 +208,23 @@ def test_each_disagreement_is_written_as_its_recipe_names_it(fmt, kind, tmp_path
     """Every format x every disagreement, drawn or not: the helper above is checked on each pair
     (Hypothesis reaches only some pairs per run; ct-nvfp4's renamed scale once slipped through)."""
     arch = home_architecture(fmt)
-    recipe = Recipe(fmt, arch, config={"num_hidden_layers": 1}, layout={"shards": 2}, perturb={"disagreement": kind})
+    static = DISAGREEMENTS[kind].needs_static_inputs and "input_scale" in get_format(fmt).knobs
+    recipe = Recipe(
+        fmt,
+        arch,
+        config={"num_hidden_layers": 1},
+        knobs={"input_scale": True} if static else {},
+        layout={"shards": 2},
+        perturb={"disagreement": kind},
+    )
+    config = get_format(fmt).quantization_config(get_format(fmt).resolve_knobs(recipe.knobs), [])
     refusal = (
         "packs every expert"  # mxfp4 is written for gpt-oss only
         if ARCHITECTURES[arch].packs_experts
         else "needs a compressed-tensors format"
         if DISAGREEMENTS[kind].needs_status and not fmt.startswith("ct-")
+        else "needs static activation scales"
+        if DISAGREEMENTS[kind].needs_static_inputs and not static_inputs(config)
         else None
     )
     if refusal:
