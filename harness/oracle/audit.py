@@ -58,7 +58,8 @@ CHECKS = {
     "Linear stored unquantized but neither ignored nor left out of the config's targets",
     "layout": "the format's reference dequantizer refuses a module's shapes or dtypes: a scale grid that does "
     "not fit its weight, K not a multiple of the NVFP4 group",
-    "scale-values": "non-finite, zero or subnormal scales (count and first location)",
+    "scale-values": "non-finite, zero or subnormal scales, or ones not a power of two under scale_fmt ue8m0 "
+    "(count and first location)",
     "global-scale": "a per-tensor scale the format refuses: the other NVFP4 convention by magnitude, or not positive",
     "weight-values": "non-finite values in a stored weight",
     "names": "tensor names that do not fit the architecture config.json names: a module its model does not have "
@@ -483,6 +484,9 @@ def audit_modules(tensors: dict[str, Stored], qconfig: dict, fmt: QuantFormat, k
         scanned = {
             suffix for suffix, tensor in scales.items() if scan_scale(f"{view.name}.{suffix}", view, tensor, result)
         }
+        if qconfig.get("scale_fmt") == "ue8m0":
+            for suffix, tensor in scales.items():
+                scan_power_of_two(f"{view.name}.{suffix}", view, tensor, result)
         if knobs is not None and fmt.marker in view.parts:
             judge_with_oracle(view, fmt, knobs, scales, scanned, result)
     check_unquantized_linears(tensors, qconfig, fmt, ignore, result)
@@ -675,6 +679,25 @@ def scan_scale(name: str, view: ModuleView, tensor: torch.Tensor, result: AuditR
         }[what]
         result.add("scale-values", name, view.parts[suffix].file, f"{describe(counted, what, tensor.shape)}: {why}")
     return bool(found)
+
+
+def scan_power_of_two(name: str, view: ModuleView, tensor: torch.Tensor, result: AuditResult) -> None:
+    """Under `scale_fmt: ue8m0` every stored float scale must be a power of two (E8M0-typed or byte
+    scales are by construction)."""
+    if not tensor.is_floating_point() or tensor.dtype == torch.float8_e8m0fnu:
+        return
+    chunks = iter(tensor.reshape(-1).split(max(CHUNK_BYTES // tensor.element_size(), 1)))
+    odd = lambda v: torch.isfinite(v) & (v != 0) & (torch.frexp(v.to(torch.float64)).mantissa.abs() != 0.5)  # noqa: E731
+    counted = tally(chunks, {"not a power of two": odd})["not a power of two"]
+    if counted.count:
+        suffix = name.rpartition(".")[2]
+        result.add(
+            "scale-values",
+            name,
+            view.parts[suffix].file,
+            f"{describe(counted, 'not a power of two', tensor.shape)}: the config declares scale_fmt ue8m0; "
+            "a loader must use them as stored or refuse, never round them",
+        )
 
 
 def scan_unscaled(tensors: dict[str, Stored], fmt: QuantFormat, result: AuditResult) -> None:

@@ -69,3 +69,16 @@ def test_e8m0_bytes_without_the_declaration_are_refused():
     result = FORMAT.quantize(make_weight(), knobs, model_dtype=torch.bfloat16, activation_amax=1.0)
     with pytest.raises(FormatError, match="scale_fmt ue8m0"):
         FORMAT.dequantize(result.tensors, FORMAT.resolve_knobs({}))
+
+
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "ue8m0-e8m0fnu", "ue8m0-uint8", "ue8m0-unrounded"])
+def test_audit_names_declared_power_of_two_scales_that_are_not(scale_fmt, tmp_path):
+    from harness.checkpoints.recipe import Recipe
+    from harness.checkpoints.writer import generate
+    from harness.oracle.audit import audit_checkpoint
+
+    recipe = Recipe("fp8-block", "llama", config={"num_hidden_layers": 1}, knobs={"scale_fmt": scale_fmt})
+    generate(recipe, tmp_path)
+    reasons = [f.reason for f in audit_checkpoint(tmp_path).findings if f.check == "scale-values"]
+    assert bool(reasons) == (scale_fmt == "ue8m0-unrounded"), reasons
+    assert all("not a power of two" in r for r in reasons)
