@@ -484,7 +484,7 @@ def test_a_tensor_the_index_leaves_out_is_found_where_engines_find_it(tmp_path):
     )
     generate(recipe, tmp_path)
     checkpoint = ckpt.Checkpoint(tmp_path)
-    unlisted = checkpoint.unlisted()
+    unlisted = checkpoint.unlisted
     assert list(unlisted) == ["model.layers.0.mlp.down_proj.weight_scale_inv"]
     assert "model.layers.0.mlp.down_proj.weight_scale_inv" not in checkpoint.names()
     tensors = QuantizedCheckpoint.open(tmp_path).tensors("model.layers.0.mlp.down_proj")

@@ -10,6 +10,7 @@ before they are read, and only regular files are opened (never a FIFO or a devic
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -360,6 +361,7 @@ class Checkpoint:
         """Every tensor's name, a packed expert tensor's as one name per expert."""
         return sorted([n for n in self.weight_map if n not in self._packed] + list(self.views))
 
+    @functools.cached_property
     def unlisted(self) -> dict[str, Path]:
         """Tensors a shard the index names stores under a name the index does not list (what a
         loader that reads every tensor of every file it opens finds): name -> shard. A stale copy of
@@ -381,7 +383,7 @@ class Checkpoint:
 
     def shard_of(self, name: str) -> Path:
         stored = self._stored(name)
-        return self.weight_map[stored] if stored in self.weight_map else self.unlisted()[stored]
+        return self.weight_map[stored] if stored in self.weight_map else self.unlisted[stored]
 
     def tensor(self, name: str) -> torch.Tensor:
         path = self.shard_of(name)

@@ -41,7 +41,7 @@ class QuantizedCheckpoint:
         # a module's tensor stored in a shard but left out of the index is found, as the engines
         # that read whole shard files find it (a misreading or a fix must read what they read)
         modules, plain = group_modules(
-            checkpoint.names() + sorted(checkpoint.unlisted()), fmt, checkpoint.storage_dtypes()
+            checkpoint.names() + sorted(checkpoint.unlisted), fmt, checkpoint.storage_dtypes()
         )
         return cls(checkpoint, fmt, knobs, modules, plain)
 

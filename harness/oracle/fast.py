@@ -59,7 +59,7 @@ from harness.formats.ct_mxfp4 import E8M0_BIAS, CtMxfp4
 from harness.formats.ct_mxfp4 import GROUP as MXFP4_GROUP
 from harness.formats.ct_nvfp4 import CtNvfp4
 from harness.formats.ct_w8a8 import CtW8a8
-from harness.formats.fp8_block import Fp8Block
+from harness.formats.fp8_block import Fp8Block, decode_ue8m0
 from harness.formats.int_packing import pack, packed_extent, unpack
 from harness.formats.modelopt_fp8 import ModeloptFp8
 from harness.formats.modelopt_nvfp4 import ModeloptNvfp4
@@ -245,7 +245,7 @@ class Fp8Kernel:
         block_rows, block_cols = fmt.scale_block(knobs, (rows, cols))
         stored = tensors[self.scale]
         if stored.dtype in (torch.uint8, torch.float8_e8m0fnu):  # UE8M0 block scales, by their bits
-            grid = torch.exp2(stored.view(torch.uint8).to(torch.float32) - 127)
+            grid = decode_ue8m0(self.scale, stored).to(torch.float32)  # a grid: a few values a block
         else:
             grid = stored.to(torch.float32)
         grid = grid.reshape(ceil_div(rows, block_rows), ceil_div(cols, block_cols))
