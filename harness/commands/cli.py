@@ -216,6 +216,8 @@ def print_outcomes(result) -> None:
             print(f"    relation {relation}: {verdict}")
         if outcome.activation_probe:
             print(f"    activation probe: {outcome.activation_probe}")
+        if outcome.effective_weights:
+            print(f"    effective weights: {outcome.effective_weights}")
     for item in result.findings:
         tag = f"known issue {item.known_issue}" if item.known_issue else "NEW"
         print(f"  finding [{tag}] {item.engine} {item.kind}: {item.message}")

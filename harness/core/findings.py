@@ -24,6 +24,8 @@ KINDS = {
     "nonfinite-logits": "the engine produced NaN or inf log-probabilities",
     "activations": "the engine's logits are not those of the activation quantization the checkpoint specifies "
     "(the reference computes both candidates: activations as specified, and left unquantized)",
+    "post-load": "a Linear applies other weights than its loader placed (its outputs on basis inputs, after the "
+    "engine's processing after loading and its kernel: harness.differential.effective_weights)",
     "kv-scales": "the engine's FP8 KV cache uses scales other than the checkpoint's, or is not quantized though "
     "the config declares it (harness.differential.kv_scales)",
     "relation": "two load paths of one engine that must agree exactly do not (load twice, save and reload, "

@@ -186,6 +186,13 @@ def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: d
     }
     reported = outcome.report.get("missing", []) + outcome.report.get("unexpected", [])
     explained |= {canonical_name(key).rpartition(".")[0] for key in reported}
+    # a Linear that applies other weights than it holds (harness.differential.effective_weights)
+    explained |= {
+        m
+        for f in judgement.result.findings
+        if f.engine == engine and f.kind == "post-load"
+        for m in f.metrics.get("modules", [])
+    }
     judged = [name for name in names if name not in explained and f"{name}.weight" in held]
     experts = sorted(k.removesuffix(EXPERTS) for k in probe if k.endswith(EXPERTS))
     experts = [name for name in experts if layer_of(name) not in {layer_of(m) for m in explained if ".experts." in m}]

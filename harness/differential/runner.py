@@ -28,6 +28,7 @@ from harness.core.findings import WEIGHT_KINDS, Finding
 from harness.core.naming import canonical_name
 from harness.core.tolerances import load_tolerances
 from harness.differential.compare import compare_logprobs, compare_weight, perplexity
+from harness.differential.effective_weights import judge_effective_weights, reference_basis
 from harness.differential.known_issues import KnownIssues
 from harness.differential.kv_scales import judge_kv_scales
 from harness.differential.misreadings import CheckpointMisreadings
@@ -61,6 +62,8 @@ class EngineOutcome:
     relations: dict[str, str] = field(default_factory=dict)
     #: what the activation probe found, or why it did not run (harness.differential.probe)
     activation_probe: str = ""
+    #: what the effective-weight probe found, or why it did not run (harness.differential.effective_weights)
+    effective_weights: str = ""
 
 
 @dataclass
@@ -181,6 +184,10 @@ class Judgement:
     relations: tuple[str, ...] = ()
     #: the reference's activation probe inputs (harness.differential.probe), or None
     probe: dict | None = None
+    #: the reference's basis inputs for every Linear (harness.differential.effective_weights), or
+    #: None and why
+    basis: dict | None = None
+    basis_reason: str = ""
 
     @classmethod
     def of(cls, directory: Path, session: EngineSession, hostile: bool = False) -> Judgement:
@@ -344,8 +351,11 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
         if engine == REFERENCE:
             _activation_candidate(judgement, worker)
             reference_probe(judgement, worker, outcome)
-        elif judgement.probe is not None:
-            probe_engine(judgement, engine, worker, outcome, held)
+            reference_basis(judgement, worker)
+        else:
+            judge_effective_weights(judgement, engine, worker, outcome, held)
+            if judgement.probe is not None:
+                probe_engine(judgement, engine, worker, outcome, held)
         outcome.generated = worker.generate(judgement.sequences[0][:8], GENERATE_TOKENS)
         if judgement.relations:  # last: the worker then holds the relations' loads, not this one
             check_relations(judgement, engine, worker, Load(outcome.report, held, rows))

@@ -73,6 +73,10 @@ class Engine:
         """The activation probe's inputs, and those inputs quantized as specified (the reference only)."""
         raise EngineUnsupported(f"{self.name} computes no activation probe")
 
+    def basis_reference(self) -> dict[str, torch.Tensor]:
+        """The effective-weight probe's basis inputs for every Linear (the reference only)."""
+        raise EngineUnsupported(f"{self.name} computes no basis inputs")
+
     def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         raise NotImplementedError
 

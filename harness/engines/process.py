@@ -207,6 +207,13 @@ class EngineProcess:
         self.request("probe_reference", out=str(out), rows=rows)
         return load_file(str(out))
 
+    def basis_reference(self, out: Path) -> dict:
+        """The reference's effective-weight probe inputs (ReferenceEngine.basis_reference), through `out`."""
+        from safetensors.torch import load_file
+
+        self.request("basis_reference", out=str(out))
+        return load_file(str(out))
+
     def probe(self, inputs: dict, scratch: Path) -> dict:
         """Each named quantized Linear run on its input (Engine.probe_linears), through files in
         `scratch` (`-in`, `-out` suffixes)."""

@@ -44,6 +44,7 @@ class ReferenceEngine(HFModelEngine):
         state = to_model_state(checkpoint.config, state)
         self.model, tied = unquantized_model(directory)
         self.activations = specified.plan(checkpoint)
+        self.quantization_config = checkpoint.config.get("quantization_config") or {}
         result = self.model.load_state_dict(state, strict=False)
         return self.checkpoint_report(
             checkpoint.config, result.missing_keys, result.unexpected_keys, tied, checkpoint.names()
@@ -130,6 +131,41 @@ class ReferenceEngine(HFModelEngine):
                 if torch.isfinite(inverted).all():
                     probe[f"{name}.inverted"] = inverted
         return probe | self.probe_experts(plan, rows)
+
+    def basis_reference(self):
+        """The effective-weight probe's inputs (harness.differential.effective_weights): for every
+        Linear of the model, `NAME.basis`, `NAME.columns`, `NAME.candidates` and
+        `NAME.scale_rounding` (harness.oracle.basis), its input quantized as the plan says where
+        the checkpoint quantizes it; `NAME#lead` as the activation probe gives it."""
+        import torch
+
+        from harness.core.errors import HarnessError
+        from harness.engines.hf_common import LEAD
+        from harness.oracle.activations import scheme_of
+        from harness.oracle.basis import basis_input
+
+        plan = self.activations
+        try:
+            declared = scheme_of(self.quantization_config) if self.quantization_config else None
+        except HarnessError as error:
+            raise EngineUnsupported(str(error)) from None
+        if isinstance(plan, str) and declared is not None:
+            raise EngineUnsupported(plan)  # activations quantized where the plan cannot say which
+        inputs = {} if isinstance(plan, str) or plan.scheme is None else plan.inputs
+        linears = sorted(  # a plain Linear's output is its product (Llama-4's router subclass returns scores)
+            name for name, m in self.model.named_modules() if type(m).forward is torch.nn.Linear.forward
+        )
+        probe = {f"{name}{LEAD}": lead for name, lead in input_leads(self.model, linears).items()}
+        for name in linears:
+            module = self.model.get_submodule(name)
+            scheme = plan.scheme if name in inputs else None
+            try:
+                basis = basis_input(scheme, inputs.get(name), module.in_features, module.weight.dtype)
+            except HarnessError:  # e.g. a static scheme whose module holds no scale: nothing to model
+                continue
+            if torch.isfinite(basis["basis"]).all() and bool((basis["candidates"] != 0).all()):
+                probe |= {f"{name}.{key}": value for key, value in basis.items()}
+        return probe
 
     def probe_experts(self, plan, rows: int) -> dict:
         """For each packed experts module (harness.differential.probe): `NAME#experts`, purpose-built

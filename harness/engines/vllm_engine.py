@@ -486,14 +486,12 @@ class VllmEngine(Engine):
             with torch.no_grad():
                 for module, parts in wanted.items():
                     layer = modules.get(module)
-                    if (
-                        layer is None
-                        or not isinstance(getattr(layer, "weight", None), torch.Tensor)
-                        or any(c.__name__ == "VocabParallelEmbedding" for c in type(layer).__mro__)
-                    ):  # not a Linear vLLM runs by this name (its LM head is the sampler's): left out
-                        continue
+                    if layer is None or not any(c.__name__ == "LinearBase" for c in type(layer).__mro__):
+                        continue  # not a Linear vLLM runs by this name (its LM head is the sampler's): left out
+                    # its kernel may hold the weight in its own form, or none at all (oneDNN's handle)
+                    device = next((t.device for t in layer.parameters()), torch.device("cpu"))
                     for name, start, rows in parts:
-                        result = layer(inputs[name].to(layer.weight.device))
+                        result = layer(inputs[name].to(device))
                         result = result[0] if isinstance(result, tuple) else result
                         outputs[name] = (result if rows is None else result[:, start : start + rows]).cpu().clone()
             return outputs

@@ -100,6 +100,9 @@ def handle(engine, op: str, request: dict) -> dict:
     if op == "probe_reference":  # the activation probe's inputs and expectations (harness.differential.probe)
         save_file({k: v.contiguous() for k, v in engine.probe_reference(request["rows"]).items()}, request["out"])
         return {}
+    if op == "basis_reference":  # the effective-weight probe's inputs (harness.differential.effective_weights)
+        save_file({k: v.contiguous() for k, v in engine.basis_reference().items()}, request["out"])
+        return {}
     if op == "probe":  # each named Linear run on its probe input
         from safetensors.torch import load_file
 

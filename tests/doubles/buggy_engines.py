@@ -448,3 +448,22 @@ class E8M0OffByOneEngine(ReferenceEngine):
             if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
                 parameter.data.mul_(0.5)
         return report
+
+
+class RepackedAfterLoadingEngine(ReferenceEngine):
+    """Bug class of an engine's processing after loading (a kernel's repack, a fused scale taken as
+    min instead of max): its loader places every weight exactly, then the weights its forward
+    applies to each k_proj are halved. What it holds, read where the loader put them, is right."""
+
+    name = "double-repacked-after-loading"
+
+    def load(self, directory):
+        report = super().load(directory)
+        self.placed = super().weights()
+        for name, parameter in self.model.named_parameters():
+            if name.endswith("self_attn.k_proj.weight"):
+                parameter.data.mul_(0.5)  # BUG: the kernel's copy, after the loader's weights were read
+        return report
+
+    def weights(self):
+        return self.placed

@@ -21,6 +21,7 @@ def session(tmp_path_factory):
         f"{DOUBLES}:DroppedScaleEngine",
         f"{DOUBLES}:ClobberedBiasEngine",
         f"{DOUBLES}:SwappedGlobalScaleEngine",
+        f"{DOUBLES}:RepackedAfterLoadingEngine",
     ]
     session = EngineSession(engines, tmp_path_factory.mktemp("work"), Limits(timeout_s=300))
     yield session
@@ -41,6 +42,20 @@ def test_reference_engine_agrees_with_the_truth(session, tmp_path):
     result = evaluate(checkpoint(tmp_path, "fp8-block", "qwen2"), session, engines=["reference"])
     assert result.outcomes["reference"].status == "loaded"
     assert result.findings == []
+
+
+def test_weights_changed_after_loading_are_found_where_the_held_ones_are_right(session, tmp_path):
+    """The effective-weight probe: the double's loader places every weight exactly (no weight
+    finding), its forward applies halved k_proj weights; the basis inputs name k_proj alone, with
+    every row and the ratio 0.5 (harness.differential.effective_weights)."""
+    engine = f"{DOUBLES}:RepackedAfterLoadingEngine"
+    result = evaluate(checkpoint(tmp_path, "ct-fp8-channel", "qwen2"), session, engines=["reference", engine])
+    post = [f for f in result.findings if f.engine == engine and f.kind == "post-load"]
+    assert len(post) == 1 and not kinds(result, engine) & {"weight-mismatch", "weight-nonfinite"}
+    assert post[0].metrics["modules"] == ["model.layers.0.self_attn.k_proj"]
+    assert post[0].metrics["worst"]["ratio"] == pytest.approx(0.5, rel=1e-2)
+    rows = result.outcomes[engine].effective_weights
+    assert rows == "7/8 Linear(s) apply the weights placed", rows
 
 
 def test_dropped_scale_is_found(session, tmp_path):

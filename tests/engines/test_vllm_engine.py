@@ -180,6 +180,39 @@ def test_the_activation_probe_runs_vllms_own_layers(tmp_path):
         pytest.skip(result.outcomes["vllm"].detail)
     assert result.outcomes["vllm"].activation_probe == "14/14 quantized Linear(s) as specified"
     assert not [f for f in result.findings if f.kind == "activations"]
+    # after process_weights_after_loading, its kernels apply the weights its loaders placed (the LM
+    # head is the sampler's: not run by that name)
+    effective = result.outcomes["vllm"].effective_weights
+    assert effective == "14/14 Linear(s) apply the weights placed; 1 not run by this engine by that name"
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_mutant_of_vllms_processing_after_loading_is_caught(tmp_path, monkeypatch):
+    """vLLM with its compressed-tensors FP8 processing after loading mutated (a fused Linear's last
+    part scale halved, tests/doubles/vllm_mutants.py): the weights its loaders placed are exact,
+    and the effective-weight probe names every v_proj and up_proj, their rows only, ratio 0.5."""
+    from harness.differential.runner import EngineSession, evaluate
+    from harness.engines.environments import variable_for
+
+    spec = "tests.doubles.vllm_mutants:LastPartScaleHalvedAfterLoadingVllm"
+    monkeypatch.setenv(variable_for(spec), VLLM_PYTHON)
+    directory = tmp_path / "c"
+    generate(Recipe(format="ct-fp8-channel", arch="llama", layout={"dtype": "bfloat16"}), directory)
+    session = EngineSession(["reference", spec], tmp_path / "engines")
+    try:
+        result = evaluate(directory, session)
+    finally:
+        session.close()
+    if result.outcomes[spec].status == "unsupported":
+        pytest.skip(result.outcomes[spec].detail)
+    mine = [f for f in result.findings if f.engine == spec]
+    assert not [f for f in mine if f.kind.startswith("weight")]
+    (post,) = [f for f in mine if f.kind == "post-load"]
+    layers = int(json.loads((directory / "config.json").read_text())["num_hidden_layers"])
+    expected = [f"model.layers.{i}.{m}" for i in range(layers) for m in ("mlp.up_proj", "self_attn.v_proj")]
+    assert sorted(post.metrics["modules"]) == expected
+    assert post.metrics["worst"]["ratio"] == pytest.approx(0.5, rel=1e-2)
 
 
 @needs_vllm

@@ -1,0 +1,171 @@
+"""The effective-weight probe: the weights each Linear really applies once the engine is done with
+them (process_weights_after_loading's repacking, requantizing, fused scales, a kernel's own
+layout; lazy decompression at the first forward), judged against those its loader placed.
+
+The weights an engine holds are read where its loaders put them (vLLM's before
+`process_weights_after_loading`), and judged against the truth there; what the kernel then runs
+on is private to it. Its output on basis inputs is not: each Linear runs on rows c * e_j
+(harness.oracle.basis), whose outputs are d * W[:, j] + b, so (output - b) / d is column j of the
+weight the kernel applies, and each element is judged against the held weight's. c quantizes
+exactly under every activation scheme (d is known), so the activation quantization, judged by the
+activation probe, does not enter. Every probed column's output is one product (no accumulation):
+the bound per element is one ulp of the model dtype for a kernel that holds its weight there, plus
+the output's rounding to the model dtype, plus a static scale's rounding to it, plus float32's
+flushing of a subnormal product.
+
+A module whose held weights are already a finding is not probed; a difference is a `post-load`
+finding naming the modules, the rows that differ (a fused part's, an expert's) and the ratio of
+applied to placed (0.5: halved; -1: negated)."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.core.errors import first_line
+from harness.core.findings import WEIGHT_KINDS
+from harness.core.naming import canonical_name
+from harness.engines.hf_common import LEAD
+from harness.engines.process import EngineError, EngineProcess
+
+#: float32 arithmetic in the kernel: its relative rounding, and its smallest normal (a product below
+#: it may be flushed to zero)
+FLOAT32_ROUNDING = 2.0**-22
+FLOAT32_TINY = 2.0**-126
+
+
+def reference_basis(judgement, worker: EngineProcess) -> None:
+    """The reference's basis inputs for the checkpoint it loaded (`judgement.basis`), or why none."""
+    try:
+        judgement.basis = worker.basis_reference(judgement.scratch_file("reference", "basis")) or None
+        judgement.basis_reason = "" if judgement.basis else "the model has no Linear"
+    except EngineError as error:
+        judgement.basis, judgement.basis_reason = None, first_line(error)
+
+
+def ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of |values| in `dtype` (float64)."""
+    held = values.abs().to(dtype)
+    return (torch.nextafter(held, torch.full_like(held, float("inf"))).double() - held.double()).nan_to_num(
+        float("inf")
+    )
+
+
+def applied_columns(output: torch.Tensor, bias: torch.Tensor | None, candidate: torch.Tensor) -> torch.Tensor:
+    """[out, C] float64: the weight columns a Linear applied, from its output [C, out] on the basis."""
+    output = output.double()
+    if bias is not None:
+        output = output - bias.double()
+    return (output / candidate.unsqueeze(1)).T
+
+
+def column_bound(weight: torch.Tensor, bias, candidate: torch.Tensor, rounding: float, dtype) -> torch.Tensor:
+    """[out, C]: how far an applied column may sit from the held one's `weight` [out, C]."""
+    d = candidate.abs().unsqueeze(0)
+    product = weight.abs() * d + (bias.double().abs().unsqueeze(1) if bias is not None else 0)
+    return (
+        ulp(weight, dtype) + ulp(product, dtype) / d + weight.abs() * (rounding + FLOAT32_ROUNDING) + FLOAT32_TINY / d
+    )
+
+
+def judge_module(name: str, output, weight, bias, basis: dict, dtype) -> dict | None:
+    """None when the applied columns fit the held weight under some candidate d; else what differs."""
+    columns = basis[f"{name}.columns"]
+    held = weight.double()[:, columns]
+    rounding = float(basis[f"{name}.scale_rounding"])
+    worst = None
+    for candidate in basis[f"{name}.candidates"]:
+        applied = applied_columns(output, bias, candidate)
+        if applied.shape != held.shape:
+            return {"module": name, "shape": list(applied.shape), "held_shape": list(held.shape)}
+        bound = column_bound(held, bias, candidate, rounding, dtype)
+        off = ~((applied - held).abs() <= bound)  # NaN counts as off
+        judged = torch.isfinite(bound)
+        off &= judged
+        if not off.any():
+            return None
+        if worst is None or int(off.sum()) < worst["elements"]:
+            ratio = applied[off] / held[off]
+            worst = {
+                "module": name,
+                "elements": int(off.sum()),
+                "judged": int(judged.sum()),
+                "rows": row_ranges(off.any(dim=1)),
+                "ratio": float(ratio[torch.isfinite(ratio)].median()) if torch.isfinite(ratio).any() else None,
+                "nonfinite": int((~torch.isfinite(applied) & off).sum()),
+            }
+    return worst
+
+
+def row_ranges(rows: torch.Tensor) -> str:
+    """`rows 0-63, 128-191`: the output rows a mask marks, as ranges."""
+    marked = torch.nonzero(rows).flatten().tolist()
+    ranges, start = [], None
+    for index, row in enumerate(marked):
+        if start is None:
+            start = row
+        if index + 1 == len(marked) or marked[index + 1] != row + 1:
+            ranges.append(f"{start}" if start == row else f"{start}-{row}")
+            start = None
+    return ", ".join(ranges[:6]) + (", ..." if len(ranges) > 6 else "")
+
+
+def judge_effective_weights(judgement, engine: str, worker: EngineProcess, outcome, held: dict) -> None:
+    """Run the basis on `engine` (which holds `held`, its weights under checkpoint names) and judge
+    what each Linear applies: one `post-load` finding naming every module that differs;
+    `outcome.effective_weights` says what was probed."""
+    basis = judgement.basis
+    if basis is None:
+        outcome.effective_weights = f"not run: {judgement.basis_reason}"
+        return
+    explained = {
+        f.module.removesuffix(".weight").removesuffix(".bias")
+        for f in judgement.result.findings
+        if f.engine == engine and f.kind in WEIGHT_KINDS and f.module
+    }
+    reported = outcome.report.get("missing", []) + outcome.report.get("unexpected", [])
+    explained |= {canonical_name(key).rpartition(".")[0] for key in reported}
+    names = sorted(key.removesuffix(".basis") for key in basis if key.endswith(".basis"))
+    judged = [n for n in names if n not in explained and f"{n}.weight" in held]
+    if not judged:
+        outcome.effective_weights = "not run: every Linear's weights or load report are already a finding"
+        return
+    sent = {n: basis[f"{n}.basis"] for n in judged} | {k: v for k, v in basis.items() if k.endswith(LEAD)}
+    try:
+        outputs = worker.probe(sent, judgement.scratch_file(engine, "basis"))
+    except EngineError as error:
+        outcome.effective_weights = f"not run: {first_line(error)}"
+        return
+    differing, found = [], [n for n in judged if n in outputs]
+    for name in found:
+        dtype = basis[f"{name}.basis"].dtype
+        verdict = judge_module(name, outputs[name], held[f"{name}.weight"], held.get(f"{name}.bias"), basis, dtype)
+        if verdict is not None:
+            differing.append(verdict)
+    outcome.effective_weights = f"{len(found) - len(differing)}/{len(found)} Linear(s) apply the weights placed" + (
+        f"; {len(judged) - len(found)} not run by this engine by that name" if len(found) < len(judged) else ""
+    )
+    if differing:
+        judgement.finding(
+            engine,
+            "post-load",
+            describe(differing, len(found)),
+            module=differing[0]["module"],
+            metrics={"probe": "basis", "modules": [d["module"] for d in differing], "worst": differing[0]},
+        )
+
+
+def describe(differing: list[dict], probed: int) -> str:
+    first = differing[0]
+    if "shape" in first:
+        detail = f"applies a weight of shape {first['shape']} where it placed {first['held_shape']}"
+    else:
+        ratio = f"; applied / placed: median {first['ratio']:.3g}" if first["ratio"] is not None else ""
+        nonfinite = f", {first['nonfinite']} non-finite" if first["nonfinite"] else ""
+        detail = (
+            f"{first['elements']}/{first['judged']} probed elements beyond bound{nonfinite}, "
+            f"in rows {first['rows']}{ratio}"
+        )
+    return (
+        f"after loading: {len(differing)}/{probed} Linear(s) apply other weights than their loader placed "
+        f"(basis inputs), e.g. {first['module']}: {detail}"
+    )

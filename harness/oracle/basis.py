@@ -1,0 +1,75 @@
+"""Basis inputs for one Linear: rows c * e_j, one per probed column j, whose output is
+d * W[:, j] + b with d what the Linear's input quantization makes of c. An engine's output on them
+gives the columns of the weight its kernel really applies, after whatever it did to the loaded
+weights (harness.differential.effective_weights).
+
+c is chosen per activation scheme so that its quantization is exact wherever the definition
+allows it: unquantized inputs take 1; dynamic FP8 takes 448 * 2**-8 (the scale amax / 448 is then
+2**-8, a power of two: exact in every dtype); dynamic int8 takes 127 * 2**-6; a static FP8 scale s
+takes s itself as the model dtype holds it (quantized to 1 * s); NVFP4 takes 6 / G (its group
+scale then rounds to exactly 1 on the E4M3 grid and the value to the E2M1 maximum). A one-hot row
+is quantized in the grid's top code, so conventions that differ only in where the amax lands
+(compressed-tensors' int8 scale amax / 127.5 against vLLM's amax / 127) give different d: each
+candidate d is returned, and the judge accepts the one the engine's output fits."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.core.numerics import E2M1_MAX, E4M3_MAX
+from harness.oracle.activations import ActivationScheme, quantize_activations
+
+#: how many of a Linear's input columns the basis probes: every one up to this many, else this many
+#: evenly spaced (the first and the last among them), so that each 128-column scale block is met
+MAX_COLUMNS = 64
+
+
+def basis_columns(in_features: int, limit: int = MAX_COLUMNS) -> torch.Tensor:
+    if in_features <= limit:
+        return torch.arange(in_features)
+    return torch.linspace(0, in_features - 1, limit).round().long().unique()
+
+
+def basis_value(scheme: ActivationScheme | None, stored: torch.Tensor | None, dtype: torch.dtype) -> float:
+    """c: the value each basis row holds at its column, in `dtype`."""
+    if scheme is None:
+        value = 1.0
+    elif scheme.kind == "fp8" and scheme.static:
+        value = float(stored.to(torch.float64).reshape(()))
+    elif scheme.kind == "fp8":
+        value = E4M3_MAX * 2.0**-8
+    elif scheme.kind == "int8":
+        value = 127 * 2.0**-6
+    else:  # NVFP4: the global scale G in the divisor convention
+        stored_value = float(stored.to(torch.float64).reshape(()))
+        global_scale = 1.0 / stored_value if scheme.multiplier else stored_value
+        value = E2M1_MAX / global_scale
+    return float(torch.tensor(value, dtype=torch.float64).to(dtype))
+
+
+def basis_input(
+    scheme: ActivationScheme | None, stored: torch.Tensor | None, in_features: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """`basis` [C, in_features] in `dtype` (row i = c * e_columns[i]), `columns` [C], and
+    `candidates` [n, C] float64: each value d the row's one element may quantize to (the
+    definition's first; the exact c second where a convention lands the amax on the grid's top
+    code); `scale_rounding` [1]: a static scale's relative rounding to `dtype`, which every
+    output of an engine that holds the scale in the model dtype carries."""
+    columns = basis_columns(in_features)
+    value = basis_value(scheme, stored, dtype)
+    rows = torch.zeros(len(columns), in_features, dtype=dtype)
+    rows[torch.arange(len(columns)), columns] = value
+    candidates = [torch.full((len(columns),), value, dtype=torch.float64)]
+    rounding = 0.0
+    if scheme is not None:
+        quantized = quantize_activations(rows.double(), scheme, stored)[torch.arange(len(columns)), columns]
+        candidates.insert(0, quantized)
+        if scheme.static and stored is not None:
+            exact = stored.to(torch.float64).reshape(())
+            rounding = float(((stored.to(dtype).to(torch.float64).reshape(()) - exact) / exact).abs())
+    return {
+        "basis": rows,
+        "columns": columns,
+        "candidates": torch.stack(candidates),
+        "scale_rounding": torch.tensor([rounding], dtype=torch.float64),
+    }
