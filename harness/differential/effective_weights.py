@@ -11,7 +11,9 @@ exactly under every activation scheme (d is known), so the activation quantizati
 activation probe, does not enter. Every probed column's output is one product (no accumulation):
 the bound per element is one ulp of the model dtype for a kernel that holds its weight there, plus
 the output's rounding to the model dtype, plus a static scale's rounding to it, plus float32's
-flushing of a subnormal product.
+flushing of a subnormal product. With a static input scale, a factor common to the whole Linear
+is left to the activation probe (by outputs alone a static input scale read wrong and a per-tensor
+weight scale read wrong are the same): there the probe judges which rows and columns differ.
 
 A module whose held weights are already a finding is not probed; a difference is a `post-load`
 finding naming the modules, the rows that differ (a fused part's, an expert's) and the ratio of
@@ -62,8 +64,14 @@ def column_bound(weight: torch.Tensor, bias, candidate: torch.Tensor, rounding: 
     """[out, C]: how far an applied column may sit from the held one's `weight` [out, C]."""
     d = candidate.abs().unsqueeze(0)
     product = weight.abs() * d + (bias.double().abs().unsqueeze(1) if bias is not None else 0)
+    # a product below float32's (and bfloat16's) smallest normal may be flushed to zero whole
+    flushed = torch.where(weight.abs() * d < 2 * FLOAT32_TINY, weight.abs(), torch.zeros_like(weight))
     return (
-        ulp(weight, dtype) + ulp(product, dtype) / d + weight.abs() * (rounding + FLOAT32_ROUNDING) + FLOAT32_TINY / d
+        ulp(weight, dtype)
+        + ulp(product, dtype) / d
+        + weight.abs() * (rounding + FLOAT32_ROUNDING)
+        + flushed
+        + 2 * FLOAT32_TINY / d
     )
 
 
@@ -72,13 +80,15 @@ def judge_module(name: str, output, weight, bias, basis: dict, dtype) -> dict | 
     columns = basis[f"{name}.columns"]
     held = weight.double()[:, columns]
     rounding = float(basis[f"{name}.scale_rounding"])
+    static = bool(basis.get(f"{name}.static", torch.zeros(1, dtype=torch.bool)).any())
     worst = None
     for candidate in basis[f"{name}.candidates"]:
         applied = applied_columns(output, bias, candidate)
         if applied.shape != held.shape:
             return {"module": name, "shape": list(applied.shape), "held_shape": list(held.shape)}
         bound = column_bound(held, bias, candidate, rounding, dtype)
-        off = ~((applied - held).abs() <= bound)  # NaN counts as off
+        factor = uniform_factor(applied, held) if static else 1.0
+        off = ~((applied - factor * held).abs() <= bound * abs(factor))  # NaN counts as off
         judged = torch.isfinite(bound)
         off &= judged
         if not off.any():
@@ -94,6 +104,16 @@ def judge_module(name: str, output, weight, bias, basis: dict, dtype) -> dict | 
                 "nonfinite": int((~torch.isfinite(applied) & off).sum()),
             }
     return worst
+
+
+def uniform_factor(applied: torch.Tensor, held: torch.Tensor) -> float:
+    """The one factor applied / held over a whole Linear (the median ratio over its elements that
+    are not tiny), 1.0 where there is none. With a static input scale the activation probe judges
+    it: a wrong static scale and a wrong per-tensor weight scale move every output alike."""
+    usable = held.abs() > held.abs().max() / 16
+    ratio = applied[usable] / held[usable]
+    ratio = ratio[torch.isfinite(ratio)]
+    return float(ratio.median()) if ratio.numel() else 1.0
 
 
 def row_ranges(rows: torch.Tensor) -> str:

@@ -14,6 +14,8 @@ candidate d is returned, and the judge accepts the one the engine's output fits.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from harness.core.numerics import E2M1_MAX, E4M3_MAX
@@ -52,9 +54,11 @@ def basis_input(
 ) -> dict[str, torch.Tensor]:
     """`basis` [C, in_features] in `dtype` (row i = c * e_columns[i]), `columns` [C], and
     `candidates` [n, C] float64: each value d the row's one element may quantize to (the
-    definition's first; the exact c second where a convention lands the amax on the grid's top
-    code); `scale_rounding` [1]: a static scale's relative rounding to `dtype`, which every
-    output of an engine that holds the scale in the model dtype carries."""
+    definition's first; then the exact c, where a convention lands the amax on the grid's top
+    code; then, for a dynamic scale, the definition computed in `dtype`); `scale_rounding` [1]: a static scale's relative rounding to `dtype`, which every
+    output of an engine that holds the scale in the model dtype carries; `static` [1]: whether the
+    input has a static scale (then a uniform factor over the whole Linear is the activation
+    probe's to judge: by outputs alone it is a static input scale or a per-tensor weight scale)."""
     columns = basis_columns(in_features)
     value = basis_value(scheme, stored, dtype)
     rows = torch.zeros(len(columns), in_features, dtype=dtype)
@@ -62,8 +66,12 @@ def basis_input(
     candidates = [torch.full((len(columns),), value, dtype=torch.float64)]
     rounding = 0.0
     if scheme is not None:
-        quantized = quantize_activations(rows.double(), scheme, stored)[torch.arange(len(columns)), columns]
-        candidates.insert(0, quantized)
+        diagonal = torch.arange(len(columns)), columns
+        candidates.insert(0, quantize_activations(rows.double(), scheme, stored)[diagonal])
+        if scheme.dynamic and not scheme.static:  # the scale computed in the model dtype, as
+            # compressed-tensors' calculate_qparams does (amax / 127.5 rounds in bfloat16)
+            model = dataclasses.replace(scheme, arithmetic="model")
+            candidates.append(quantize_activations(rows, model)[diagonal].double())
         if scheme.static and stored is not None:
             exact = stored.to(torch.float64).reshape(())
             rounding = float(((stored.to(dtype).to(torch.float64).reshape(()) - exact) / exact).abs())
@@ -72,4 +80,5 @@ def basis_input(
         "columns": columns,
         "candidates": torch.stack(candidates),
         "scale_rounding": torch.tensor([rounding], dtype=torch.float64),
+        "static": torch.tensor([bool(scheme is not None and scheme.static and stored is not None)]),
     }
