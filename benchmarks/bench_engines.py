@@ -184,7 +184,7 @@ def bare_child(spec_path: str) -> int:
 
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     if engine == "vllm":
-        # as harness/engines/vllm_engine.py: the engine core in this process
+        # as harness/engines/vllm/engine.py: the engine core in this process
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM, SamplingParams
     else:
@@ -261,7 +261,9 @@ def bare_child(spec_path: str) -> int:
         forward(model, directory)
         t2 = time.perf_counter()
         del model  # timed too: the harness's load request frees the previous model first,
-        if engine == "vllm":  # vllm_engine.py's unload also runs the collector (HF engines drop the reference)
+        if (
+            engine == "vllm"
+        ):  # harness/engines/vllm/engine.py's unload also runs the collector (HF engines drop the reference)
             gc.collect()
         t3 = time.perf_counter()
         rows.append(

@@ -1,4 +1,4 @@
-"""The tensor-parallel lane (harness.engines.tensor_parallel, docs/tensor-parallel.md).
+"""The tensor-parallel lane (harness.engines.vllm.tensor_parallel, docs/tensor-parallel.md).
 
 The layout and the judge run anywhere: a test double shards a generated checkpoint as a correct
 loader must, and a second, deliberately wrong one must be caught. One end-to-end test drives
@@ -18,10 +18,10 @@ from harness.differential.known_issues import KnownIssues
 from harness.differential.relations import CAMPAIGN_EVERY, RELATION_NAMES, RELATIONS, sampled
 from harness.differential.runner import EngineSession, evaluate
 from harness.engines.process import EngineProcess, Limits
-from harness.engines.tensor_parallel import EXACT, FINDING, WORKER_SPEC, check_tensor_parallel, parse_tp_sizes
-from harness.engines.tensor_parallel.judge import Shard, judge, load_truth
-from harness.engines.tensor_parallel.layout import decoder_linears, owned_slice, vocab_linears
-from harness.engines.vllm_engine import find_vllm_python
+from harness.engines.vllm.engine import find_vllm_python
+from harness.engines.vllm.tensor_parallel import EXACT, FINDING, WORKER_SPEC, check_tensor_parallel, parse_tp_sizes
+from harness.engines.vllm.tensor_parallel.judge import Shard, judge, load_truth
+from harness.engines.vllm.tensor_parallel.layout import decoder_linears, owned_slice, vocab_linears
 
 NVFP4_SPLIT = "vllm-tp-nvfp4-row-parallel-split-inside-groups"
 VLLM_PYTHON = find_vllm_python()

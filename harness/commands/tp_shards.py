@@ -48,7 +48,7 @@ def add_parser(commands) -> None:
 
 
 def command_tp_shards(args) -> int:
-    from harness.engines.tensor_parallel import FINDING, check_tensor_parallel, parse_tp_sizes
+    from harness.engines.vllm.tensor_parallel import FINDING, check_tensor_parallel, parse_tp_sizes
 
     sizes = parse_tp_sizes(args.tp_sizes)
     ep_sizes = [] if args.ep_sizes.strip().lower() == "none" else parse_tp_sizes(args.ep_sizes, "--ep-sizes")

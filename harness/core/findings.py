@@ -8,6 +8,9 @@ from typing import Any
 
 KINDS = {
     "load-error": "the engine raised while loading a checkpoint a correct loader loads",
+    "refused-valid": "the engine refused, on purpose and in its own words, a checkpoint its format's definition "
+    "allows (a check of its method or of a layer's shape), on any machine: not a limit of this machine "
+    "(unsupported), not a crash (load-error)",
     "accepted-invalid": "the engine loaded a checkpoint that a correct loader must refuse",
     "dropped-scale": "a *scale* tensor was reported missing or unexpected by the engine",
     "load-report": "the engine reported other missing or unexpected keys",

@@ -8,7 +8,7 @@ device_map that offloads to disk all hold the first load's weights or compute it
 the truth is: no oracle is needed, and a wrong load that the truth cannot tell apart (a scale
 applied again on a second load, a parameter left as allocated) still shows. One relation is
 checked once per checkpoint rather than on a load: `tensor-parallel` runs vLLM's own weight loaders
-for every rank at tensor-parallel sizes 1, 2 and 4 (harness.engines.tensor_parallel) and holds each
+for every rank at tensor-parallel sizes 1, 2 and 4 (harness.engines.vllm.tensor_parallel) and holds each
 rank's shard to its slice, whatever vLLM's one-device load did. One that does not hold is a
 `relation` finding naming the relation and the first differing tensor and position (for
 tensor-parallel: the smallest size, the rank and the Linear); one an engine or checkpoint cannot
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from harness.core.errors import HarnessError, first_line
 from harness.core.naming import canonical_name
 from harness.engines.process import EngineError, EngineFailure
-from harness.engines.tensor_parallel.layout import ARCHITECTURES as TP_ARCHITECTURES
+from harness.engines.vllm.tensor_parallel.layout import ARCHITECTURES as TP_ARCHITECTURES
 
 if TYPE_CHECKING:
     import torch
@@ -229,8 +229,8 @@ def _check_shards(relation: Relation, judgement: Judgement, engine: str) -> str:
     routed experts where that is another (DeepSeek-V3's dense first layers), whose experts are also
     placed at EP_SIZES; the smallest tensor-parallel size (else expert-parallel) at which a rank
     holds other values than its slice is one finding (the others in its metrics)."""
-    from harness.engines.tensor_parallel import FINDING, REFUSED, WORKER_SPEC, check_tensor_parallel
-    from harness.engines.tensor_parallel.layout import EP, TP, first_sparse_layer
+    from harness.engines.vllm.tensor_parallel import FINDING, REFUSED, WORKER_SPEC, check_tensor_parallel
+    from harness.engines.vllm.tensor_parallel.layout import EP, TP, first_sparse_layer
 
     why = relation.inapplicable(judgement.config)
     if why or judgement.hazards:

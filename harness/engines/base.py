@@ -28,6 +28,12 @@ class EngineUnsupported(Exception):
     """The engine does not implement this format or feature (not a finding, a skip)."""
 
 
+class EngineRefuses(Exception):
+    """The engine refuses this checkpoint on purpose, in its own words (a check its method or a
+    layer's shape fails), on any machine: a `refused-valid` finding where the format allows the
+    checkpoint, unlike EngineUnsupported (a limit of this machine or of the format's coverage)."""
+
+
 class Engine:
     """Subclass and implement; register in harness.engines.REGISTRY or pass `module:Class`."""
 

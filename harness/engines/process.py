@@ -40,10 +40,11 @@ class EngineFailure(Exception):
 class EngineError(Exception):
     """The engine raised inside the worker (the worker itself is fine)."""
 
-    def __init__(self, message: str, traceback: str, unsupported: bool = False):
+    def __init__(self, message: str, traceback: str, unsupported: bool = False, refuses: bool = False):
         super().__init__(message)
         self.traceback = traceback
         self.unsupported = unsupported
+        self.refuses = refuses  # on purpose, in the engine's own words (EngineRefuses)
 
 
 @dataclass
@@ -143,7 +144,12 @@ class EngineProcess:
                     if not self.info:  # failed before it could serve
                         self._kill()
                         raise EngineFailure("crash", message["error"], message.get("traceback", ""))
-                    raise EngineError(message["error"], message.get("traceback", ""), message.get("unsupported", False))
+                    raise EngineError(
+                        message["error"],
+                        message.get("traceback", ""),
+                        message.get("unsupported", False),
+                        message.get("refuses", False),
+                    )
                 return message
             memory = resident_mb(self.process.pid)
             self.peak_mb = max(self.peak_mb, memory)

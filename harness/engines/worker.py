@@ -62,6 +62,7 @@ def serve(spec: str) -> int:
                 error=f"{type(error).__name__}: {error}",
                 traceback=traceback.format_exc(),
                 unsupported=type(error).__name__ == "EngineUnsupported",
+                refuses=type(error).__name__ == "EngineRefuses",
             )
     return 0
 

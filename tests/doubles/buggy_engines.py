@@ -467,3 +467,15 @@ class RepackedAfterLoadingEngine(ReferenceEngine):
 
     def weights(self):
         return self.placed
+
+
+class RefusingEngine(ReferenceEngine):
+    """Bug class of an engine that refuses, on purpose and in its own words, a checkpoint its format
+    allows (a shape check stricter than the format: vLLM's validate_fp8_block_shape)."""
+
+    name = "double-refusing"
+
+    def load(self, directory):
+        from harness.engines.base import EngineRefuses
+
+        raise EngineRefuses("double: every partition must be whole 128-row blocks")

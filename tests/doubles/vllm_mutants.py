@@ -1,11 +1,11 @@
-"""DELIBERATELY BUGGY TEST DOUBLES of vLLM: the real engine (harness.engines.vllm_engine) with one
+"""DELIBERATELY BUGGY TEST DOUBLES of vLLM: the real engine (harness.engines.vllm.engine) with one
 step of vLLM's own processing after loading mutated, so that the tests can prove the harness
 judges what vLLM's kernels apply, not only what its loaders place. Run under the vLLM
 environment's interpreter (HARNESS_<ENGINE>_PYTHON)."""
 
 from __future__ import annotations
 
-from harness.engines.vllm_engine import VllmEngine
+from harness.engines.vllm.engine import VllmEngine
 
 
 class LastPartScaleHalvedAfterLoadingVllm(VllmEngine):

@@ -22,6 +22,7 @@ def session(tmp_path_factory):
         f"{DOUBLES}:ClobberedBiasEngine",
         f"{DOUBLES}:SwappedGlobalScaleEngine",
         f"{DOUBLES}:RepackedAfterLoadingEngine",
+        f"{DOUBLES}:RefusingEngine",
     ]
     session = EngineSession(engines, tmp_path_factory.mktemp("work"), Limits(timeout_s=300))
     yield session
@@ -74,6 +75,18 @@ def test_clobbered_bias_is_found(session, tmp_path):
     nonfinite = [f for f in result.findings if f.engine == engine and f.kind == "weight-nonfinite"]
     assert {f.module.rsplit(".", 2)[-2] for f in nonfinite} == {"q_proj", "k_proj", "v_proj"}
     assert "nonfinite-logits" in kinds(result, engine)
+
+
+@pytest.mark.parametrize("fmt, expectation", [("fp8-block", "exact"), ("ct-int4", "exact-or-refuse")])
+def test_a_deliberate_refusal_of_a_valid_checkpoint_is_its_own_finding(session, tmp_path, fmt, expectation):
+    """An engine that refuses on purpose (EngineRefuses): `refused-valid` where the checkpoint must
+    load exactly; where the definition lets a loader refuse it, the refusal is no finding."""
+    engine = f"{DOUBLES}:RefusingEngine"
+    result = evaluate(checkpoint(tmp_path, fmt, "llama"), session, engines=["reference", engine])
+    assert result.expectation == expectation
+    outcome = result.outcomes[engine]
+    assert outcome.status == "refused" and outcome.detail.startswith("double: every partition"), outcome.detail
+    assert kinds(result, engine) == ({"refused-valid"} if expectation == "exact" else set())
 
 
 def test_swapped_nvfp4_global_scale_is_found(session, tmp_path):

@@ -1,9 +1,9 @@
-"""Whether vLLM can run a format here is vLLM's own answer (harness.engines.vllm_capability): its
+"""Whether vLLM can run a format here is vLLM's own answer (harness.engines.vllm.capability): its
 missing-kernel refusals are classified as unsupported, with its words; nothing else is."""
 
 from __future__ import annotations
 
-from harness.engines.vllm_capability import CapabilityCache, missing_kernel
+from harness.engines.vllm.capability import CapabilityCache, missing_kernel
 
 # vLLM 0.32's words, as measured: AMD EPYC (no AMX), Intel Xeon (AMX tiles, no AMX-FP8), NVFP4 W4A4
 # and W4A16 (Marlin forced) on any CPU, an op the CPU build declares as an empty stub, and the AVX2 build's gaps

@@ -23,8 +23,8 @@ from harness.checkpoints.recipe import Recipe
 from harness.checkpoints.writer import TRUTH_FILE, generate
 from harness.core.errors import first_line
 from harness.engines.process import EngineError, EngineProcess, Limits
-from harness.engines.vllm_capability import CACHE_FILE, PROBE_SHAPE, missing_kernel
-from harness.engines.vllm_engine import VllmEngine, find_vllm_python
+from harness.engines.vllm.capability import CACHE_FILE, PROBE_SHAPE, missing_kernel
+from harness.engines.vllm.engine import VllmEngine, find_vllm_python
 from harness.formats import FORMAT_NAMES
 from harness.oracle.reference import format_and_knobs
 
@@ -188,6 +188,32 @@ def test_the_activation_probe_runs_vllms_own_layers(tmp_path):
 
 @needs_vllm
 @pytest.mark.slow
+def test_vllms_loaders_are_judged_where_it_has_no_kernel(tmp_path):
+    """fp8-block with a 688-row intermediate (gate and up not whole 128-row blocks): vLLM's merged
+    gate/up block-scale loader crashes on one device, "start (6) + length (6) exceeds dimension size
+    (11)". Where vLLM has a kernel (AMX) its load raises it; where it has none (AVX2, AVX-512 without
+    AMX) its loaders run with stand-in kernels and raise it all the same
+    (harness.differential.stand_in): the finding is there on every kind."""
+    from harness.differential.known_issues import KnownIssues
+    from harness.differential.runner import EngineSession, evaluate
+
+    directory = tmp_path / "c"
+    config = {"num_hidden_layers": 1, "hidden_size": 256, "intermediate_size": 688}
+    generate(Recipe(format="fp8-block", arch="llama", config=config), directory)
+    session = EngineSession(["reference", "vllm"], tmp_path / "engines")
+    try:
+        result = evaluate(directory, session, known=KnownIssues.load())
+    finally:
+        session.close()
+    crashes = [f for f in result.findings if f.engine == "vllm" and f.kind == "load-error"]
+    assert any("exceeds dimension size (11)" in f.message for f in crashes), result.findings
+    if result.outcomes["vllm"].status == "unsupported":  # no kernel here: the loaders, stood in
+        assert "run with stand-in kernels on one device" in result.outcomes["vllm"].detail
+        assert {f.known_issue for f in crashes} == {"vllm-tp-fp8-block-fused-part-inside-a-block"}
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_a_mutant_of_vllms_processing_after_loading_is_caught(tmp_path, monkeypatch):
     """vLLM with its compressed-tensors FP8 processing after loading mutated (a fused Linear's last
     part scale halved, tests/doubles/vllm_mutants.py): the weights its loaders placed are exact,
@@ -249,7 +275,7 @@ def test_sentinel_parameters_fill_the_model_vllms_loader_creates():
     script = """
 import torch
 from vllm.model_executor.model_loader import base_loader
-from harness.engines.vllm_engine import sentinel_parameters
+from harness.engines.vllm.engine import sentinel_parameters
 base_loader.initialize_model = lambda **kwargs: torch.nn.Linear(3, 2)
 base_loader.log_online_quantization = base_loader.log_model_inspection = lambda *args: None
 original = base_loader.BaseModelLoader.create_model
@@ -288,7 +314,7 @@ def test_young_collections_only_skips_full_collections_inside_and_restores_the_c
     speed-up, docs/benchmarks.md); outside, and after an error inside, gc.collect is the real one."""
     import gc
 
-    from harness.engines.vllm_engine import young_collections_only
+    from harness.engines.vllm.engine import young_collections_only
 
     real, enabled = gc.collect, gc.isenabled()
     gc.disable()  # no automatic collection may run in between

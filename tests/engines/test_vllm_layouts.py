@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from harness.checkpoints.recipe import Recipe
 from harness.checkpoints.writer import TRUTH_FILE, generate
 from harness.engines.process import EngineError, EngineProcess, Limits
-from harness.engines.vllm_engine import VllmEngine, split_parts
+from harness.engines.vllm.engine import VllmEngine, split_parts
 from tests.engines.test_vllm_engine import SEQUENCES, VLLM_PYTHON, assert_within_bf16_ulps, needs_vllm
 
 #: sizes every engine accepts: each fused part and expert a multiple of 128 rows, head size 32
@@ -137,16 +137,16 @@ def test_experts_come_back_per_expert_and_part(engine, tmp_path, arch, expert_na
 
 @needs_vllm
 @pytest.mark.slow
-def test_moe_scheme_vllm_does_not_implement_is_unsupported_in_its_words(engine, tmp_path):
+def test_moe_scheme_vllm_does_not_implement_is_refused_in_its_words(engine, tmp_path):
     """compressed-tensors FP8 MoE with per-tensor weights and per-token activations: vLLM 0.32
     refuses it with a bare assert while choosing the method; the engine says so in vLLM's words
-    (the failed assertion), as unsupported, not as a traceback. A vLLM that loads it must load it exactly."""
+    (the failed assertion), as a refusal (refused-valid), not as a traceback. A vLLM that loads it must load it exactly."""
     directory = checkpoint(tmp_path, "mixtral", fmt="ct-fp8-tensor")
     try:
         held_against_truth(engine, directory, tmp_path)
     except EngineError as refused:
-        assert refused.unsupported, refused
-        assert "does not implement this scheme here: `assert " in str(refused), refused
+        assert refused.refuses, refused
+        assert "does not implement this scheme: `assert " in str(refused), refused
 
 
 def stack_experts(tensors: dict[str, torch.Tensor], prefix: str, parts: tuple[str, str, str], experts: int):

@@ -23,7 +23,7 @@ from packaging.specifiers import SpecifierSet
 from safetensors.torch import save_file
 
 from harness.engines import REGISTRY
-from harness.engines.vllm_engine import find_vllm_python
+from harness.engines.vllm.engine import find_vllm_python
 from harness.fixes import get_fix
 from harness.fixes.materialize_meta_only import meta_only, restore_clobbered_tensors
 

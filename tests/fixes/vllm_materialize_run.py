@@ -104,7 +104,7 @@ def golden_gate(llm: LLM, vocab: int, target: str | None) -> dict | None:
     corpus prompts) and, when a golden for `target` exists, the gate's verdict against it."""
     if not target:
         return None
-    from harness.engines.vllm_engine import VllmEngine
+    from harness.engines.vllm.engine import VllmEngine
     from harness.gates.gate import gate, measure
     from harness.gates.golden import golden_path
 

@@ -18,7 +18,7 @@ from harness.core.errors import HarnessError
 from harness.core.tolerances import load_tolerances
 from harness.differential.relations import RELATIONS
 from harness.engines import ENGINES
-from harness.engines.vllm_capability import MISSING_KERNEL
+from harness.engines.vllm.capability import MISSING_KERNEL
 from harness.lanes.upstream.source import Reproducer
 
 PARTS = Path(__file__).resolve().parent / "parts"
@@ -248,9 +248,9 @@ def packed_experts(recipe) -> dict | None:
 
 def tensor_parallel_linears(config: dict) -> dict:
     """The tensor-parallel relation's sizes and the first decoder layer's parallel Linears, as the
-    harness's lane builds them (harness.engines.tensor_parallel.layout), as data for the script."""
+    harness's lane builds them (harness.engines.vllm.tensor_parallel.layout), as data for the script."""
     from harness.differential.relations import EP_SIZES, TP_SIZES
-    from harness.engines.tensor_parallel.layout import INTERLEAVED, ROTARY_PERMUTED, decoder_linears
+    from harness.engines.vllm.tensor_parallel.layout import INTERLEAVED, ROTARY_PERMUTED, decoder_linears
 
     linears = []
     for linear in decoder_linears(config, 0):
@@ -356,7 +356,7 @@ def unscriptable(reproducer: Reproducer) -> str | None:
         reads_weights = False  # the script reads vLLM's shards of the first decoder layer, judged below
     if reproducer.engine == "vllm" and reproducer.recipe.layout.get("quantize_embeddings"):
         reads_weights = False  # vLLM's script reads the embedding alone (parts/engine_vllm.py), never an expert
-    if set(reproducer.kinds) == {"load-error"}:
+    if set(reproducer.kinds) <= {"load-error", "refused-valid"}:
         reads_weights = False  # the script judges whether the engine loads; a load that fails reads nothing
     if reproducer.engine == "vllm" and reproducer.recipe.perturb.get("disagreement") == "index-stale-duplicate":
         # vLLM's script judges layer sizes and a finite forward pass: a stale scale passes both
@@ -375,7 +375,7 @@ def unscriptable(reproducer: Reproducer) -> str | None:
         return f"relation {reproducer.relation or '(unnamed)'} with {reproducer.engine}"
     if reproducer.relation == "tensor-parallel" and any(".experts." in name for name in tensor_table(reproducer)):
         from harness.checkpoints.architectures import ARCHITECTURES
-        from harness.engines.tensor_parallel.layout import INTERLEAVED
+        from harness.engines.vllm.tensor_parallel.layout import INTERLEAVED
 
         if ARCHITECTURES[reproducer.recipe.arch].class_name not in INTERLEAVED:  # gpt-oss's: parts/relation_vllm.py
             return "tensor-parallel relation on routed experts (the script builds vLLM's dense parallel Linears)"

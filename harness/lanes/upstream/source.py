@@ -62,7 +62,7 @@ def from_issue(issue: KnownIssue) -> Reproducer:
         recipe=Recipe.from_json({"seed": 0, **issue.reproducer}),
         mechanism=" ".join(issue.reason.split()),
         source="cases/known_issues.toml",
-        reported_error=issue.message if "load-error" in issue.kinds else None,
+        reported_error=issue.message if {"load-error", "refused-valid"} & set(issue.kinds) else None,
         upstream=issue.upstream,
         kinds=list(issue.kinds),
         relation=relation_named(issue.message) if "relation" in issue.kinds else None,
@@ -96,7 +96,7 @@ def from_finding(report: Path, number: int, known: KnownIssues | None = None) ->
     issue_id = finding.get("known_issue")
     if issue_id:
         issue = (known or KnownIssues.load()).by_id(issue_id)
-        reported = issue.message if "load-error" in issue.kinds else None
+        reported = issue.message if {"load-error", "refused-valid"} & set(issue.kinds) else None
         mechanism, upstream = " ".join(issue.reason.split()), issue.upstream
     else:
         mechanism, reported, upstream = finding.get("message", ""), None, ""

@@ -49,6 +49,16 @@ PROBE_SHAPE = {
 CACHE_FILE = "vllm-capabilities.json"
 
 
+def config_refusal(error: BaseException | str) -> str | None:
+    """vLLM's own words when its config validation refuses the checkpoint on purpose (e.g.
+    quant_method fp8 declares bfloat16/float16 activations only; compressed-tensors also takes
+    float32), else None: a check of the method, on any machine."""
+    lines = [line for line in str(error).splitlines() if "is not supported for quantization method" in line]
+    if not lines:
+        return None
+    return "vLLM: " + lines[0].strip().removeprefix("Value error, ").partition(" [type=")[0]
+
+
 def missing_kernel(error: BaseException | str) -> str | None:
     """vLLM's own reason when `error` says it has no kernel for a layer here, else None."""
     text = str(error)

@@ -29,13 +29,14 @@ from pathlib import Path
 import torch
 
 from harness.checkpoints.model_layout import known_layout, layout_settings, packed_experts
+from harness.core.errors import first_line
 from harness.core.naming import canonical_name
-from harness.engines.base import Engine, EngineUnsupported, LoadReport
+from harness.engines.base import Engine, EngineRefuses, EngineUnsupported, LoadReport
 from harness.engines.environments import engine_python
 from harness.engines.hf_common import LEAD, captured_warnings, stored_names
-from harness.engines.tensor_parallel.layout import unpermute_rotary_rows
-from harness.engines.vllm_capability import missing_kernel
-from harness.engines.vllm_capability import unsupported_reason as probed_unsupported_reason
+from harness.engines.vllm.capability import config_refusal, missing_kernel
+from harness.engines.vllm.capability import unsupported_reason as probed_unsupported_reason
+from harness.engines.vllm.tensor_parallel.layout import unpermute_rotary_rows
 
 # The engine core must run in this process: the weight capture below and `apply_model` need
 # the model object here. setdefault, so that a user's explicit choice still wins.
@@ -131,7 +132,7 @@ class VllmEngine(Engine):
 
     def unsupported_reason(self, format_name):
         """What vLLM itself answers when a tiny checkpoint of the format is loaded and run here
-        (harness.engines.vllm_capability; cached per environment). A probe replaces any loaded model."""
+        (harness.engines.vllm.capability; cached per environment). A probe replaces any loaded model."""
         return probed_unsupported_reason(format_name, self.probe_construct)
 
     def probe_construct(self, directory: str):
@@ -194,16 +195,14 @@ class VllmEngine(Engine):
                 raise EngineUnsupported(
                     f"vLLM has no kernel for this checkpoint here: {missing_kernel(error)}"
                 ) from error
-            refusal = [line for line in str(error).splitlines() if "is not supported for quantization method" in line]
-            if isinstance(error, ValueError) and refusal:
-                # e.g. quant_method fp8 declares bfloat16/float16 activations only (compressed-tensors
-                # also takes float32): a limit of the method, not a misreading of the checkpoint
-                message = refusal[0].strip().removeprefix("Value error, ").partition(" [type=")[0]
-                raise EngineUnsupported(f"vLLM: {message}") from error
-            if unimplemented_scheme(error):  # a bare assert where vLLM picks a quantization method
-                raise EngineUnsupported(
-                    f"vLLM does not implement this scheme here: {unimplemented_scheme(error)}"
-                ) from error
+            # refused on purpose, on any machine: a check of the method (config_refusal), a bare
+            # assert where vLLM picks a quantization method, a layer's own check of its shape
+            if isinstance(error, ValueError) and config_refusal(error):
+                raise EngineRefuses(config_refusal(error)) from error
+            if unimplemented_scheme(error):
+                raise EngineRefuses(f"vLLM does not implement this scheme: {unimplemented_scheme(error)}") from error
+            if construction_refusal(error):
+                raise EngineRefuses(f"vLLM: {construction_refusal(error)}") from error
             raise
         return self.finish_report(report, config)
 
@@ -684,6 +683,22 @@ def unimplemented_scheme(error: BaseException) -> str | None:
         return None
     said = f": {error}" if str(error) else ""
     return f"`{last.line}` failed in {last.name} ({Path(last.filename).name}:{last.lineno}){said}"
+
+
+def construction_refusal(error: BaseException) -> str | None:
+    """vLLM's own words when one of its layers refuses the checkpoint on purpose while the model is
+    built (a ValueError from a check, e.g. a partition that is not whole scale blocks), else None.
+    A ValueError while weights load is a crash of the loader, not a refusal."""
+    if not isinstance(error, ValueError) or error.__traceback__ is None:
+        return None
+    frames = traceback.extract_tb(error.__traceback__)
+    if not any("/vllm/" in frame.filename.replace(os.sep, "/") for frame in frames):
+        return None
+    if any("load_weights" in frame.name or "weight_loader" in frame.name for frame in frames):
+        return None
+    if not any(frame.name in ("create_weights", "__init__") for frame in frames):
+        return None
+    return first_line(error) if str(error) else None
 
 
 def unsupported_after_loading(reason: str, backend_reasons: list[str]) -> str:

@@ -15,11 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.core.errors import HarnessError
-from harness.engines.tensor_parallel.layout import EP, TP
+from harness.engines.vllm.tensor_parallel.layout import EP, TP
 
 #: the worker, as an engine spec `harness.engines.worker` can host
-WORKER_SPEC = "harness.engines.tensor_parallel.worker:TensorParallelShards"
+WORKER_SPEC = "harness.engines.vllm.tensor_parallel.worker:TensorParallelShards"
 EXACT, FINDING, REFUSED = "exact", "finding", "refused"
+
+
+class LaneRefused(HarnessError):
+    """vLLM refuses the checkpoint on purpose before any layer is built (its config's check of the
+    quantization method, e.g. a model dtype the method declines): its words."""
 
 
 @dataclass
@@ -87,8 +92,8 @@ def check_tensor_parallel(
     the layer, also place its experts at each expert-parallel size in `ep_sizes` by vLLM's
     expert_placement_strategy `placement` (linear or round_robin); a TpResult.
     `process`: a started EngineProcess hosting WORKER_SPEC to use (left running), else one of its own."""
-    from harness.engines.tensor_parallel.judge import judge, load_truth, shards_from_worker
-    from harness.engines.tensor_parallel.layout import decoder_linears, sparse
+    from harness.engines.vllm.tensor_parallel.judge import judge, load_truth, shards_from_worker
+    from harness.engines.vllm.tensor_parallel.layout import decoder_linears, sparse
 
     directory = Path(directory)
     truth = load_truth(directory, layer)  # a CheckpointError (exit 2) for an unusable checkpoint
@@ -117,7 +122,7 @@ def run_worker(
     placement: str = "linear",
 ):
     from harness.engines.process import EngineError, EngineFailure, EngineProcess, Limits
-    from harness.engines.vllm_engine import find_vllm_python
+    from harness.engines.vllm.engine import find_vllm_python
 
     job = scratch / "job.json"
     job.write_text(
@@ -143,7 +148,11 @@ def run_worker(
             process.start()
         report = process.load(job)
         tensors = process.weights(scratch / "held.safetensors")
-    except (EngineFailure, EngineError) as error:
+    except EngineError as error:
+        if error.refuses:  # vLLM refuses the checkpoint on purpose (a check of its method)
+            raise LaneRefused(str(error).removeprefix("EngineRefuses: ")) from None
+        raise HarnessError(f"the vLLM worker failed: {str(error).splitlines()[0]} (log: {process.log_path})") from None
+    except EngineFailure as error:
         raise HarnessError(f"the vLLM worker failed: {str(error).splitlines()[0]} (log: {process.log_path})") from None
     finally:
         if own:
@@ -154,7 +163,7 @@ def run_worker(
 def summarize(verdicts: list, sizes: list[int], parallel: str = TP) -> list[TpOutcome]:
     """Per tp (or ep) size: its findings (one line per rank and Linear) and vLLM's refusals (one
     line per Linear and reason, naming the ranks)."""
-    from harness.engines.tensor_parallel.judge import ranges
+    from harness.engines.vllm.tensor_parallel.judge import ranges
 
     outcomes = []
     for tp in sizes:

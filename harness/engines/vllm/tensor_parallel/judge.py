@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from harness.core.errors import FormatError
-from harness.engines.tensor_parallel.layout import (
+from harness.engines.vllm.tensor_parallel.layout import (
     EP,
     ROTARY_PERMUTED,
     TP,

@@ -2,7 +2,7 @@
 parallel rank, feed them the checkpoint through their own `weight_loader`s, keep what each holds.
 
 Started by `harness.engines.process.EngineProcess` as the engine
-`harness.engines.tensor_parallel.worker:TensorParallelShards`: `load(JOB)` reads a job file (the
+`harness.engines.vllm.tensor_parallel.worker:TensorParallelShards`: `load(JOB)` reads a job file (the
 checkpoint, the tp sizes, the layer) and `weights()` returns every rank's held tensors. The rank
 is mocked as vLLM's own tests do: `parallel_state._TP` is a stand-in group whose `rank_in_group`
 and `world_size` every `get_tensor_model_parallel_rank/world_size()` reads. Each rank loads twice,
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from harness.engines.base import Engine
-from harness.engines.tensor_parallel.layout import (
+from harness.engines.base import Engine, EngineRefuses
+from harness.engines.vllm.capability import config_refusal, missing_kernel
+from harness.engines.vllm.tensor_parallel.layout import (
     EP,
     INTERLEAVED,
     ROTARY_PERMUTED,
@@ -33,7 +34,6 @@ from harness.engines.tensor_parallel.layout import (
     lane_linears,
     owned_slice,
 )
-from harness.engines.vllm_capability import missing_kernel
 
 #: vLLM modules that imported a kernel chooser by name (the chooser raises where no kernel fits)
 KERNEL_CHOOSERS = {
@@ -463,8 +463,14 @@ def vllm_context(directory: str, config: dict):
     from vllm.model_executor.model_loader.weight_utils import get_quant_config
 
     dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "bfloat16")
-    model_config = ModelConfig(model=directory, dtype=dtype, skip_tokenizer_init=True, max_model_len=256)
-    with set_current_vllm_config(VllmConfig(model_config=model_config)):
+    try:
+        model_config = ModelConfig(model=directory, dtype=dtype, skip_tokenizer_init=True, max_model_len=256)
+        vllm_config = VllmConfig(model_config=model_config)
+    except ValueError as error:  # a check of the method refuses the checkpoint, as a real load's would
+        if config_refusal(error):
+            raise EngineRefuses(config_refusal(error)) from error
+        raise
+    with set_current_vllm_config(vllm_config):
         quant_config = get_quant_config(model_config, LoadConfig())
         quant_config.packed_modules_mapping = dict(PACKED_MODULES)
         yield quant_config, dtype

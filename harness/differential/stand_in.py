@@ -1,0 +1,140 @@
+"""An engine with no kernel for a format on this machine still has loaders. Where vLLM says it
+has none here (no FP8 block kernel without AMX tiles, no NVFP4 on CPU), its real loaders are run
+on one device for the checkpoint's first decoder layer (and its first layer with routed experts),
+the kernel choice alone stood in (harness.engines.vllm.tensor_parallel, the lane that also shards
+them at tensor-parallel sizes), and what they place is judged against the truth: a loader that
+raises on a checkpoint the format allows is a `load-error`, one that refuses it on purpose (a
+check of the method or of a layer's shape, a ValueError while the layer is built) `refused-valid`,
+one that places other values a `weight-mismatch`, each "with stand-in kernels". The kernel itself did not run: the engine stays
+`unsupported` for the forward, and its detail says what its loaders did."""
+
+from __future__ import annotations
+
+import re
+
+from harness.core.errors import HarnessError, first_line
+from harness.core.findings import normalise
+from harness.engines.process import EngineFailure
+from harness.engines.vllm.tensor_parallel import LaneRefused
+
+#: one device: the loaders as a single-GPU (or CPU) load runs them
+ONE_DEVICE = [1]
+#: the checkpoint part a refusal names: "weight_scale_inv of up_proj: RuntimeError: ..."
+REFUSED_PART = re.compile(r"\bof (\w+):")
+PREFIX = "with stand-in kernels (no kernel here)"
+#: a layer refusing the checkpoint on purpose while it is built, as the lane reports it: its own
+#: check (validate_fp8_block_shape's ValueError), or a bare assert where vLLM picks a quantization
+#: method (a scheme it does not implement); any other exception of a loader is a crash
+DELIBERATE = re.compile(r"in construct: (ValueError|AssertionError)\b")
+
+
+def judge_with_stand_in_kernels(judgement, engine: str, outcome) -> None:
+    """Run `engine`'s loaders with stand-in kernels where it has no kernel here (its reason in
+    `outcome.detail`), judge them, and say so in `outcome.detail`."""
+    from harness.differential.relations import RELATIONS
+    from harness.engines.vllm.capability import missing_kernel
+
+    relation = RELATIONS["tensor-parallel"]
+    if engine not in (relation.engines or ()) or not missing_kernel(outcome.detail):
+        return
+    why = relation.inapplicable(judgement.config) or ("a hostile layout" if judgement.hazards else "")
+    if not why and judgement.fmt is not None and not judgement.fmt.splits_by_rows(judgement.knobs or {}):
+        why = f"{judgement.fmt.name} does not store each output row on its own"
+    if not why and judgement.expectation == "refuse":
+        why = "the checkpoint must be refused (a full load judges that)"
+    if why:
+        outcome.detail += f"; its loaders were not run with stand-in kernels: {why}"
+        return
+    results = _run(judgement, engine)
+    if isinstance(results, LaneRefused):
+        outcome.detail += f"; with stand-in kernels it refuses the checkpoint: {results}"
+        _refusal(judgement, engine, f"{PREFIX}: {results}", {"stand_in": True})
+        return
+    if isinstance(results, str):
+        outcome.detail += f"; its loaders were not run with stand-in kernels: {results}"
+        return
+    judged = _findings(judgement, engine, results)
+    layers = ", ".join(str(layer) for layer in results)
+    outcome.detail += (
+        f"; its loaders, run with stand-in kernels on one device (layer {layers}; no kernel ran): {judged}"
+    )
+
+
+def _run(judgement, engine: str) -> dict | str | LaneRefused:
+    from harness.engines.vllm.tensor_parallel import WORKER_SPEC, check_tensor_parallel
+    from harness.engines.vllm.tensor_parallel.layout import first_sparse_layer
+
+    layers = sorted({0, first_sparse_layer(judgement.config) or 0})
+    try:
+        worker = judgement.session.helper(engine, WORKER_SPEC, "tensor-parallel")
+        if worker is None:
+            return judgement.session.unavailable.get(engine, f"{engine} unavailable")
+        return {
+            layer: check_tensor_parallel(judgement.directory, ONE_DEVICE, layer, judgement.scratch, worker)
+            for layer in layers
+        }
+    except EngineFailure as failure:
+        return f"the worker cannot start: {first_line(failure)}"
+    except LaneRefused as refused:
+        return refused
+    except HarnessError as error:
+        return first_line(error)
+
+
+def _findings(judgement, engine: str, results: dict) -> str:
+    """One finding per Linear the loaders refuse or fill wrong; the tally."""
+    from harness.engines.vllm.tensor_parallel import FINDING, REFUSED
+
+    block = [judgement.knobs.get("block_rows"), judgement.knobs.get("block_cols")] if judgement.knobs else []
+    counts = {"exact": 0, FINDING: 0, REFUSED: 0}
+    seen: set[str] = set()  # one finding per cause: every expert refused alike is one refusal
+    for layer, result in results.items():
+        for verdict in result.verdicts:
+            counts[verdict.status] = counts.get(verdict.status, 0) + 1
+            if verdict.status == "exact":
+                continue
+            metrics = {"stand_in": True, "layer": layer, "tp": 1, "parallel": "tp", "kernel_notes": result.kernel_notes}
+            if all(isinstance(b, int) for b in block):
+                metrics["block"] = block
+            cause = normalise(f"{verdict.status} {verdict.module} {'; '.join(verdict.details)}")
+            if cause in seen:
+                continue
+            seen.add(cause)
+            if verdict.status == REFUSED:
+                part = REFUSED_PART.search(verdict.details[0])
+                module = _checkpoint_module(judgement, layer, part.group(1) if part else verdict.module)
+                if module:
+                    metrics["shape"] = list(judgement.truth[f"{module}.weight"].shape)
+                message = f"{PREFIX}: layer {layer} {verdict.module}: {verdict.details[0]}"
+                if DELIBERATE.match(verdict.details[0]):
+                    _refusal(judgement, engine, message, metrics, module)
+                else:
+                    judgement.finding(engine, "load-error", message, module=module, metrics=metrics)
+            else:
+                for module, shape in verdict.wrong.items():
+                    judgement.finding(
+                        engine,
+                        "weight-mismatch",
+                        f"{PREFIX}: {module}: {'; '.join(verdict.details)}",
+                        module=f"{module}.weight",
+                        metrics=metrics | {"shape": shape},
+                    )
+    total = sum(counts.values())
+    if counts[FINDING] == counts[REFUSED] == 0:
+        return f"{total}/{total} Linear(s) placed exactly"
+    return (
+        f"{counts['exact']}/{total} Linear(s) placed exactly, {counts[REFUSED]} refused, {counts[FINDING]} placed wrong"
+    )
+
+
+def _refusal(judgement, engine: str, message: str, metrics: dict, module: str | None = None) -> None:
+    """A refusal on purpose: a finding where the checkpoint's expectation is to load exactly."""
+    if judgement.expectation not in ("refuse", "exact-or-refuse"):
+        judgement.finding(engine, "refused-valid", message, module=module, metrics=metrics)
+
+
+def _checkpoint_module(judgement, layer: int, part: str) -> str | None:
+    """The checkpoint's name of decoder layer `layer`'s module `part` (e.g. up_proj), if unique."""
+    ending = f".{part}.weight"
+    names = [n for n in judgement.truth if f"layers.{layer}." in n and n.endswith(ending) and ".experts." not in n]
+    return names[0].removesuffix(".weight") if len(names) == 1 else None
