@@ -26,6 +26,7 @@ import torch
 from harness.core.errors import first_line
 from harness.core.findings import WEIGHT_KINDS
 from harness.core.naming import canonical_name
+from harness.core.spans import ranges
 from harness.engines.hf_common import LEAD
 from harness.engines.process import EngineError, EngineProcess
 
@@ -117,16 +118,8 @@ def uniform_factor(applied: torch.Tensor, held: torch.Tensor) -> float:
 
 
 def row_ranges(rows: torch.Tensor) -> str:
-    """`rows 0-63, 128-191`: the output rows a mask marks, as ranges."""
-    marked = torch.nonzero(rows).flatten().tolist()
-    ranges, start = [], None
-    for index, row in enumerate(marked):
-        if start is None:
-            start = row
-        if index + 1 == len(marked) or marked[index + 1] != row + 1:
-            ranges.append(f"{start}" if start == row else f"{start}-{row}")
-            start = None
-    return ", ".join(ranges[:6]) + (", ..." if len(ranges) > 6 else "")
+    """`0-63, 128-191`: the output rows a mask marks, as runs (the first six)."""
+    return ranges(torch.nonzero(rows).flatten().tolist(), limit=6)
 
 
 def judge_effective_weights(judgement, engine: str, worker: EngineProcess, outcome, held: dict) -> None:
@@ -145,7 +138,17 @@ def judge_effective_weights(judgement, engine: str, worker: EngineProcess, outco
     reported = outcome.report.get("missing", []) + outcome.report.get("unexpected", [])
     explained |= {canonical_name(key).rpartition(".")[0] for key in reported}
     names = sorted(key.removesuffix(".basis") for key in basis if key.endswith(".basis"))
-    judged = [n for n in names if n not in explained and f"{n}.weight" in held]
+    # a held weight of another shape (a scalar placeholder, a transposed or padded layout) is the
+    # weight judgement's: the basis probes what a 2-D [out, in] weight applies
+    width = {n: basis[f"{n}.basis"].shape[1] for n in names}
+    judged = [
+        n
+        for n in names
+        if n not in explained
+        and f"{n}.weight" in held
+        and held[f"{n}.weight"].dim() == 2
+        and held[f"{n}.weight"].shape[1] == width[n]
+    ]
     if not judged:
         outcome.effective_weights = "not run: every Linear's weights or load report are already a finding"
         return

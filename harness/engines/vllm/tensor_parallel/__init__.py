@@ -163,7 +163,7 @@ def run_worker(
 def summarize(verdicts: list, sizes: list[int], parallel: str = TP) -> list[TpOutcome]:
     """Per tp (or ep) size: its findings (one line per rank and Linear) and vLLM's refusals (one
     line per Linear and reason, naming the ranks)."""
-    from harness.engines.vllm.tensor_parallel.judge import ranges
+    from harness.core.spans import ranges
 
     outcomes = []
     for tp in sizes:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from harness.core.errors import FormatError
+from harness.core.spans import ranges
 from harness.engines.vllm.tensor_parallel.layout import (
     EP,
     ROTARY_PERMUTED,
@@ -312,8 +313,12 @@ def dequantize_held(shard: Shard, truth: Truth) -> dict[str, torch.Tensor]:
         return {part.name: whole[start : start + rows] for part, start, rows in layout}
     result = {}
     for index, (part, start, rows) in enumerate(layout):
-        piece = {
-            s: t[index : index + 1] if t.dim() == 1 and t.numel() == len(layout) else t[start : start + rows]
+        piece = {  # a scalar (a static input scale vLLM keeps whole) is every part's
+            s: t
+            if t.dim() == 0
+            else t[index : index + 1]
+            if t.dim() == 1 and t.numel() == len(layout)
+            else t[start : start + rows]
             for s, t in quantized.items()
         }
         result[part.name] = fmt.dequantize_held(with_shape(piece, rows, columns) if shaped else piece, knobs)
@@ -341,17 +346,6 @@ def compare(held: torch.Tensor, expected: torch.Tensor, owned: Slice) -> str | N
         f"differs from the reference at checkpoint {what} {ranges([owned.start + i for i in lines])} "
         f"(max |delta| {delta:.3g})"
     )
-
-
-def ranges(values: list[int]) -> str:
-    spans, start = [], None
-    for i, value in enumerate(values):
-        if start is None:
-            start = value
-        if i + 1 == len(values) or values[i + 1] != value + 1:
-            spans.append(f"{start}" if start == value else f"{start}-{value}")
-            start = None
-    return ", ".join(spans)
 
 
 def raw_problems(shard: Shard, part: Part, owned: Slice, truth: Truth) -> list[str]:
