@@ -79,6 +79,10 @@ def _run(judgement, engine: str) -> dict | str | LaneRefused:
         return refused
     except HarnessError as error:
         return first_line(error)
+    except (KeyError, IndexError, ValueError, RuntimeError) as error:
+        # the lane's judge meets a held layout it does not read (seen: an expert shard without a
+        # `weight`): said in the engine's line, never a finding and never the end of a campaign
+        return f"the stand-in judge does not read this layout ({type(error).__name__}: {error})"
 
 
 def _findings(judgement, engine: str, results: dict) -> str:
