@@ -24,8 +24,13 @@ REFUSED_PART = re.compile(r"\bof (\w+):")
 PREFIX = "with stand-in kernels (no kernel here)"
 #: a layer refusing the checkpoint on purpose while it is built, as the lane reports it: its own
 #: check (validate_fp8_block_shape's ValueError), or a bare assert where vLLM picks a quantization
-#: method (a scheme it does not implement); any other exception of a loader is a crash
+#: method (a scheme it does not implement)
 DELIBERATE = re.compile(r"in construct: (ValueError|AssertionError)\b")
+#: a crash of vLLM's own weight loader on a part (a scale slice past its grid): a load error
+CRASH = re.compile(r"in weight_loader: \w+ of \w+: RuntimeError: ")
+#: the lane's own approximations of a model (its vocabulary modules, the names it feeds): what it
+#: cannot place there is not said to be vLLM's (docs/tensor-parallel.md)
+VOCABULARY = ("lm_head", "embed_tokens")
 
 
 def judge_with_stand_in_kernels(judgement, engine: str, outcome) -> None:
@@ -87,11 +92,13 @@ def _run(judgement, engine: str) -> dict | str | LaneRefused:
 
 def _findings(judgement, engine: str, results: dict) -> str:
     """One finding per Linear the loaders refuse or fill wrong; the tally."""
+    from harness.engines.vllm.capability import missing_kernel
     from harness.engines.vllm.tensor_parallel import FINDING, REFUSED
 
     block = [judgement.knobs.get("block_rows"), judgement.knobs.get("block_cols")] if judgement.knobs else []
     counts = {"exact": 0, FINDING: 0, REFUSED: 0}
     seen: set[str] = set()  # one finding per cause: every expert refused alike is one refusal
+    unjudged: list[str] = []
     for layer, result in results.items():
         for verdict in result.verdicts:
             counts[verdict.status] = counts.get(verdict.status, 0) + 1
@@ -101,19 +108,22 @@ def _findings(judgement, engine: str, results: dict) -> str:
             if all(isinstance(b, int) for b in block):
                 metrics["block"] = block
             cause = normalise(f"{verdict.status} {verdict.module} {'; '.join(verdict.details)}")
-            if cause in seen:
+            if cause in seen or any(name in verdict.module for name in VOCABULARY):
                 continue
             seen.add(cause)
             if verdict.status == REFUSED:
-                part = REFUSED_PART.search(verdict.details[0])
+                detail = verdict.details[0]
+                part = REFUSED_PART.search(detail)
                 module = _checkpoint_module(judgement, layer, part.group(1) if part else verdict.module)
                 if module:
                     metrics["shape"] = list(judgement.truth[f"{module}.weight"].shape)
-                message = f"{PREFIX}: layer {layer} {verdict.module}: {verdict.details[0]}"
-                if DELIBERATE.match(verdict.details[0]):
+                message = f"{PREFIX}: layer {layer} {verdict.module}: {detail}"
+                if DELIBERATE.match(detail) and not missing_kernel(detail):
                     _refusal(judgement, engine, message, metrics, module)
-                else:
+                elif CRASH.match(detail):
                     judgement.finding(engine, "load-error", message, module=module, metrics=metrics)
+                else:  # a kernel it lacks for that part too, or a refusal of the lane's approximations
+                    unjudged.append(f"{verdict.module}: {detail}")
             else:
                 for module, shape in verdict.wrong.items():
                     judgement.finding(
@@ -126,9 +136,12 @@ def _findings(judgement, engine: str, results: dict) -> str:
     total = sum(counts.values())
     if counts[FINDING] == counts[REFUSED] == 0:
         return f"{total}/{total} Linear(s) placed exactly"
-    return (
+    tally = (
         f"{counts['exact']}/{total} Linear(s) placed exactly, {counts[REFUSED]} refused, {counts[FINDING]} placed wrong"
     )
+    if unjudged:  # said, not judged
+        tally += f" (refusals not judged: {'; '.join(unjudged[:3])}{'; ...' if len(unjudged) > 3 else ''})"
+    return tally
 
 
 def _refusal(judgement, engine: str, message: str, metrics: dict, module: str | None = None) -> None:
