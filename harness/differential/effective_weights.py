@@ -112,6 +112,18 @@ def row_ranges(rows: torch.Tensor) -> str:
     return ranges(torch.nonzero(rows).flatten().tolist(), limit=6)
 
 
+def already_explained(judgement, engine: str, outcome) -> set[str]:
+    """The modules whose weights, or whose tensors in the load report, are already a finding of
+    `engine`: a probe of them would judge that finding's consequence."""
+    explained = {
+        f.module.removesuffix(".weight").removesuffix(".bias")
+        for f in judgement.result.findings
+        if f.engine == engine and f.kind in WEIGHT_KINDS and f.module
+    }
+    reported = outcome.report.get("missing", []) + outcome.report.get("unexpected", [])
+    return explained | {canonical_name(key).rpartition(".")[0] for key in reported}
+
+
 def judge_effective_weights(judgement, engine: str, worker: EngineProcess, outcome, held: dict) -> None:
     """Run the basis on `engine` (which holds `held`, its weights under checkpoint names) and judge
     what each Linear applies: one `post-load` finding naming every module that differs;
@@ -120,13 +132,7 @@ def judge_effective_weights(judgement, engine: str, worker: EngineProcess, outco
     if basis is None:
         outcome.effective_weights = f"not run: {judgement.basis_reason}"
         return
-    explained = {
-        f.module.removesuffix(".weight").removesuffix(".bias")
-        for f in judgement.result.findings
-        if f.engine == engine and f.kind in WEIGHT_KINDS and f.module
-    }
-    reported = outcome.report.get("missing", []) + outcome.report.get("unexpected", [])
-    explained |= {canonical_name(key).rpartition(".")[0] for key in reported}
+    explained = already_explained(judgement, engine, outcome)
     names = sorted(key.removesuffix(".basis") for key in basis if key.endswith(".basis"))
     # a held weight of another shape (a scalar placeholder, a transposed or padded layout) is the
     # weight judgement's: the basis probes what a 2-D [out, in] weight applies; a Linear with a
@@ -142,7 +148,10 @@ def judge_effective_weights(judgement, engine: str, worker: EngineProcess, outco
         and not bool(basis.get(f"{n}.static", torch.zeros(1, dtype=torch.bool)).any())
     ]
     if not judged:
-        outcome.effective_weights = "not run: every Linear's weights or load report are already a finding"
+        outcome.effective_weights = (
+            "not run: no Linear left to probe (its weights or load report already a finding, or a static "
+            "input scale: the activation probe's)"
+        )
         return
     sent = {n: basis[f"{n}.basis"] for n in judged} | {k: v for k, v in basis.items() if k.endswith(LEAD)}
     try:

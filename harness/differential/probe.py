@@ -35,8 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.core.errors import first_line
-from harness.core.findings import WEIGHT_KINDS
-from harness.core.naming import canonical_name
+from harness.differential.effective_weights import already_explained
 from harness.engines.hf_common import LEAD
 from harness.engines.process import EngineError, EngineProcess
 from harness.oracle.expert_activations import EXPERTS
@@ -179,13 +178,7 @@ def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: d
     `outcome.activation_probe`."""
     probe = judgement.probe
     names = sorted(key.removesuffix(".input") for key in probe if key.endswith(".input"))
-    explained = {  # modules whose weights, or whose tensors in the load report, are already a finding
-        f.module.removesuffix(".weight").removesuffix(".bias")
-        for f in judgement.result.findings
-        if f.engine == engine and f.kind in WEIGHT_KINDS and f.module
-    }
-    reported = outcome.report.get("missing", []) + outcome.report.get("unexpected", [])
-    explained |= {canonical_name(key).rpartition(".")[0] for key in reported}
+    explained = already_explained(judgement, engine, outcome)
     # a Linear that applies other weights than it holds (harness.differential.effective_weights)
     explained |= {
         m
