@@ -14,8 +14,9 @@ the output's rounding to the model dtype, plus a static scale's rounding to it, 
 flushing of a subnormal product. A Linear with a static input scale is left to the activation
 probe: by outputs alone a static scale read wrong and a weight scale read wrong are the same, and
 engines round a static scale (and NVFP4's global one) into their own arithmetic in ways the basis
-does not model (the main job found compressed-tensors' NVFP4 W4A4 and static FP8 Linears 1.3x off
-on basis rows while the activation probe finds them as specified).
+does not model (the main job flagged compressed-tensors' NVFP4 W4A4 and static FP8 Linears on
+basis rows, one example's flagged elements at a median 1.31x, while the activation probe finds
+them as specified).
 
 A module whose held weights are already a finding is not probed; a difference is a `post-load`
 finding naming the modules, the rows that differ (a fused part's, an expert's) and the ratio of

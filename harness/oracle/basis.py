@@ -22,14 +22,17 @@ from harness.core.numerics import E2M1_MAX, E4M3_MAX
 from harness.oracle.activations import ActivationScheme, quantize_activations
 
 #: how many of a Linear's input columns the basis probes: every one up to this many, else this many
-#: evenly spaced (the first and the last among them), so that each 128-column scale block is met
+#: evenly spaced (the first and the last among them), more where a 128-column scale block would be
+#: skipped (a 14336-wide down_proj: 114)
 MAX_COLUMNS = 64
+SCALE_BLOCK = 128
 
 
 def basis_columns(in_features: int, limit: int = MAX_COLUMNS) -> torch.Tensor:
     if in_features <= limit:
         return torch.arange(in_features)
-    return torch.linspace(0, in_features - 1, limit).round().long().unique()
+    count = max(limit, -(-in_features // SCALE_BLOCK) + 2)  # spacing below one block: each block met
+    return torch.linspace(0, in_features - 1, count).round().long().unique()
 
 
 def basis_value(scheme: ActivationScheme | None, stored: torch.Tensor | None, dtype: torch.dtype) -> float:

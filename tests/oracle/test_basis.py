@@ -23,6 +23,8 @@ def test_columns_cover_small_inputs_and_spread_over_large_ones():
     wide = basis_columns(4096)
     assert len(wide) == MAX_COLUMNS and wide[0] == 0 and wide[-1] == 4095
     assert int(wide.diff().max()) < 128  # every 128-column scale block is met
+    widest = basis_columns(14336)
+    assert int(widest.diff().max()) < 128 and widest[-1] == 14335
 
 
 @pytest.mark.parametrize(
