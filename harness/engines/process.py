@@ -20,12 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.engines.wire import sequence_key
 from harness.engines.zygote import ForkedWorker, forked_worker
-
-
-def sequence_key(index: int) -> str:
-    """The tensor name of sequence `index`'s log-probabilities in the file a worker writes."""
-    return f"seq{index}"
 
 
 class EngineFailure(Exception):
@@ -189,7 +185,7 @@ class EngineProcess:
 
     def weights(self, out: Path) -> dict:
         """Every weight the engine holds under HF names, float32 (integer tensors float64, exactly:
-        harness.engines.worker.on_the_wire), through the file `out`."""
+        harness.engines.wire.on_the_wire), through the file `out`."""
         from safetensors.torch import load_file
 
         self.request("weights", out=str(out))

@@ -13,15 +13,7 @@ import os
 import sys
 import traceback
 
-
-def on_the_wire(tensor):
-    """A held tensor as it travels to the harness: float32 if it is floating point (exact for the
-    float8, 16 and 32-bit dtypes engines hold), float64 if it is an integer (exact to 2**53: packed
-    int32 words in float32 would lose their low bits, e.g. int4 nibbles)."""
-    import torch
-
-    dtype = torch.float32 if tensor.is_floating_point() else torch.float64
-    return tensor.detach().to("cpu", dtype, copy=True).contiguous()
+from harness.engines.wire import on_the_wire, sequence_key
 
 
 def serve(spec: str) -> int:
@@ -70,8 +62,6 @@ def serve(spec: str) -> int:
 def handle(engine, op: str, request: dict) -> dict:
     import torch
     from safetensors.torch import save_file
-
-    from harness.engines.process import sequence_key
 
     if op == "unsupported":
         return {"reason": engine.unsupported_reason(request["format"])}
