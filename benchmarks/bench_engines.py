@@ -490,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from harness.checkpoints.recipe import Recipe
     from harness.checkpoints.writer import generate
-    from harness.differential.runner import EngineSession, probe_sequences
+    from harness.differential.judgement import probe_sequences
+    from harness.differential.runner import EngineSession
     from harness.engines.environments import engine_python
     from harness.engines.process import Limits
 

@@ -33,7 +33,7 @@ from harness.engines.vllm.tensor_parallel.layout import ARCHITECTURES as TP_ARCH
 if TYPE_CHECKING:
     import torch
 
-    from harness.differential.runner import Judgement
+    from harness.differential.judgement import Judgement
     from harness.engines.process import EngineProcess
 
 

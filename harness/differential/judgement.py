@@ -1,0 +1,196 @@
+"""One checkpoint being judged: what a correct loader must do and hold (read once, before any
+engine loads it), and what the judgement records per engine. The runner, the relations and the
+stand-in judge all work on it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from harness.checkpoints.architectures import architecture_name
+from harness.checkpoints.disagreements import misstates_its_index
+from harness.checkpoints.kv_scales import is_kv_scale
+from harness.checkpoints.manifest import read_manifest, read_truth
+from harness.checkpoints.reader import (
+    CONFIG_FILE,
+    Checkpoint,
+    Hazard,
+    contained_file,
+    declared_format,
+    hostile_layout,
+    read_json,
+)
+from harness.checkpoints.writer import MANIFEST_FILE
+from harness.core.errors import CheckpointError, first_line
+from harness.core.findings import Finding
+from harness.core.naming import canonical_name
+from harness.core.tolerances import load_tolerances
+from harness.differential.misreadings import CheckpointMisreadings
+from harness.differential.session import EngineSession
+from harness.oracle.kv_cache import stored_kv_scales
+from harness.oracle.reference import dequantize_checkpoint, format_and_knobs
+
+PROBE_LENGTH, PROBE_COUNT = 24, 3
+
+
+def probe_sequences(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Fixed token sequences (ids past the three special tokens) that every engine scores."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (PROBE_LENGTH,), generator=generator).tolist() for _ in range(PROBE_COUNT)]
+
+
+@dataclass
+class EngineOutcome:
+    engine: str
+    version: str = ""
+    status: str = "loaded"  # loaded, refused, unsupported, unavailable, failed
+    detail: str = ""
+    report: dict = field(default_factory=dict)
+    perplexity: float | None = None
+    generated: list[int] = field(default_factory=list)
+    #: relation name -> "holds", "does not hold" or "not checked: why" (harness.differential.relations)
+    relations: dict[str, str] = field(default_factory=dict)
+    #: what the activation probe found, or why it did not run (harness.differential.probe)
+    activation_probe: str = ""
+    #: what the effective-weight probe found, or why it did not run (harness.differential.effective_weights)
+    effective_weights: str = ""
+
+
+@dataclass
+class CheckpointResult:
+    directory: str
+    format: str
+    expectation: str
+    outcomes: dict[str, EngineOutcome] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+    #: for a checkpoint the harness did not write: why the oracle expects a refusal
+    expectation_reason: str = ""
+
+
+@dataclass
+class Judgement:
+    """One checkpoint being judged: what a correct loader must do and hold, and the findings so far."""
+
+    directory: Path
+    session: EngineSession
+    manifest: dict | None
+    fmt: object
+    knobs: dict
+    config: dict
+    dtype: str
+    expectation: str
+    truth: dict[str, torch.Tensor]
+    module_notes: dict[str, list[str]]
+    tol: object
+    result: CheckpointResult
+    sequences: list[list[int]]
+    scratch: Path
+    #: the known bugs' predicted readings of this checkpoint, compared with each weight finding
+    misreadings: CheckpointMisreadings | None = None
+    #: `compare --hostile`: what in the layout leads outside the directory (or is a header bomb)
+    hazards: list[Hazard] = field(default_factory=list)
+    #: the reference's logits with activations quantized as the checkpoint specifies (None: the
+    #: format quantizes weights only, or the reference cannot model it here); `specified_reason`:
+    #: what the config specifies, in words, or why there is no such candidate
+    specified: list[torch.Tensor] | None = None
+    specified_reason: str = ""
+    #: how far the definition's rounding variants (harness.oracle.specified.VARIANTS: activations
+    #: rounded in the model dtype; quantized weights one ulp off) move these logits: this
+    #: checkpoint's own sensitivity, a floor under the activation bound
+    specified_noise: float = 0.0
+    #: the bound an engine's logits must keep from `specified` ([activations] tolerance, at least
+    #: twice the noise floor)
+    specified_bound: float = 0.0
+    #: the relations checked on each engine that loads it (harness.differential.relations)
+    relations: tuple[str, ...] = ()
+    #: the reference's activation probe inputs (harness.differential.probe), or None
+    probe: dict | None = None
+    #: the reference's basis inputs for every Linear (harness.differential.effective_weights), or
+    #: None and why
+    basis: dict | None = None
+    basis_reason: str = ""
+
+    @classmethod
+    def of(cls, directory: Path, session: EngineSession, hostile: bool = False) -> Judgement:
+        manifest = read_manifest(directory) if (directory / MANIFEST_FILE).is_file() else None
+        refusal = ""  # why a checkpoint the harness did not write must be refused
+        hazards: list[Hazard] = []
+        try:
+            fmt, knobs = format_and_knobs(directory)
+        except CheckpointError as error:
+            if not (hostile or misstates_its_index(manifest)):  # its manifest says what a loader must do
+                raise
+            fmt, knobs = _format_despite(directory, error)
+            if hostile:
+                refusal, hazards = f"the reference refuses it: {first_line(error)}", hostile_layout(directory)
+        config = read_json(contained_file(directory, CONFIG_FILE, CONFIG_FILE, referrer=directory), CONFIG_FILE)
+        dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+        if refusal:  # --hostile: the harness refuses it; the engines load it all the same
+            expectation, truth = "refuse", read_truth(directory, manifest) if manifest else {}
+        elif manifest:
+            expectation, truth = manifest["expectation"], read_truth(directory, manifest)
+        else:  # a checkpoint the harness did not write: the oracle says what it holds, or that it must be refused
+            try:
+                # KV-cache scales are no module's weight: they are judged as the cache's scales (kv_scales)
+                truth = {n: t for n, t in dequantize_checkpoint(directory) if not is_kv_scale(n)}
+                expectation = "exact"
+            except CheckpointError as error:
+                truth, expectation = {}, "refuse"
+                refusal = f"the reference refuses it: {first_line(error)}"
+        notes = {canonical_name(m): info.get("notes", []) for m, info in (manifest or {}).get("modules", {}).items()}
+        scratch = session.work / "scratch"
+        scratch.mkdir(parents=True, exist_ok=True)
+        return cls(
+            directory,
+            session,
+            manifest,
+            fmt,
+            knobs,
+            config,
+            dtype,
+            expectation,
+            {canonical_name(n): t for n, t in truth.items()},
+            notes,
+            load_tolerances(fmt.name, dtype),
+            CheckpointResult(str(directory), fmt.name, expectation, expectation_reason=refusal),
+            probe_sequences(int(config.get("vocab_size", 260))),
+            scratch,
+            CheckpointMisreadings(directory, fmt.name),
+            hazards,
+        )
+
+    @cached_property
+    def stored_kv_scales(self) -> dict[str, tuple[float | None, float | None]]:
+        """The checkpoint's KV-cache scales by attention module, read once for every engine judged."""
+        return stored_kv_scales(Checkpoint(self.directory))
+
+    def finding(self, engine: str, kind: str, message: str, **extra) -> Finding:
+        item = Finding(
+            engine=engine,
+            engine_version=self.session.versions.get(engine, "?"),
+            kind=kind,
+            format=self.fmt.name,
+            message=message,
+            arch=architecture_name(self.config.get("model_type")),
+            dtype=self.dtype,
+            checkpoint=str(self.directory),
+            **extra,
+        )
+        self.result.findings.append(item)
+        return item
+
+    def scratch_file(self, engine: str, what: str) -> Path:
+        return self.scratch / f"{engine.replace(':', '_')}-{what}.safetensors"
+
+
+def _format_despite(directory: Path, refusal: CheckpointError) -> tuple[object, dict]:
+    """The format config.json declares when the checkpoint's layout is refused (`compare
+    --hostile`, or a checkpoint the harness wrote to disagree with its index); the refusal
+    itself when even that cannot be read."""
+    try:
+        return declared_format(directory)
+    except CheckpointError:
+        raise refusal from None
