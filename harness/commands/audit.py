@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness.commands.cli import (
+from harness.commands.common import (
     EXIT_FINDING,
     EXIT_OK,
     checkpoint_json,

@@ -7,9 +7,17 @@ import re
 import tempfile
 from pathlib import Path
 
+from harness.commands.common import (
+    EXIT_FINDING,
+    EXIT_OK,
+    checkpoint_json,
+    parse_engines,
+    parse_optional,
+    reproduce_command,
+    start_engines,
+)
 from harness.core.errors import HarnessError
 
-EXIT_OK, EXIT_FINDING = 0, 1
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h)?\s*$")
 
 
@@ -50,7 +58,6 @@ def command_run(args) -> int:
 
     from harness.campaign.explore import Budget, run_campaign
     from harness.campaign.profiles import load_profile
-    from harness.commands.cli import parse_engines, parse_optional, start_engines
     from harness.differential.known_issues import KnownIssues
     from harness.differential.relations import RELATIONS, parse_relations
     from harness.differential.runner import EngineSession
@@ -151,7 +158,6 @@ def summarise(campaign, session, engines: list[str], known, report: Path | None)
     """Print what ran, each finding signature, the known issues rediscovered and the coverage;
     keep a reproduction of every signature under `report`; return the findings to report."""
     from harness.checkpoints.writer import generate
-    from harness.commands.cli import reproduce_command
 
     for engine, why in session.unavailable.items():
         print(f"engine {engine} skipped (optional): {why}")
@@ -195,7 +201,6 @@ def summarise(campaign, session, engines: list[str], known, report: Path | None)
 def write_campaign_report(
     report: Path, campaign, findings: list, session, engines: list[str], args, spent: dict | None = None
 ) -> None:
-    from harness.commands.cli import checkpoint_json
     from harness.differential.report import write_report
 
     engines_info = {

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.commands.cli import EXIT_FINDING, EXIT_OK
+from harness.commands.common import EXIT_FINDING, EXIT_OK
 from harness.core.errors import HarnessError
 
 
