@@ -177,13 +177,33 @@ def command_fixes(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from harness.checkpoints.architectures import ARCHITECTURES
-    from harness.differential.relations import RELATION_NAMES
-    from harness.engines import ENGINES
-    from harness.formats import FORMAT_NAMES
+    from harness.commands import audit, bisect, check, merge_reports, tp_shards
+    from harness.commands import gate as gate_commands
+    from harness.commands import run as run_command
+    from harness.commands import upstream as upstream_command
 
     parser = OneLineParser(prog="python -m harness", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    add_gen_parser(commands)
+    add_dequant_parser(commands)
+    add_compare_parser(commands)
+    add_sweep_parser(commands)
+    run_command.add_parser(commands)
+    check.add_parser(commands)
+    upstream_command.add_parser(commands)
+    audit.add_parser(commands)
+    merge_reports.add_parser(commands)
+    bisect.add_parser(commands)
+    gate_commands.add_parsers(commands)
+    tp_shards.add_parser(commands)
+    fixes = commands.add_parser("fixes", help="list the fix modules: what each repairs and when it applies")
+    fixes.set_defaults(run=command_fixes)
+    return parser
+
+
+def add_gen_parser(commands) -> None:
+    from harness.checkpoints.architectures import ARCHITECTURES
+    from harness.formats import FORMAT_NAMES
 
     gen = commands.add_parser("gen", help="write a synthetic quantized checkpoint with its ground truth")
     gen.add_argument("--format", required=True, help=", ".join(FORMAT_NAMES))
@@ -199,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.set_defaults(run=command_gen)
 
+
+def add_dequant_parser(commands) -> None:
     dequant = commands.add_parser(
         "dequant",
         help="reference-dequantize a checkpoint to safetensors (float32 by default), one tensor in memory at a time",
@@ -218,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
         "sampled tiles of every tensor are checked against the float64 reference",
     )
     dequant.set_defaults(run=command_dequant)
+
+
+def add_compare_parser(commands) -> None:
+    from harness.differential.relations import RELATION_NAMES
+    from harness.engines import ENGINES
 
     compare = commands.add_parser("compare", help="load one checkpoint in several engines and judge each")
     compare.add_argument("directory", help="checkpoint directory (generated or not)")
@@ -247,29 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.set_defaults(run=command_compare)
 
+
+def add_sweep_parser(commands) -> None:
     sweep = commands.add_parser(
         "sweep", help="gen + dequant every format x architecture at odd sizes, judged against the recorded truth"
     )
     sweep.add_argument("--out", required=True, help="output directory (created; must be empty)")
     sweep.add_argument("--seed", type=int, default=0)
     sweep.set_defaults(run=command_sweep)
-
-    from harness.commands import audit, bisect, check, merge_reports, tp_shards
-    from harness.commands import gate as gate_commands
-    from harness.commands import run as run_command
-    from harness.commands import upstream as upstream_command
-
-    run_command.add_parser(commands)
-    check.add_parser(commands)
-    upstream_command.add_parser(commands)
-    audit.add_parser(commands)
-    merge_reports.add_parser(commands)
-    bisect.add_parser(commands)
-    gate_commands.add_parsers(commands)
-    tp_shards.add_parser(commands)
-    fixes = commands.add_parser("fixes", help="list the fix modules: what each repairs and when it applies")
-    fixes.set_defaults(run=command_fixes)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
