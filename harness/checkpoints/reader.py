@@ -152,7 +152,7 @@ def read_json(path: Path, what: str) -> Any:
         raise CheckpointError(path, f"{what} is not valid JSON ({error})") from None
 
 
-def read_safetensors_header(path: Path) -> dict[str, dict]:  # noqa: C901  (one branch per refusal of untrusted bytes)
+def read_safetensors_header(path: Path) -> dict[str, dict]:
     """Parse and check a safetensors header without trusting it; tensor name -> entry.
 
     Checks what the safetensors library would refuse later, so that the refusal names the
@@ -162,6 +162,16 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:  # noqa: C901  (one 
     """
     path = Path(path)
     size = _regular_file(path, "safetensors file").st_size
+    raw = _read_header_bytes(path, size)
+    header = _parse_header(path, raw)
+    data_size = size - 8 - len(raw)
+    ranges = [(*_entry_range(path, name, entry, data_size), name) for name, entry in header.items()]
+    _check_tiling(path, ranges, data_size)
+    return header
+
+
+def _read_header_bytes(path: Path, size: int) -> bytes:
+    """The header's bytes, once its length field is checked against the file's `size`."""
     try:
         with path.open("rb") as handle:
             prefix = handle.read(8)
@@ -184,6 +194,11 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:  # noqa: C901  (one 
         raise CheckpointError(path, f"cannot be read ({error.strerror or error})") from None
     if len(raw) != header_length:  # the file shrank since stat()
         raise CheckpointError(path, f"truncated: header of {header_length} bytes, {len(raw)} read")
+    return raw
+
+
+def _parse_header(path: Path, raw: bytes) -> dict:
+    """The header as a JSON object, its `__metadata__` (a map of strings) checked and removed."""
     try:
         header = _parse_json(raw)
     except ValueError as error:
@@ -193,39 +208,46 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:  # noqa: C901  (one 
     metadata = header.pop("__metadata__", None)
     if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise CheckpointError(path, "header __metadata__ is not a map of strings")
-    data_size = size - 8 - header_length
-    ranges = []
-    for name, entry in header.items():
-        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
-            raise CheckpointError(path, f"tensor {name!r} has a malformed header entry")
-        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
-            raise CheckpointError(path, f"tensor {name!r} has unsupported dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise CheckpointError(path, f"tensor {name!r} has an invalid shape {shape!r}")
-        if not (
-            isinstance(offsets, list)
-            and len(offsets) == 2
-            and all(_is_int(o) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]
-        ):
-            raise CheckpointError(path, f"tensor {name!r} has invalid data_offsets {offsets!r}")
-        start, end = offsets
-        count = 1
-        for dim in shape:
-            count *= dim
-        if end - start != count * DTYPE_BYTES[dtype]:
-            raise CheckpointError(
-                path,
-                f"tensor {name!r} data_offsets {offsets} hold {end - start} bytes "
-                f"but shape {shape} {dtype} needs {count * DTYPE_BYTES[dtype]}",
-            )
-        if end > data_size:
-            raise CheckpointError(
-                path,
-                f"truncated: tensor {name!r} data_offsets {offsets} extend past the {data_size} data bytes in the file",
-            )
-        ranges.append((start, end, name))
+    return header
+
+
+def _entry_range(path: Path, name: str, entry: object, data_size: int) -> tuple[int, int]:
+    """Tensor `name`'s byte range, once its entry's form, dtype and shape agree with it and it
+    lies within the `data_size` data bytes."""
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+        raise CheckpointError(path, f"tensor {name!r} has a malformed header entry")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise CheckpointError(path, f"tensor {name!r} has unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CheckpointError(path, f"tensor {name!r} has an invalid shape {shape!r}")
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_int(o) for o in offsets)
+        and 0 <= offsets[0] <= offsets[1]
+    ):
+        raise CheckpointError(path, f"tensor {name!r} has invalid data_offsets {offsets!r}")
+    start, end = offsets
+    count = 1
+    for dim in shape:
+        count *= dim
+    if end - start != count * DTYPE_BYTES[dtype]:
+        raise CheckpointError(
+            path,
+            f"tensor {name!r} data_offsets {offsets} hold {end - start} bytes "
+            f"but shape {shape} {dtype} needs {count * DTYPE_BYTES[dtype]}",
+        )
+    if end > data_size:
+        raise CheckpointError(
+            path,
+            f"truncated: tensor {name!r} data_offsets {offsets} extend past the {data_size} data bytes in the file",
+        )
+    return start, end
+
+
+def _check_tiling(path: Path, ranges: list[tuple[int, int, str]], data_size: int) -> None:
+    """The tensors' byte ranges tile the data section exactly: no overlap, no hole, no leftover."""
     position = 0
     for start, end, name in sorted(ranges):
         if start != position:
@@ -234,7 +256,6 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:  # noqa: C901  (one 
         position = end
     if position != data_size:
         raise CheckpointError(path, f"{data_size - position} bytes after the last tensor belong to none")
-    return header
 
 
 def _in_hub_cache_blobs(directory: Path, target: Path) -> bool:
