@@ -206,14 +206,64 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise HarnessError(f"{out}: output directory exists and is not empty")
     fmt = get_format(recipe.format)
-    arch = resolved.arch
     kind = resolved.perturb["disagreement"]
     disagreements.check(kind, resolved.layout["shards"], fmt.quantization_config(resolved.knobs, []))
-    layout = arch.tensor_layout(resolved.settings)
+    layout = resolved.arch.tensor_layout(resolved.settings)
     target = None
     if kind != "none":
         target = disagreements.target_module([n.removesuffix(".weight") for n, s in layout.items() if s[1] == "linear"])
     originals = float_weights(resolved)
+    tensors, truth, modules, split_pairs = _quantize_modules(resolved, fmt, layout, originals, target)
+    tensors |= kv_scales.tensors(
+        resolved.layout["kv_scales"],
+        resolved.settings,
+        resolved.layout["activation_amax"],
+        DTYPES[resolved.layout["dtype"]],
+    )
+    unused: list[str] = []
+    misstated: dict[str, str] = {}  # what the index says wrong, by name
+    if target is not None:
+        target, unused, misstated = _make_disagreement(kind, target, fmt, layout, tensors, modules)
+        split_pairs = {s: w for s, w in split_pairs.items() if s in tensors and w in tensors}
+    checkpoint_notes = whole_checkpoint_notes(resolved)
+    expectation = combined_expectation(
+        [m["expectation"] for m in modules.values()] + (["exact-or-refuse"] if checkpoint_notes else [])
+    )
+    _write_tensors(out, resolved, tensors, split_pairs, misstated)
+    _write_config(out, resolved, fmt, [target] if kind == "ignored-but-quantized" else [])
+    prefix = resolved.layout["key_prefix"]
+    (out / TRUTH_DIR).mkdir()
+    save_file({rename_key(n, prefix): t.contiguous() for n, t in truth.items()}, str(out / TRUTH_FILE))
+    save_file({rename_key(n, prefix): t.contiguous() for n, t in originals.items()}, str(out / ORIGINAL_FILE))
+    manifest = {
+        "harness_version": __version__,
+        "recipe": recipe.to_json(),
+        "resolved": {
+            "config": resolved.settings,
+            "knobs": resolved.knobs,
+            "layout": resolved.layout,
+            "perturb": resolved.perturb,
+        },
+        "format": recipe.format,
+        "expectation": expectation,
+        "notes": checkpoint_notes,
+        "modules": {rename_key(m, prefix): info for m, info in modules.items()},
+        #: tensors a correct loader leaves unused (and may report as unexpected)
+        "unused_tensors": [rename_key(n, prefix) for n in unused],
+        "truth_file": TRUTH_FILE,
+        "original_file": ORIGINAL_FILE,
+    }
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _quantize_modules(
+    resolved: ResolvedRecipe, fmt, layout: dict, originals: dict[str, torch.Tensor], target: str | None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, dict], dict[str, str]]:
+    """Quantize every module the recipe quantizes (its entry in `originals` becomes the weight the
+    quantizer saw); the checkpoint's tensors, the truth, each quantized module's manifest entry, and
+    with `split_scale` each scale's weight (scale name -> weight name)."""
+    kind = resolved.perturb["disagreement"]
     quantized_roles = {"linear"} | {
         role
         for role, key in (("lm_head", "quantize_lm_head"), ("embedding", "quantize_embeddings"))
@@ -221,7 +271,7 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
     }
     fused = resolved.layout["fused_scales"]
     shared = shared_groups(resolved, fmt, originals) if fused == "shared" else {}
-    groups = fusion.fusion_groups(arch, resolved.settings) if fused == "distinct-inputs" else []
+    groups = fusion.fusion_groups(resolved.arch, resolved.settings) if fused == "distinct-inputs" else []
     tensors: dict[str, torch.Tensor] = {}
     truth: dict[str, torch.Tensor] = {}
     modules: dict[str, dict] = {}
@@ -251,32 +301,32 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
                 "embeddings stored quantized while the config targets Linear layers: dequantize by the tensors or refuse"
             )
         modules[module] = {"shape": list(weight.shape), "expectation": quantized.expectation, "notes": quantized.notes}
-    tensors |= kv_scales.tensors(
-        resolved.layout["kv_scales"],
-        resolved.settings,
-        resolved.layout["activation_amax"],
-        DTYPES[resolved.layout["dtype"]],
-    )
-    unused: list[str] = []
-    misstated: dict[str, str] = {}  # what the index says wrong, by name
-    if target is not None:
-        misstated = disagreements.index_edits(kind, target, list(tensors), fmt.marker)
-        unused = disagreements.edit_tensors(kind, target, tensors, fmt.marker)
-        if unused:  # the orphan's own (weightless) module carries the disagreement
-            target = unused[0].rpartition(".")[0]
-        entry = modules.setdefault(target, {"shape": list(layout.get(f"{target}.weight", ((),))[0]), "notes": []})
-        entry["expectation"] = combined_expectation(
-            [entry.get("expectation", "exact"), DISAGREEMENTS[kind].expectation]
-        )
-        entry["notes"].append(DISAGREEMENTS[kind].note)
-        split_pairs = {s: w for s, w in split_pairs.items() if s in tensors and w in tensors}
-    checkpoint_notes = whole_checkpoint_notes(resolved)
-    prefix = resolved.layout["key_prefix"]
-    expectation = combined_expectation(
-        [m["expectation"] for m in modules.values()] + (["exact-or-refuse"] if checkpoint_notes else [])
-    )
+    return tensors, truth, modules, split_pairs
 
-    if arch.packs_experts:  # gpt-oss: every projection's experts in one tensor each
+
+def _make_disagreement(
+    kind: str, target: str, fmt, layout: dict, tensors: dict[str, torch.Tensor], modules: dict[str, dict]
+) -> tuple[str, list[str], dict[str, str]]:
+    """Edit `tensors` so the checkpoint disagrees with itself as `kind` says, and note it on the
+    module that carries it in `modules`; that module, the tensors left unused and what the index
+    will say wrong (by name)."""
+    misstated = disagreements.index_edits(kind, target, list(tensors), fmt.marker)
+    unused = disagreements.edit_tensors(kind, target, tensors, fmt.marker)
+    if unused:  # the orphan's own (weightless) module carries the disagreement
+        target = unused[0].rpartition(".")[0]
+    entry = modules.setdefault(target, {"shape": list(layout.get(f"{target}.weight", ((),))[0]), "notes": []})
+    entry["expectation"] = combined_expectation([entry.get("expectation", "exact"), DISAGREEMENTS[kind].expectation])
+    entry["notes"].append(DISAGREEMENTS[kind].note)
+    return target, unused, misstated
+
+
+def _write_tensors(
+    out: Path, resolved: ResolvedRecipe, tensors: dict[str, torch.Tensor], split_pairs: dict, misstated: dict
+) -> None:
+    """Create `out` and write the checkpoint's tensors into it under their stored names (experts
+    packed where the architecture packs them, keys under the recipe's prefix)."""
+    prefix = resolved.layout["key_prefix"]
+    if resolved.arch.packs_experts:  # gpt-oss: every projection's experts in one tensor each
         tensors = packed_experts.pack(tensors)
         split_pairs = {packed_experts.packed_name(s): packed_experts.packed_name(w) for s, w in split_pairs.items()}
         misstated = {packed_experts.packed_name(n): how for n, how in misstated.items()}
@@ -289,14 +339,20 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
         out, {rename[n]: t for n, t in tensors.items()}, names, resolved.layout["shards"], split_pairs, misstated
     )
 
+
+def _write_config(out: Path, resolved: ResolvedRecipe, fmt, also_ignored: list[str]) -> None:
+    """config.json (with the format's quantization_config, its ignore list spelled as the recipe
+    says, plus `also_ignored`), generation_config.json and the tokenizer."""
+    arch = resolved.arch
+    kind = resolved.perturb["disagreement"]
     config = arch.config_json(resolved.settings, resolved.layout["dtype"])
     if resolved.layout["config_style"] == "saved":
         config = {key: value for key, value in config.items() if key not in arch.release_only}
-    ignored = arch.ignored_modules(resolved.settings) + ([target] if kind == "ignored-but-quantized" else [])
+    ignored = arch.ignored_modules(resolved.settings) + also_ignored
     if resolved.layout["quantize_lm_head"]:  # tied: no lm_head tensor, and the list no longer excludes it
         ignored.remove("lm_head")
     ignore = ignore_patterns.spell(
-        ignored, resolved.layout["ignore_style"], resolved.settings["num_hidden_layers"], prefix
+        ignored, resolved.layout["ignore_style"], resolved.settings["num_hidden_layers"], resolved.layout["key_prefix"]
     )
     config["quantization_config"] = fmt.quantization_config(resolved.knobs, ignore)
     if kind == "status-not-compressed":
@@ -307,30 +363,6 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}, indent=2) + "\n"
     )
     write_tokenizer(out, resolved.settings["vocab_size"])
-
-    (out / TRUTH_DIR).mkdir()
-    save_file({rename_key(n, prefix): t.contiguous() for n, t in truth.items()}, str(out / TRUTH_FILE))
-    save_file({rename_key(n, prefix): t.contiguous() for n, t in originals.items()}, str(out / ORIGINAL_FILE))
-    manifest = {
-        "harness_version": __version__,
-        "recipe": recipe.to_json(),
-        "resolved": {
-            "config": resolved.settings,
-            "knobs": resolved.knobs,
-            "layout": resolved.layout,
-            "perturb": resolved.perturb,
-        },
-        "format": recipe.format,
-        "expectation": expectation,
-        "notes": checkpoint_notes,
-        "modules": {rename_key(m, prefix): info for m, info in modules.items()},
-        #: tensors a correct loader leaves unused (and may report as unexpected)
-        "unused_tensors": [rename_key(n, prefix) for n in unused],
-        "truth_file": TRUTH_FILE,
-        "original_file": ORIGINAL_FILE,
-    }
-    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
 
 
 def _write_shards(
