@@ -177,6 +177,27 @@ def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: d
     it: one `activations` finding per kind of deviation, naming its modules; what was probed in
     `outcome.activation_probe`."""
     probe = judgement.probe
+    judged, experts = _modules_to_probe(judgement, engine, outcome, held)
+    if not judged and not experts:
+        outcome.activation_probe = "not run: every probed module's weights or load report are already a finding"
+        return
+    try:
+        sent = {n: probe[f"{n}.input"] for n in judged} | {k: v for k, v in probe.items() if k.endswith(LEAD)}
+        sent |= {f"{n}{EXPERTS}": probe[f"{n}{EXPERTS}"] for n in experts}
+        outputs = worker.probe(sent, judgement.scratch_file(engine, "probe"))
+    except EngineError as error:
+        outcome.activation_probe = f"not run: {first_line(error)}"
+        return
+    expert_verdicts = judge_experts(experts, probe, outputs)
+    verdicts, overflow = _judge_linears(judged, probe, outputs, held)
+    outcome.activation_probe = _summary(len(judged), verdicts, overflow, len(experts), expert_verdicts)
+    _report_deviations(judgement, engine, verdicts, expert_verdicts)
+
+
+def _modules_to_probe(judgement, engine: str, outcome, held: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """The Linears and the packed experts modules worth probing on `engine`: those no finding
+    already explains (a weight, its load report, or a Linear applying other weights than it holds)."""
+    probe = judgement.probe
     names = sorted(key.removesuffix(".input") for key in probe if key.endswith(".input"))
     explained = already_explained(judgement, engine, outcome)
     # a Linear that applies other weights than it holds (harness.differential.effective_weights)
@@ -189,17 +210,14 @@ def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: d
     judged = [name for name in names if name not in explained and f"{name}.weight" in held]
     experts = sorted(k.removesuffix(EXPERTS) for k in probe if k.endswith(EXPERTS))
     experts = [name for name in experts if layer_of(name) not in {layer_of(m) for m in explained if ".experts." in m}]
-    if not judged and not experts:
-        outcome.activation_probe = "not run: every probed module's weights or load report are already a finding"
-        return
-    try:
-        sent = {n: probe[f"{n}.input"] for n in judged} | {k: v for k, v in probe.items() if k.endswith(LEAD)}
-        sent |= {f"{n}{EXPERTS}": probe[f"{n}{EXPERTS}"] for n in experts}
-        outputs = worker.probe(sent, judgement.scratch_file(engine, "probe"))
-    except EngineError as error:
-        outcome.activation_probe = f"not run: {first_line(error)}"
-        return
-    expert_verdicts = judge_experts(experts, probe, outputs)
+    return judged, experts
+
+
+def _judge_linears(
+    judged: list[str], probe: dict, outputs: dict, held: dict[str, torch.Tensor]
+) -> tuple[list[ModuleVerdict], int]:
+    """Each probed Linear's output against what its held weights compute from the specified input;
+    the verdicts, and how many were not judged because their output leaves the model dtype's range."""
     verdicts, overflow = [], 0
     for name in (n for n in judged if n in outputs):
         rows, quantized = probe[f"{name}.input"], probe[f"{name}.quantized"]
@@ -224,9 +242,16 @@ def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: d
             )
             inverted = (other[0], other[2]) if torch.isfinite(other[0]).all() else None
         verdicts.append(judge_module(name, outputs[name], *expected, inverted=inverted, held_scale=held_scale))
+    return verdicts, overflow
+
+
+def _summary(
+    judged: int, verdicts: list[ModuleVerdict], overflow: int, experts: int, expert_verdicts: list[ModuleVerdict]
+) -> str:
+    """What the probe found, in one line (`outcome.activation_probe`)."""
     fine = sum(v.verdict == "as specified" for v in verdicts)
-    absent = len(judged) - len(verdicts) - overflow
-    outcome.activation_probe = (
+    absent = judged - len(verdicts) - overflow
+    summary = (
         f"{fine}/{len(verdicts)} quantized Linear(s) as specified"
         + (f"; {absent} not found in the engine's model (or of another shape)" if absent else "")
         + (f"; {overflow} not judged: their output leaves the model dtype's normal range" if overflow else "")
@@ -235,12 +260,19 @@ def probe_engine(judgement, engine: str, worker: EngineProcess, outcome, held: d
         held_packed = len({v.module.rpartition(".")[0] for v in expert_verdicts})
         unjudged = sum(v.verdict == NOT_JUDGED for v in expert_verdicts)
         fine = sum(v.verdict == "as specified" for v in expert_verdicts)
-        outcome.activation_probe += (
+        summary += (
             f"; {fine}/{len(expert_verdicts)} routed expert(s) as specified"
             if not unjudged
             else f"; routed experts in a reduced-precision model: {len(expert_verdicts) - unjudged}/"
             f"{len(expert_verdicts)} not applied, the others not judged (only 'not applied' is told apart there)"
-        ) + f" ({held_packed}/{len(experts)} packed experts module(s) found)"
+        ) + f" ({held_packed}/{experts} packed experts module(s) found)"
+    return summary
+
+
+def _report_deviations(
+    judgement, engine: str, verdicts: list[ModuleVerdict], expert_verdicts: list[ModuleVerdict]
+) -> None:
+    """One `activations` finding per kind of deviation (among Linears, among routed experts), at its worst module."""
     scheme = judgement.specified_reason or "activations"
     for kind, group, what_of in (
         *((kind, verdicts, "quantized Linear(s)") for kind in ("not applied", "scale inverted", "not as specified")),
