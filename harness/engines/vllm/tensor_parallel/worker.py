@@ -230,8 +230,6 @@ class TensorParallelShards(Engine):
                     GPT_OSS_SUFFIXES[n[len(prefix) :]]: n for n in passes[-1] if n[len(prefix) :] in GPT_OSS_SUFFIXES
                 }
                 index = slots[linear.expert]
-                if parallel == EP:
-                    entry["slot"] = index
             entry["params"] = {}
             for suffix, name in held.items():
                 first, last, made = (
@@ -313,8 +311,6 @@ class TensorParallelShards(Engine):
             rows = weight.get("shape", [0])[0]
             entry["partition_sizes"] = [rows // len(linear.parts)] * len(linear.parts)
             entry["block"] = [int(b) for b in block] if block else None
-            if parallel == EP:
-                entry["slot"] = slots[linear.expert]
         return [entry for _, entry in owned]
 
     def load_rank(self, checkpoint, linear, layer: int, tp: int, rank: int, quant_config, dtype) -> dict:
