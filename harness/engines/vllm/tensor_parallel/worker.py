@@ -148,7 +148,7 @@ class TensorParallelShards(Engine):
         # gpt-oss: its model's load_weights narrows the layer's tensors by rank, not the layers' loaders
         through_model = (config.get("architectures") or ["?"])[0] in INTERLEAVED
         layer = job["layer"]
-        with vllm_context(job["checkpoint"], config) as (quant_config, dtype), stand_in_kernels(report.kernel_notes):
+        with vllm_context(job["checkpoint"], config, report.kernel_notes) as (quant_config, dtype):
             for tp in job["tp_sizes"]:
                 for rank in range(tp):
                     for linear in linears:
@@ -451,10 +451,11 @@ def one_line(error: BaseException) -> str:
 
 
 @contextmanager
-def vllm_context(directory: str, config: dict):
+def vllm_context(directory: str, config: dict, notes: list[str]):
     """vLLM's quantization config for the checkpoint under a current VllmConfig, as its model
     loader makes them: the method vLLM's ModelConfig resolves (`modelopt` -> `modelopt_fp4`, ...)
-    through `get_quant_config` (which calls `get_quantization_config(...)`)."""
+    through `get_quant_config` (which calls `get_quantization_config(...)`); then, until the job is
+    done, stand-in kernels where vLLM has none here (stand_in_kernels, each noted in `notes`)."""
     from vllm.config import LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.weight_utils import get_quant_config
 
@@ -469,11 +470,14 @@ def vllm_context(directory: str, config: dict):
     with set_current_vllm_config(vllm_config):
         quant_config = get_quant_config(model_config, LoadConfig())
         quant_config.packed_modules_mapping = dict(PACKED_MODULES)
-        yield quant_config, dtype
+        with stand_in_kernels(notes):
+            yield quant_config, dtype
 
 
 @contextmanager
 def stand_in_kernels(notes: list[str]):
+    """vLLM's kernel and MoE backend choosers replaced by ones that stand in where vLLM has none
+    here (noting each in `notes`), restored afterwards."""
     import importlib
 
     originals = []
