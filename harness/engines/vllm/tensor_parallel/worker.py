@@ -206,50 +206,21 @@ class TensorParallelShards(Engine):
         slots = local_slots(routed, len([linear for linear in mine if linear.expert is not None]) // 2)
         result = []
         for linear in mine:
+            found = parameters_in_model(linear, block, layer, passes[-1], slots)
+            if found is None:
+                continue  # another rank's expert
+            held, index, partition_sizes = found
             entry = entries[linear.name]
+            if partition_sizes is not None:
+                entry["partition_sizes"] = partition_sizes
             split = (1, 0) if parallel == EP else (size, rank)
             owned = owned_slice(linear, linear.parts[0], *split, config)
-            if linear.kind == "heads":  # the sinks: a parameter of the attention, not a Linear
-                held, index = {"weight": f"layers.{layer}.attn.{linear.name}"}, None
-                entry["partition_sizes"] = [int(passes[-1][held["weight"]].shape[0])]
-            elif linear.expert is None:
-                module = getattr(block.attn, linear.name)
-                prefix = f"layers.{layer}.attn.{linear.name}."
-                entry["partition_sizes"] = [int(s) for s in module.output_partition_sizes]
-                held = {n[len(prefix) :]: n for n in passes[-1] if n.startswith(prefix)}
-                index = None
-            else:
-                if slots[linear.expert] < 0:
-                    continue  # another rank's expert
-                group = linear.name.rpartition(".")[2]
-                prefix = f"layers.{layer}.mlp.experts.routed_experts.{group}_"
-                prefix = (
-                    prefix if any(n.startswith(prefix) for n in passes[-1]) else prefix.replace(".routed_experts", "")
-                )
-                held = {
-                    GPT_OSS_SUFFIXES[n[len(prefix) :]]: n for n in passes[-1] if n[len(prefix) :] in GPT_OSS_SUFFIXES
-                }
-                index = slots[linear.expert]
             entry["params"] = {}
             for suffix, name in held.items():
-                first, last, made = (
-                    t[name] if index is None else t[name][index] for t in (passes[0], passes[-1], created)
+                entry["params"][suffix], kept = model_parameter(
+                    checkpoint, linear, layer, owned, suffix, name, index, passes, created
                 )
-                real = None
-                if owned.padded:
-                    stored = checkpoint.tensor(f"{linear.part_module(layer, linear.parts[0])}.{suffix}")
-                    columns = stored.shape[1] if stored.dim() > 1 else None
-                    real = held_share(owned, last.dim(), linear.input_size, columns)
-                written = (first, last) if real is None else (first[real], last[real])
-                if real is not None:  # padding: as vLLM created it
-                    last = made.clone()
-                    last[real] = passes[-1][name][real] if index is None else passes[-1][name][index][real]
-                entry["params"][suffix] = {
-                    "dtype": str(last.dtype).removeprefix("torch."),
-                    "shape": list(last.shape),
-                    "unwritten": never_written(*written),
-                }
-                self.held[f"{parallel}{size}/rank{rank}/{linear.module(layer)}.{suffix}"] = last.clone()
+                self.held[f"{parallel}{size}/rank{rank}/{linear.module(layer)}.{suffix}"] = kept
             if linear.expert is not None:
                 rows = entry["params"].get("weight_packed", {}).get("shape", [0])[0]
                 entry["partition_sizes"] = [rows]
@@ -396,6 +367,50 @@ def feed_model(model, checkpoint, layer: int) -> None:
         model.load_weights((name.removeprefix("model."), tensor) for name, tensor in weights)
     except Exception as error:
         raise LoadFailure(one_line(error)) from error
+
+
+def parameters_in_model(linear, block, layer: int, loaded: dict, slots: list[int]):
+    """Where gpt-oss's model holds `linear` after a load (`loaded`: its parameters by name):
+    checkpoint suffix -> parameter name, the expert's slot in the stacked parameters (None: not an
+    expert), and the output partition sizes (None for an expert: read from what it holds); None
+    for another rank's expert."""
+    if linear.kind == "heads":  # the sinks: a parameter of the attention, not a Linear
+        held = {"weight": f"layers.{layer}.attn.{linear.name}"}
+        return held, None, [int(loaded[held["weight"]].shape[0])]
+    if linear.expert is None:
+        module = getattr(block.attn, linear.name)
+        prefix = f"layers.{layer}.attn.{linear.name}."
+        held = {n[len(prefix) :]: n for n in loaded if n.startswith(prefix)}
+        return held, None, [int(s) for s in module.output_partition_sizes]
+    if slots[linear.expert] < 0:
+        return None
+    group = linear.name.rpartition(".")[2]
+    prefix = f"layers.{layer}.mlp.experts.routed_experts.{group}_"
+    prefix = prefix if any(n.startswith(prefix) for n in loaded) else prefix.replace(".routed_experts", "")
+    held = {GPT_OSS_SUFFIXES[n[len(prefix) :]]: n for n in loaded if n[len(prefix) :] in GPT_OSS_SUFFIXES}
+    return held, slots[linear.expert], None
+
+
+def model_parameter(checkpoint, linear, layer: int, owned, suffix: str, name: str, index, passes, created):
+    """One parameter gpt-oss's model holds for `linear` (`index`: its expert's slot, or None): what
+    the judge reads of it (dtype, shape, elements never written) and the tensor to keep, its
+    padding past the rank's share as vLLM created it (`created`: the parameters before any load)."""
+    first, last, made = (t[name] if index is None else t[name][index] for t in (passes[0], passes[-1], created))
+    real = None
+    if owned.padded:
+        stored = checkpoint.tensor(f"{linear.part_module(layer, linear.parts[0])}.{suffix}")
+        columns = stored.shape[1] if stored.dim() > 1 else None
+        real = held_share(owned, last.dim(), linear.input_size, columns)
+    written = (first, last) if real is None else (first[real], last[real])
+    if real is not None:  # padding: as vLLM created it
+        last = made.clone()
+        last[real] = passes[-1][name][real] if index is None else passes[-1][name][index][real]
+    described = {
+        "dtype": str(last.dtype).removeprefix("torch."),
+        "shape": list(last.shape),
+        "unwritten": never_written(*written),
+    }
+    return described, last.clone()
 
 
 def local_slots(routed, experts: int) -> list[int]:
