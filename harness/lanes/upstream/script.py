@@ -418,25 +418,7 @@ def render_script(reproducer: Reproducer) -> Script:
     parsed = {name: read_piece(name) for name in names}
     tolerance = load_tolerances(format_name, dtype)
     definition = definition_of(format_name, resolved.knobs)
-    expected = expected_words(
-        reproducer.engine,
-        manifest["expectation"],
-        definition,
-        perturbation_notes(manifest) if manifest["expectation"] != "exact" else [],
-        f"|held - W| <= {tolerance.weight_rel:g} |W| + {tolerance.weight_abs:.3g}, W rounded once to {dtype}",
-    )
-    if reproducer.relation == "tensor-parallel":  # no model is loaded: only the shards are judged
-        expected = RELATIONS[reproducer.relation].holds
-    elif judge_kv_cache:  # no model is loaded: only the cache vLLM's op writes is judged
-        expected = (
-            "writes its FP8 KV cache as the checkpoint's kv_cache_scheme defines it: e4m3(x / scale), "
-            "rounded to nearest even and saturated at 448, for keys and values"
-        )
-    elif reproducer.relation:
-        expected += f"; and {RELATIONS[reproducer.relation].holds}"
-    elif reproducer.engine == "vllm" and resolved.layout["kv_scales"] != "none":  # parts/engine_vllm.py
-        expected += "; its FP8 KV cache quantized with the stored k/v scales, none made up"
-    layout = reproducer.recipe.layout
+    expected = expected_of(reproducer, resolved, manifest, definition, tolerance, judge_kv_cache)
     values = {
         "ISSUE": reproducer.id,
         "ENGINE": reproducer.engine,
@@ -446,19 +428,7 @@ def render_script(reproducer: Reproducer) -> Script:
         "TENSORS": table,
         "PACKED_EXPERTS": packed_experts(reproducer.recipe),
         "KNOBS": resolved.knobs,
-        "LAYOUT": {
-            "dtype": dtype,
-            "key_prefix": resolved.layout["key_prefix"],
-            "shards": layout.get("shards", 1),  # one file unless the recipe asks for shards
-            "split_scale": layout.get("split_scale", False),
-            "activation_amax": resolved.layout["activation_amax"],
-            "quantize_lm_head": resolved.layout["quantize_lm_head"],
-            "quantize_embeddings": resolved.layout["quantize_embeddings"],
-            "kv_scales": resolved.layout["kv_scales"],
-            # the tensor table and PACKED_EXPERTS already carry the experts' names; said for the reader
-            "expert_naming": resolved.layout["expert_naming"],
-            "config_style": resolved.layout["config_style"],
-        },
+        "LAYOUT": script_layout(reproducer.recipe.layout, resolved.layout),
         "PERTURB": resolved.perturb,
         "DISAGREEMENT": disagreement_target(resolved, table),
         "EXPECTATION": manifest["expectation"],
@@ -472,6 +442,58 @@ def render_script(reproducer: Reproducer) -> Script:
         "TENSOR_PARALLEL": tensor_parallel_linears(config) if reproducer.relation == "tensor-parallel" else None,
     }
     package = ENGINES[reproducer.engine].package
+    text = assemble(reproducer, values, parsed, definition, FORMAT_PIECES[format_name], package)
+    return Script(text, manifest["expectation"], expected, definition, format_name, package)
+
+
+def expected_of(
+    reproducer: Reproducer, resolved, manifest: dict, definition: str, tolerance, judge_kv_cache: bool
+) -> str:
+    """What a correct engine does with the checkpoint, in words (the script's EXPECTED)."""
+    dtype = resolved.layout["dtype"]
+    expected = expected_words(
+        reproducer.engine,
+        manifest["expectation"],
+        definition,
+        perturbation_notes(manifest) if manifest["expectation"] != "exact" else [],
+        f"|held - W| <= {tolerance.weight_rel:g} |W| + {tolerance.weight_abs:.3g}, W rounded once to {dtype}",
+    )
+    if reproducer.relation == "tensor-parallel":  # no model is loaded: only the shards are judged
+        return RELATIONS[reproducer.relation].holds
+    if judge_kv_cache:  # no model is loaded: only the cache vLLM's op writes is judged
+        return (
+            "writes its FP8 KV cache as the checkpoint's kv_cache_scheme defines it: e4m3(x / scale), "
+            "rounded to nearest even and saturated at 448, for keys and values"
+        )
+    if reproducer.relation:
+        return expected + f"; and {RELATIONS[reproducer.relation].holds}"
+    if reproducer.engine == "vllm" and resolved.layout["kv_scales"] != "none":  # parts/engine_vllm.py
+        return expected + "; its FP8 KV cache quantized with the stored k/v scales, none made up"
+    return expected
+
+
+def script_layout(layout: dict, resolved: dict) -> dict:
+    """The script's LAYOUT: the resolved layout fields its pieces read (`layout`: the recipe's own)."""
+    return {
+        "dtype": resolved["dtype"],
+        "key_prefix": resolved["key_prefix"],
+        "shards": layout.get("shards", 1),  # one file unless the recipe asks for shards
+        "split_scale": layout.get("split_scale", False),
+        "activation_amax": resolved["activation_amax"],
+        "quantize_lm_head": resolved["quantize_lm_head"],
+        "quantize_embeddings": resolved["quantize_embeddings"],
+        "kv_scales": resolved["kv_scales"],
+        # the tensor table and PACKED_EXPERTS already carry the experts' names; said for the reader
+        "expert_naming": resolved["expert_naming"],
+        "config_style": resolved["config_style"],
+    }
+
+
+def assemble(
+    reproducer: Reproducer, values: dict, parsed: dict[str, Piece], definition: str, format_piece: str, package: str
+) -> str:
+    """The script's text: docstring, guarded imports, the parameters, then each piece's code (the
+    format's piece given the definition); compiled once to prove it parses."""
     stdlib, third = imports_of([piece.header for piece in parsed.values()])
     guarded = "\n".join(f"    {line}" for line in third)
     sections = [
@@ -482,7 +504,7 @@ def render_script(reproducer: Reproducer) -> Script:
         '    print(f"cannot run: {missing} (needs torch and safetensors)")\n    sys.exit(2)',
         f"# ---- what to reproduce ({reproducer.source}) ----\n\n{render_parameters(values)}",
     ]
-    code = [piece.section(definition if name == FORMAT_PIECES[format_name] else None) for name, piece in parsed.items()]
+    code = [piece.section(definition if name == format_piece else None) for name, piece in parsed.items()]
     text = "\n\n".join(sections) + "\n\n\n" + "\n\n\n".join(code) + "\n"
     compile(text, "reproduce.py", "exec")
-    return Script(text, manifest["expectation"], expected, definition, format_name, package)
+    return text
