@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from harness.formats import FORMAT_NAMES, get_format  # noqa: E402
-from harness.oracle.fast import TILE_ELEMENTS, FastDequantizer, first_difference  # noqa: E402
+from harness.oracle.fast import TILE_ELEMENTS, WITHOUT_KERNEL, FastDequantizer, first_difference  # noqa: E402
 
 OUTPUTS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -106,6 +106,55 @@ def bench_output(fmt, knobs, tensors, name, dtype, reference, repeat: int, tile_
     return entry
 
 
+def upstream_dequantizers(name: str, tensors: dict) -> dict:
+    """The FP8 block dequantizations users get from transformers and compressed-tensors, each called
+    as that library calls it on CPU (a library that cannot be imported is left out, its reason kept)."""
+    runs, missing = {}, {}
+    if name == "fp8-block":
+        try:
+            from transformers.integrations.finegrained_fp8 import Fp8Dequantize, _dequantize_fp8_weight
+        except ImportError as error:
+            missing["transformers"] = f"{type(error).__name__}: {error}"
+        else:
+            weight, scale = tensors["weight"], tensors["weight_scale_inv"]
+            # load with dequantize=True: float32 arithmetic, the scale's dtype (bfloat16 here) out
+            runs["transformers Fp8Dequantize (dequantize=True load), bfloat16 out"] = functools.partial(
+                Fp8Dequantize(None)._dequantize_one, weight, scale, torch.bfloat16
+            )
+            runs["transformers _dequantize_fp8_weight (FP8Linear without a kernel), float32 out"] = functools.partial(
+                _dequantize_fp8_weight, weight, scale, [128, 128], torch.float32
+            )
+    if name == "ct-fp8-block":
+        try:
+            from compressed_tensors.quantization import QuantizationArgs
+            from compressed_tensors.quantization.lifecycle.forward import dequantize
+        except ImportError as error:
+            missing["compressed-tensors"] = f"{type(error).__name__}: {error}"
+        else:
+            args = QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=[128, 128])
+            runs["compressed-tensors dequantize (decompression), float32 out"] = functools.partial(
+                dequantize, tensors["weight"], tensors["weight_scale"], None, args, torch.float32
+            )
+    return runs, missing
+
+
+def bench_upstream(name: str, tensors: dict, reference: torch.Tensor, repeat: int) -> dict:
+    runs, missing = upstream_dequantizers(name, tensors)
+    results = {label: {"not_run": why} for label, why in missing.items()}
+    for label, run in runs.items():
+        out = run()  # warm-up
+        timed = best_and_median(run, repeat)
+        timed["melem_per_s_best"] = round(reference.numel() / timed["best_s"] / 1e6, 1)
+        timed["equal_to_reference_rounded"] = first_difference(out.reshape(reference.shape), reference) is None
+        results[label] = timed
+        print(
+            f"[{name}] {label}: {timed['best_s'] * 1e3:.1f} ms best ({timed['melem_per_s_best']:.0f} Melem/s) "
+            f"| equal to the reference: {timed['equal_to_reference_rounded']}",
+            flush=True,
+        )
+    return results
+
+
 def bench_format(name: str, weight: torch.Tensor, repeat: int, tile_elements: int) -> dict:
     fmt = get_format(name)
     knobs = fmt.resolve_knobs({})
@@ -119,6 +168,9 @@ def bench_format(name: str, weight: torch.Tensor, repeat: int, tile_elements: in
     record["reference_s_once"] = round(time.perf_counter() - start, 3)
     for label, dtype in OUTPUTS.items():
         record[label] = bench_output(fmt, knobs, tensors, name, dtype, reference, repeat, tile_elements)
+    upstream = bench_upstream(name, dict(tensors), reference, repeat)
+    if upstream:
+        record["upstream"] = upstream
     return record
 
 
@@ -127,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=8192)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
-    parser.add_argument("--formats", default=",".join(FORMAT_NAMES))
+    parser.add_argument("--formats", default=",".join(n for n in FORMAT_NAMES if n not in WITHOUT_KERNEL))
     parser.add_argument("--tile-elements", type=int, default=TILE_ELEMENTS)
     parser.add_argument("--out", default=None, help="default benchmarks/results/fast-dequant-<host>.json")
     args = parser.parse_args(argv)
@@ -174,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             "equal_to_reference_rounded": "bit for bit equal to fmt.dequantize(...).to(float32).to(dtype)",
             "bfloat16_elements_off_by_double_rounding": "elements differing from the float64 reference "
             "rounded once to bfloat16",
+            "upstream": "the same weight dequantized by transformers' and compressed-tensors' own CPU code "
+            "in the same process (fp8-block and ct-fp8-block), best and median of --repeat",
         },
         "results": [],
     }

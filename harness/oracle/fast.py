@@ -66,8 +66,10 @@ from harness.formats.modelopt_nvfp4 import ModeloptNvfp4
 from harness.oracle.reference import format_and_knobs, group_modules
 
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-#: output elements per row tile: just below torch's grain size, 32768 (see TileRunner); 128 KiB of float32
-TILE_ELEMENTS = (1 << 15) - 1
+#: output elements per row tile (2 MiB of float32): large enough that the per-op cost of a few
+#: Python-dispatched ops is small beside their work, small enough that a tile's scratch and output
+#: stay in cache between its ops (docs/benchmarks.md, "Threads and tiles")
+TILE_ELEMENTS = 1 << 19
 #: the largest verification tile side; tiles hold whole scale blocks where the blocks are smaller
 VERIFY_SIDE = 128
 #: verified tiles per tensor besides the four corners (the last one holds the last partial block)
@@ -172,9 +174,10 @@ class _Scratch:
 
 class TileRunner:
     """Runs row tiles on torch.get_num_threads() worker threads, each over its own contiguous share
-    of the rows with its own scratch. A tile holds at most `tile_elements` (below torch's grain
-    size, 32768, at which an op starts using torch's own threads), so torch runs every op inline in its worker: the workers never wait for one
-    another inside an op, which on a shared machine costs more than the op (docs/benchmarks.md)."""
+    of the rows with its own scratch. Each worker runs its ops on one torch thread (OpenMP's thread
+    count is a per-thread setting; the worker restores it when its share is done), so torch runs
+    every op inline in its worker: the workers never wait for one another inside an op, which on a
+    shared machine costs more than the op, and tiles can be large (docs/benchmarks.md)."""
 
     def __init__(self, tile_elements: int = TILE_ELEMENTS):
         self.tile_elements = tile_elements
@@ -194,10 +197,15 @@ class TileRunner:
                 self.pool.shutdown()
             self.pool, self.pool_size = ThreadPoolExecutor(workers, thread_name_prefix="fast-dequant"), workers
         shares = [tiles[i * len(tiles) // workers : (i + 1) * len(tiles) // workers] for i in range(workers)]
+        threads = torch.get_num_threads()
 
         def share(index: int) -> None:
-            for tile in shares[index]:
-                work(tile, self.scratch[index])
+            torch.set_num_threads(1)
+            try:
+                for tile in shares[index]:
+                    work(tile, self.scratch[index])
+            finally:  # torch also keeps the last count set as the default of threads it meets later
+                torch.set_num_threads(threads)
 
         list(self.pool.map(share, range(workers)))
 
@@ -220,6 +228,18 @@ def fp8_row_tiles(rows: int, block_rows: int, tile_rows: int) -> Iterator[tuple[
 
 #: the 256 int8 codes by their byte (two's complement), as float32
 INT8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.int8).to(torch.float32)
+_CODE_PAIRS: dict[bytes, torch.Tensor] = {}
+
+
+def code_pairs(table: torch.Tensor) -> torch.Tensor:
+    """Two bytes of codes read as one little-endian uint16 -> both their float32 values, as one int64
+    (65536 entries, 512 KiB; made once per table)."""
+    key = table.numpy().tobytes()
+    if key not in _CODE_PAIRS:
+        code = torch.arange(1 << 16)
+        pairs = torch.stack([table[code & 0xFF], table[code >> 8]], dim=-1)
+        _CODE_PAIRS[key] = pairs.view(torch.int64).reshape(-1)
+    return _CODE_PAIRS[key]
 
 
 class Fp8Kernel:
@@ -233,6 +253,8 @@ class Fp8Kernel:
         self.scale = scale
         #: the 256 codes, decoded from their bits (float32 holds every one exactly)
         self.table = E4M3_TABLE.to(torch.float32) if table is None else table
+        #: both values of every two-byte pair of codes, for half the lookups (docs/benchmarks.md)
+        self.pairs = code_pairs(self.table)
 
     def shape(self, tensors):
         return tuple(tensors[self.packed].shape)
@@ -252,16 +274,26 @@ class Fp8Kernel:
         bn, bk = min(block_rows, rows), min(block_cols, cols)
         whole, full = cols // bk, cols // bk * bk
         codes = tensors[self.packed].contiguous().view(torch.uint8)
-        table = self.table.to(out.device)
+        # pairs of codes where every tile holds whole pairs at even offsets: even rows
+        paired = cols % 2 == 0 and sys.byteorder == "little"
+        table = (self.pairs if paired else self.table).to(out.device)
 
         def work(tile, scratch: _Scratch) -> None:
             first, blocks, height = tile
             last, block = first + blocks * height, first // bn
-            indices = scratch.get("indices", torch.int32, (last - first) * cols, out.device)
-            decoded = scratch.get("decoded", torch.float32, (last - first) * cols, out.device)
-            indices.copy_(codes[first:last].reshape(-1))
-            torch.index_select(table, 0, indices, out=decoded)
-            decoded, target = decoded.view(blocks, height, cols), out[first:last].view(blocks, height, cols)
+            source = codes[first:last].reshape(-1)
+            source = source.view(torch.uint16) if paired else source
+            indices = scratch.get("indices", torch.int32, source.numel(), out.device)
+            indices.copy_(source)
+            target = out[first:last]  # rows of a contiguous output: contiguous
+            # float32 output: decoded in place (the tile stays in cache for the multiply)
+            decoded = (
+                target
+                if out.dtype == torch.float32
+                else scratch.get("decoded", torch.float32, target.numel(), out.device)
+            )
+            torch.index_select(table, 0, indices, out=decoded.view(-1).view(table.dtype))
+            decoded, target = decoded.view(blocks, height, cols), target.view(blocks, height, cols)
             scales = grid[block : block + blocks, None, :, None]
             torch.mul(
                 decoded[..., :full].unflatten(-1, (whole, bk)),

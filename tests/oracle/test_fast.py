@@ -325,3 +325,21 @@ def test_mxfp4_any_even_k_equals_the_reference(dtype):
             out = FastDequantizer(out_dtype, verify=False, tile_elements=64).dequantize(fmt, {}, tensors)
             assert first_difference(out, reference) is None, (shape, out_dtype, first_difference(out, reference))
             verify_tiles(fmt, {}, tensors, out, f"{shape}", everything=True)
+
+
+@pytest.mark.parametrize("name", ["fp8-block", "ct-w8a8"])
+def test_one_byte_codes_at_odd_and_even_widths_equal_the_reference(name):
+    """Even widths are decoded two codes per lookup, odd ones one code per lookup (a pair would
+    straddle two rows): every element bit for bit either way, in tiles of a few rows and in one tile."""
+    fmt = get_format(name)
+    knobs = fmt.resolve_knobs({"block_size": 64} if name == "fp8-block" else {})
+    generator = torch.Generator().manual_seed(5)
+    for shape in [(37, 201), (6, 130), (129, 257), (3, 2)]:
+        weight = torch.randn(shape, generator=generator)
+        tensors = fmt.quantize(weight, knobs, model_dtype=torch.bfloat16, activation_amax=1.0).tensors
+        reference = fmt.dequantize(tensors, knobs)
+        for out_dtype in OUTPUTS:
+            for tile_elements in (600, fast.TILE_ELEMENTS):
+                dequantizer = FastDequantizer(out_dtype, verify=False, tile_elements=tile_elements)
+                out = dequantizer.dequantize(fmt, knobs, tensors)
+                assert first_difference(out, reference) is None, (shape, out_dtype, tile_elements)
