@@ -204,7 +204,7 @@ class TileRunner:
             try:
                 for tile in shares[index]:
                     work(tile, self.scratch[index])
-            finally:  # torch also keeps the last count set as the default of threads it meets later
+            finally:  # ATen also records the last count set as the default for threads it meets later (read, not measured)
                 torch.set_num_threads(threads)
 
         list(self.pool.map(share, range(workers)))
