@@ -39,6 +39,13 @@ CONFIG_NAMES = (
 #: `isa`: this machine's instruction-set class (harness.core.machine.isa_class: amx-fp8, amx,
 #: avx512-bf16, avx512, avx2), for an engine whose kernel, and so whose bug, depends on it
 DERIVED_NAMES = ("dtype_bytes", "expert_width", "isa")
+#: read from the stored tensors, for any checkpoint: whether the parts a serving engine fuses into one
+#: Linear (q/k/v, gate/up) store different per-tensor global scales (NVFP4's weight_global_scale or
+#: weight_scale_2), which such an engine must requantize or refuse (stored_facts)
+STORED_NAMES = ("fused_global_scales_differ",)
+#: fused parts by the first part's module name, as vLLM and SGLang fuse them
+FUSED_PARTS = {"q_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj")}
+GLOBAL_SCALES = ("weight_global_scale", "weight_scale_2")
 #: names of a finding about one module (weight-mismatch etc.)
 MODULE_NAMES = ("rows", "cols", "block_rows", "block_cols", "partial", "expert", "tp", "parallel")
 
@@ -73,6 +80,7 @@ def known_names() -> frozenset[str]:
     names = (
         set(CONFIG_NAMES)
         | set(DERIVED_NAMES)
+        | set(STORED_NAMES)
         | set(TINY_DEFAULTS)
         | set(LAYOUT_DEFAULTS)
         | set(PERTURB_DEFAULTS)
@@ -238,11 +246,38 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
         context["quant_method"] = quantization["quant_method"]
     context["dtype"] = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
     context |= derived_facts(config, context["dtype"])
+    context |= stored_facts(directory)
     context["isa"] = isa_class()
     hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
     if config.get("head_dim") is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
         context["head_dim"] = hidden // heads
     return context
+
+
+def stored_facts(directory: Path) -> dict[str, Any]:
+    """STORED_NAMES, read from the checkpoint's per-tensor global scales (empty where it has none)."""
+    import torch
+
+    from harness.checkpoints.reader import Checkpoint
+
+    try:
+        checkpoint = Checkpoint(directory)
+        names = set(checkpoint.names())
+        if not any(name.endswith(GLOBAL_SCALES) for name in names):
+            return {}
+        for name in sorted(names):
+            module, _, suffix = name.rpartition(".")
+            parent, _, first = module.rpartition(".")
+            if suffix not in GLOBAL_SCALES or first not in FUSED_PARTS:
+                continue
+            parts = [f"{parent}.{part}.{suffix}" for part in FUSED_PARTS[first]]
+            if all(part in names for part in parts):
+                values = {checkpoint.tensor(part).to(torch.float64).reshape(-1)[0].item() for part in parts}
+                if len(values) > 1:
+                    return {"fused_global_scales_differ": True}
+    except (HarnessError, OSError, ValueError):
+        return {}
+    return {"fused_global_scales_differ": False}
 
 
 def derived_facts(config: Mapping[str, Any], dtype: str) -> dict[str, Any]:

@@ -75,7 +75,9 @@ def _run(judgement, engine: str) -> dict | str | LaneRefused:
         if worker is None:
             return judgement.session.unavailable.get(engine, f"{engine} unavailable")
         return {
-            layer: check_tensor_parallel(judgement.directory, ONE_DEVICE, layer, judgement.scratch, worker)
+            layer: check_tensor_parallel(
+                judgement.directory, ONE_DEVICE, layer, judgement.scratch, worker, post_load=True
+            )
             for layer in layers
         }
     except EngineFailure as failure:
@@ -135,12 +137,47 @@ def _findings(judgement, engine: str, results: dict) -> str:
                     )
     total = sum(counts.values())
     if counts[FINDING] == counts[REFUSED] == 0:
-        return f"{total}/{total} Linear(s) placed exactly"
-    tally = (
-        f"{counts['exact']}/{total} Linear(s) placed exactly, {counts[REFUSED]} refused, {counts[FINDING]} placed wrong"
-    )
+        tally = f"{total}/{total} Linear(s) placed exactly"
+    else:
+        tally = f"{counts['exact']}/{total} Linear(s) placed exactly, {counts[REFUSED]} refused, {counts[FINDING]} placed wrong"
     if unjudged:  # said, not judged
         tally += f" (refusals not judged: {'; '.join(unjudged[:3])}{'; ...' if len(unjudged) > 3 else ''})"
+    return tally + _post_load(judgement, engine, results)
+
+
+def _post_load(judgement, engine: str, results: dict) -> str:
+    """One `post-load` finding per Linear whose method's processing after loading makes it apply
+    other weights than the checkpoint's (harness.engines.vllm.post_load); the tally."""
+    from harness.engines.vllm.post_load import EXACT, FINDING
+
+    verdicts = [(layer, verdict) for layer, result in results.items() for verdict in result.post_load]
+    if not verdicts:
+        return ""
+    seen: set[str] = set()
+    for layer, verdict in verdicts:
+        if verdict.status != FINDING:
+            continue
+        cause = normalise(f"{verdict.module} {'; '.join(verdict.details)}")
+        if cause in seen:
+            continue
+        seen.add(cause)
+        modules = sorted(verdict.wrong)
+        judgement.finding(
+            engine,
+            "post-load",
+            f"{PREFIX}: after {verdict.method}.process_weights_after_loading: layer {layer} {verdict.module}: "
+            + "; ".join(verdict.details),
+            module=f"{modules[0]}.weight" if modules else None,
+            metrics={"stand_in": True, "layer": layer, "method": verdict.method, "modules": modules},
+        )
+    counts = {status: sum(v.status == status for _, v in verdicts) for status in (EXACT, FINDING)}
+    tally = (
+        f"; after its methods' processing (kernels' own steps not run): {counts[EXACT]}/{len(verdicts)} "
+        f"apply the checkpoint's weights, {counts[FINDING]} other weights"
+    )
+    unjudged = sorted({f"{v.method}: {v.details[0]}" for _, v in verdicts if v.status not in (EXACT, FINDING)})
+    if unjudged:
+        tally += f", {len(verdicts) - counts[EXACT] - counts[FINDING]} not judged ({'; '.join(unjudged[:2])})"
     return tally
 
 

@@ -1,4 +1,5 @@
-"""DELIBERATELY BUGGY TEST DOUBLES of vLLM: the real engine (harness.engines.vllm.engine) with one
+"""DELIBERATELY BUGGY TEST DOUBLES of vLLM: the real engine (harness.engines.vllm.engine), or the
+tensor-parallel lane's worker that runs its loaders with stand-in kernels, with one
 step of vLLM's own processing after loading mutated, so that the tests can prove the harness
 judges what vLLM's kernels apply, not only what its loaders place. Run under the vLLM
 environment's interpreter (HARNESS_<ENGINE>_PYTHON)."""
@@ -6,6 +7,7 @@ environment's interpreter (HARNESS_<ENGINE>_PYTHON)."""
 from __future__ import annotations
 
 from harness.engines.vllm.engine import VllmEngine
+from harness.engines.vllm.tensor_parallel.worker import TensorParallelShards
 
 
 class LastPartScaleHalvedAfterLoadingVllm(VllmEngine):
@@ -30,5 +32,62 @@ class LastPartScaleHalvedAfterLoadingVllm(VllmEngine):
         scheme.process_weights_after_loading = halved
         try:
             return super().construct(directory, config)
+        finally:
+            scheme.process_weights_after_loading = original
+
+
+class RequantizedUnderSmallestScaleShards(TensorParallelShards):
+    """The tensor-parallel lane's worker with vLLM's per-tensor FP8 processing after loading
+    mutated: a fused Linear's parts requantized under the smallest part scale instead of the
+    largest (`requantize_with_max_scale` with min): the parts with larger scales saturate."""
+
+    name = "double-vllm-tp-requantized-under-smallest-scale"
+
+    def load(self, directory):
+        from vllm.model_executor.layers.quantization.utils import w8a8_utils
+
+        original = w8a8_utils.requantize_with_max_scale
+
+        def under_smallest(weight, weight_scale, logical_widths):
+            from vllm import _custom_ops as ops
+
+            smallest = weight_scale.min()  # BUG: vLLM takes the max
+            start = 0
+            for index, width in enumerate(logical_widths):
+                dequantized = w8a8_utils.per_tensor_dequantize(weight[start : start + width], weight_scale[index])
+                weight[start : start + width], _ = ops.scaled_fp8_quant(dequantized, smallest)
+                start += width
+            return smallest, weight
+
+        w8a8_utils.requantize_with_max_scale = under_smallest
+        try:
+            return super().load(directory)
+        finally:
+            w8a8_utils.requantize_with_max_scale = original
+
+
+class AlphaNotInvertedShards(TensorParallelShards):
+    """The tensor-parallel lane's worker with vLLM's compressed-tensors NVFP4 W4A4 processing after
+    loading mutated: `alpha` computed from the activation's global scale as stored (the divisor)
+    instead of its inverse."""
+
+    name = "double-vllm-tp-nvfp4-alpha-not-inverted"
+
+    def load(self, directory):
+        from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+            compressed_tensors_w4a4_nvfp4,
+        )
+
+        scheme = compressed_tensors_w4a4_nvfp4.CompressedTensorsW4A4Fp4
+        original = scheme.process_weights_after_loading
+
+        def not_inverted(self, layer):
+            original(self, layer)
+            if hasattr(layer, "alpha"):
+                layer.alpha.data = layer.input_global_scale_inv * layer.weight_global_scale  # BUG
+
+        scheme.process_weights_after_loading = not_inverted
+        try:
+            return super().load(directory)
         finally:
             scheme.process_weights_after_loading = original

@@ -371,6 +371,9 @@ def unscriptable(reproducer: Reproducer) -> str | None:
             return "activation quantization in a reduced-precision model (the scripts judge it in float32)"
         if reproducer.finding and not reproducer.finding_pattern.startswith(PROBE_FINDING):
             return "an activations finding from the logits (the scripts judge each Linear and routed-experts module)"
+    if reproducer.engine == "vllm" and "post-load" in reproducer.kinds:
+        # vLLM's script judges layer sizes and a finite forward pass: a part applying a scaled weight passes both
+        return "vLLM's processing after loading (its script reads no weights a kernel applies)"
     if "relation" in reproducer.kinds and reproducer.relation not in SCRIPT_RELATIONS.get(reproducer.engine, ()):
         return f"relation {reproducer.relation or '(unnamed)'} with {reproducer.engine}"
     if reproducer.relation == "tensor-parallel" and any(".experts." in name for name in tensor_table(reproducer)):

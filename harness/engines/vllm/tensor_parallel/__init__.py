@@ -54,6 +54,8 @@ class TpResult:
     outcomes: list[TpOutcome]
     verdicts: list
     kernel_notes: list[str]
+    #: with `post_load`: each dense Linear after its method's processing (post_load.PostLoadVerdict)
+    post_load: list = field(default_factory=list)
 
     @property
     def findings(self) -> bool:
@@ -66,6 +68,7 @@ class TpResult:
             "outcomes": [o.__dict__ for o in self.outcomes],
             "ranks": [v.__dict__ for v in self.verdicts],
             "kernel_notes": self.kernel_notes,
+            "post_load": [v.__dict__ for v in self.post_load],
         }
 
 
@@ -87,11 +90,14 @@ def check_tensor_parallel(
     process=None,
     ep_sizes: list[int] = (),
     placement: str = "linear",
+    post_load: bool = False,
 ):
     """Shard one decoder layer at each tp size in vLLM and judge every rank; with routed experts in
     the layer, also place its experts at each expert-parallel size in `ep_sizes` by vLLM's
-    expert_placement_strategy `placement` (linear or round_robin); a TpResult.
+    expert_placement_strategy `placement` (linear or round_robin); a TpResult. With `post_load`,
+    each dense Linear is also processed after loading and judged (harness.engines.vllm.post_load).
     `process`: a started EngineProcess hosting WORKER_SPEC to use (left running), else one of its own."""
+    from harness.engines.vllm.post_load import judge_post_load
     from harness.engines.vllm.tensor_parallel.judge import judge, load_truth, shards_from_worker
     from harness.engines.vllm.tensor_parallel.layout import decoder_linears, sparse
 
@@ -105,10 +111,13 @@ def check_tensor_parallel(
         raise HarnessError(f"{directory}: no tensors of decoder layer {layer}")
     ep_sizes = sorted(set(ep_sizes)) if sparse(truth.config, layer) else []
     with tempfile.TemporaryDirectory(prefix="tp-shards-") as scratch:
-        report, tensors = run_worker(directory, tp_sizes, layer, Path(scratch), work, process, ep_sizes, placement)
+        report, tensors = run_worker(
+            directory, tp_sizes, layer, Path(scratch), work, process, ep_sizes, placement, post_load
+        )
     verdicts = judge(shards_from_worker(report, tensors, truth.config), truth, ep_sizes)
     outcomes = summarize(verdicts, tp_sizes) + summarize(verdicts, ep_sizes, EP)
-    return TpResult(str(directory), report["vllm"], outcomes, verdicts, report["kernel_notes"])
+    processed = judge_post_load(report, tensors, truth) if post_load else []
+    return TpResult(str(directory), report["vllm"], outcomes, verdicts, report["kernel_notes"], processed)
 
 
 def run_worker(
@@ -120,6 +129,7 @@ def run_worker(
     process=None,
     ep_sizes=(),
     placement: str = "linear",
+    post_load: bool = False,
 ):
     from harness.engines.process import EngineError, EngineFailure, EngineProcess, Limits
     from harness.engines.vllm.engine import find_vllm_python
@@ -133,6 +143,7 @@ def run_worker(
                 "ep_sizes": list(ep_sizes),
                 "layer": layer,
                 "placement": placement,
+                "post_load": post_load,
             }
         )
     )

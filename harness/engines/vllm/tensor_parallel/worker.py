@@ -102,6 +102,10 @@ class LoadOnlyKernel:
     def input_quant_key(self):
         return None
 
+    def process_weights_after_loading(self, layer):
+        """A kernel's own repack (its private layout) needs the kernel: not run, the layer keeps
+        what its quantization method made of the loaded weights."""
+
     def __getattr__(self, name):
         raise RuntimeError(f"no vLLM kernel on this host ({self.reason}); this layer is for loading only")
 
@@ -127,11 +131,13 @@ class TensorParallelShards(Engine):
         self.held: dict[str, torch.Tensor] = {}
         self.placement = "linear"  # the job's expert placement strategy under expert parallelism
         self.rotary = None  # what vLLM's model does to q/k tensors before any loader (Llama-4), or None
+        self.post_load = False  # also run each dense Linear's process_weights_after_loading (post_load.py)
 
     def load(self, directory: str) -> ShardReport:
         self.held = {}  # one job's shards: a worker serves every checkpoint of a session
         job = json.loads(open(directory).read())
         self.placement = job.get("placement", "linear")
+        self.post_load = bool(job.get("post_load"))
         self.rotary = rotary_permutation(json.loads((Path(job["checkpoint"]) / "config.json").read_text()))
         from harness.checkpoints.reader import Checkpoint
 
@@ -315,7 +321,33 @@ class TensorParallelShards(Engine):
                 "unwritten": unwritten,
             }
             self.held[f"tp{tp}/rank{rank}/{linear.module(layer)}.{name}"] = tensor
+        if self.post_load and linear.kind != "vocab":
+            entry["post_load"] = self.processed(checkpoint, linear, layer, tp, rank, quant_config, dtype)
         return entry
+
+    def processed(self, checkpoint, linear, layer: int, tp: int, rank: int, quant_config, dtype) -> dict:
+        """The Linear built afresh (its parameters as vLLM creates them, not the sentinels), fed
+        once, then processed by its quantization method's `process_weights_after_loading` (a
+        stand-in kernel's own step is a no-op): the method's name and what the layer then holds
+        (`input_dim` where vLLM tags a weight it transposed), or vLLM's error."""
+        with mocked_rank(rank, tp):
+            module = build(linear, layer, quant_config, dtype)
+            feed(module, linear, layer, checkpoint, self.rotary)
+            method = getattr(module, "scheme", None) or module.quant_method
+            described = {"method": type(method).__name__, "params": {}}
+            try:
+                module.quant_method.process_weights_after_loading(module)
+            except Exception as error:  # vLLM's processing cannot run here, or raises: said, not judged
+                return described | {"error": one_line(error)}
+        for name, tensor in module.named_parameters():
+            tensor = tensor.detach()
+            described["params"][name] = {
+                "dtype": str(tensor.dtype).removeprefix("torch."),
+                "shape": list(tensor.shape),
+                "input_dim": getattr(module.get_parameter(name), "input_dim", None),
+            }
+            self.held[f"post/tp{tp}/rank{rank}/{linear.module(layer)}.{name}"] = tensor.clone()
+        return described
 
     def weights(self):
         return self.held
@@ -511,10 +543,43 @@ def stand_in_kernels(notes: list[str]):
                     originals.append((module, name, getattr(module, name)))
                     setattr(module, name, stand_in(getattr(module, name), notes))
     try:
+        ops = importlib.import_module("vllm._custom_ops")
+        originals.append((ops, "scaled_fp8_quant", ops.scaled_fp8_quant))
+        ops.scaled_fp8_quant = fp8_quant_or_definition(ops.scaled_fp8_quant, notes)
+    except ImportError:
+        pass
+    try:
         yield
     finally:
         for module, name, original in originals:
             setattr(module, name, original)
+
+
+#: how torch answers a call of an op this vLLM build declares without a kernel (its CPU build's
+#: `_C::static_scaled_fp8_quant() -> ()`)
+STUB_OP = "expected at most 0 argument(s)"
+
+
+def fp8_quant_or_definition(quantize, notes: list[str]):
+    """vLLM's `scaled_fp8_quant`, or where this build declares its static op without a kernel, the
+    op's definition for a per-tensor scale, as vLLM's CUDA kernel computes it (`x * (1 / scale)` in
+    float32, clamped to +-448, rounded to E4M3): what `requantize_with_max_scale` calls after loading."""
+
+    def scaled_fp8_quant(input, scale=None, *args, **kwargs):
+        try:
+            return quantize(input, scale, *args, **kwargs)
+        except RuntimeError as error:
+            if STUB_OP not in str(error) or scale is None or scale.numel() != 1 or args or kwargs:
+                raise
+            notes.append(
+                "vLLM's static_scaled_fp8_quant has no kernel in this build: computed by its definition "
+                "(x * (1 / scale), clamped to +-448, rounded to E4M3)"
+            )
+            inverse = 1.0 / scale.to(torch.float32).reshape(())
+            output = (input.to(torch.float32) * inverse).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            return output, scale
+
+    return scaled_fp8_quant
 
 
 def choose_or_stand_in(chooser, notes: list[str], answer=LoadOnlyKernel):
