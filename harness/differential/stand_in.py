@@ -5,8 +5,11 @@ the kernel choice alone stood in (harness.engines.vllm.tensor_parallel, the lane
 them at tensor-parallel sizes), and what they place is judged against the truth: a loader that
 raises on a checkpoint the format allows is a `load-error`, one that refuses it on purpose (a
 check of the method or of a layer's shape, a ValueError while the layer is built) `refused-valid`,
-one that places other values a `weight-mismatch`, each "with stand-in kernels". The kernel itself did not run: the engine stays
-`unsupported` for the forward, and its detail says what its loaders did."""
+one that places other values a `weight-mismatch`, each "with stand-in kernels". Each dense Linear
+is then processed by its method's `process_weights_after_loading` and what it holds decoded to the
+weight it applies (harness.engines.vllm.post_load): other weights are a `post-load` finding. The
+kernel itself did not run: the engine stays `unsupported` for the forward, and its detail says what
+its loaders and its methods' processing did."""
 
 from __future__ import annotations
 

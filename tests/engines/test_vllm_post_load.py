@@ -51,6 +51,13 @@ def test_an_nvfp4_weight_is_decoded_with_its_multiplier():
     assert weight[0, 16:18].tolist() == [0.5 * 0.5 * 0.25, 1.0 * 0.5 * 0.25]
 
 
+def test_an_mxfp4_weight_is_decoded_by_its_scale_bits_typed_or_not():
+    packed = torch.tensor([[0x21] * 16], dtype=torch.uint8)  # 32 columns, one group: 0.5, 1.0, ...
+    for groups in (torch.tensor([[128]], dtype=torch.uint8), torch.tensor([[2.0]]).to(torch.float8_e8m0fnu)):
+        weight, _, _ = decode({"weight": packed, "weight_scale": groups}, {"weight": {}}, None)
+        assert weight[0, :2].tolist() == [1.0, 2.0]  # 2 ** (128 - 127) = 2
+
+
 def test_a_layout_no_decoder_reads_is_unjudged():
     assert decode({"weight": torch.zeros(4, 4, dtype=torch.int8)}, {"weight": {}}, None) is None
     assert decode({"qweight": torch.zeros(4, 4, dtype=torch.int32)}, {}, None) is None

@@ -10,6 +10,7 @@ then holds, a small decoder per layout:
 
 - FP8 `weight` (transposed where vLLM tags `input_dim` 0) times `weight_scale`: one scalar, one per
   row, or a block grid;
+- MXFP4 packed `weight` times its E8M0 group scales (read by their bits);
 - NVFP4 packed `weight` times its E4M3 group scales times `weight_global_scale` (a multiplier
   after processing), and `alpha` = `input_global_scale` x `weight_global_scale`, whose input
   multiplier must be one the checkpoint stores.
@@ -33,6 +34,9 @@ EXACT, FINDING, UNJUDGED = "exact", "finding", "unjudged"
 FLOAT32_ROUNDING = 2.0**-22
 #: NVFP4's group: one E4M3 scale per 16 columns
 NVFP4_GROUP = 16
+#: MXFP4's group: one E8M0 scale per 32 columns, stored as bytes or typed
+MXFP4_GROUP = 32
+E8M0_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
 #: how an NVFP4 format stores the activation's global scale: as a divisor or as a multiplier
 INPUT_GLOBAL = {"input_global_scale": "divisor", "input_scale": "multiplier"}
 
@@ -149,6 +153,13 @@ def decode(held: dict[str, torch.Tensor], meta: dict, block) -> tuple[torch.Tens
         if multiplier.numel() != 1:
             return None
         return product * multiplier[0], None, []
+    if weight.dtype == torch.uint8 and held.get("weight_scale") is not None:  # MXFP4: E8M0 group scales
+        from harness.formats.ct_mxfp4 import decode_e8m0
+
+        groups, columns = held["weight_scale"], 2 * weight.shape[1]
+        if groups.dtype not in E8M0_DTYPES or list(groups.shape) != [weight.shape[0], columns // MXFP4_GROUP]:
+            return None
+        return unpack_e2m1(weight, columns) * decode_e8m0(groups).repeat_interleave(MXFP4_GROUP, dim=1), None, []
     return None
 
 
