@@ -585,6 +585,7 @@ WITHOUT_SCRIPT = {
     # vLLM's processing after loading, judged with stand-in kernels: its script would judge layer
     # sizes and a finite forward pass where the kernel runs, and a part scaled by 0.87 passes both
     "vllm-nvfp4-fused-parts-global-scale-max-without-requantizing",
+    "vllm-fp8-tensor-requantization-flushes-subnormal-scales",
 }
 
 

@@ -44,7 +44,11 @@ DERIVED_NAMES = ("dtype_bytes", "expert_width", "isa")
 #: weight_scale_2), which such an engine must requantize or refuse (stored_facts)
 STORED_NAMES = ("fused_global_scales_differ",)
 #: fused parts by the first part's module name, as vLLM and SGLang fuse them
-FUSED_PARTS = {"q_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj")}
+FUSED_PARTS = {
+    "q_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_proj": ("gate_proj", "up_proj"),
+    "q_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),  # DeepSeek's fused_qkv_a_proj
+}
 GLOBAL_SCALES = ("weight_global_scale", "weight_scale_2")
 #: names of a finding about one module (weight-mismatch etc.)
 MODULE_NAMES = ("rows", "cols", "block_rows", "block_cols", "partial", "expert", "tp", "parallel")

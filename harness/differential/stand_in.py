@@ -156,6 +156,7 @@ def _post_load(judgement, engine: str, results: dict) -> str:
     verdicts = [(layer, verdict) for layer, result in results.items() for verdict in result.post_load]
     if not verdicts:
         return ""
+    block = [judgement.knobs.get("block_rows"), judgement.knobs.get("block_cols")] if judgement.knobs else []
     seen: set[str] = set()
     for layer, verdict in verdicts:
         if verdict.status != FINDING:
@@ -165,13 +166,17 @@ def _post_load(judgement, engine: str, results: dict) -> str:
             continue
         seen.add(cause)
         modules = sorted(verdict.wrong)
+        metrics = {"stand_in": True, "layer": layer, "tp": 1, "parallel": "tp", "method": verdict.method}
+        metrics |= {"modules": modules} | ({"shape": verdict.wrong[modules[0]]} if modules else {})
+        if all(isinstance(b, int) for b in block):
+            metrics["block"] = block
         judgement.finding(
             engine,
             "post-load",
             f"{PREFIX}: after {verdict.method}.process_weights_after_loading: layer {layer} {verdict.module}: "
             + "; ".join(verdict.details),
             module=f"{modules[0]}.weight" if modules else None,
-            metrics={"stand_in": True, "layer": layer, "method": verdict.method, "modules": modules},
+            metrics=metrics,
         )
     counts = {status: sum(v.status == status for _, v in verdicts) for status in (EXACT, FINDING)}
     tally = (

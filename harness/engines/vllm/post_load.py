@@ -77,7 +77,7 @@ def judge_post_load(report: dict, tensors: dict[str, torch.Tensor], truth) -> li
 
 def judge_linear(linear, entry: dict, post: dict, held: dict[str, torch.Tensor], truth) -> PostLoadVerdict:
     from harness.engines.vllm.tensor_parallel.judge import cut
-    from harness.engines.vllm.tensor_parallel.layout import owned_slice
+    from harness.engines.vllm.tensor_parallel.layout import ROTARY_PERMUTED, owned_slice, unpermute_rotary_rows
 
     verdict = PostLoadVerdict(linear.name, post["method"], EXACT)
     if post.get("error"):
@@ -93,12 +93,16 @@ def judge_linear(linear, entry: dict, post: dict, held: dict[str, torch.Tensor],
     layer = entry["layer"]
     stored = stored_scales(linear, layer, truth)
     requantized = weight_is_fp8(held) and len(set(stored)) > 1 and scale_used is not None
+    architecture = (truth.config.get("architectures") or ["?"])[0]
+    permuted = architecture in ROTARY_PERMUTED and linear.kind == "qkv"  # vLLM permutes q/k before loading
     start = 0
     for part, rows in zip(linear.parts, entry["partition_sizes"], strict=False):
         owned = owned_slice(linear, part, entry["tp"], entry["rank"], truth.config)
         expected = cut(truth.reference[linear.reference_name(layer, part)], owned)
         applied = weight[start : start + rows]
         start += rows
+        if permuted and part.shard_id in ("q", "k"):  # Llama-4: back in checkpoint row order
+            applied = unpermute_rotary_rows(applied, rows // linear.attention.head_dim)
         bound = FLOAT32_ROUNDING * expected.abs()
         if requantized:
             bound = bound + requantized_bound(expected, scale_used)
