@@ -48,6 +48,7 @@ FUSED_PARTS = {
     "q_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_proj": ("gate_proj", "up_proj"),
     "q_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),  # DeepSeek's fused_qkv_a_proj
+    "w1": ("w1", "w3"),  # Mixtral's experts: w13
 }
 GLOBAL_SCALES = ("weight_global_scale", "weight_scale_2")
 #: names of a finding about one module (weight-mismatch etc.)

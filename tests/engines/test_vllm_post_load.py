@@ -93,6 +93,8 @@ def checkpoints(tmp_path_factory):
     for fmt in ("ct-fp8-tensor", "ct-nvfp4", "modelopt-nvfp4"):
         made[fmt] = root / fmt
         generate(Recipe(format=fmt, arch="llama", seed=3, config={"num_hidden_layers": 1}), made[fmt])
+    made["moe"] = root / "qwen3-moe-ct-nvfp4"
+    generate(Recipe(format="ct-nvfp4", arch="qwen3_moe", seed=2, config={"num_hidden_layers": 1}), made["moe"])
     return made
 
 
@@ -110,9 +112,11 @@ def started(spec: str, log: Path) -> EngineProcess:
     return process
 
 
-def processed(directory, process) -> dict:
-    """Each dense Linear of layer 0 after vLLM's processing, by vLLM's fused name."""
-    result = check_tensor_parallel(directory, [1], 0, process=process, post_load=True)
+def processed(directory, process, layer: int = 0) -> dict:
+    """Each dense Linear (and routed expert's w13 and w2) of a layer after vLLM's processing, by
+    vLLM's fused name."""
+    result = check_tensor_parallel(directory, [1], layer, process=process, post_load=True)
+    assert {outcome.status for outcome in result.outcomes} == {EXACT}  # its loaders placed it exactly
     return {verdict.module: verdict for verdict in result.post_load}
 
 
@@ -145,6 +149,18 @@ def test_vllm_applies_what_real_producers_wrote_after_its_processing(directory, 
 
 @needs_vllm
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["mixtral-nvfp4a16", "qwen3_moe-nvfp4a16"])
+def test_vllm_moe_applies_what_llm_compressor_wrote_after_its_processing(name, worker):
+    """llm-compressor's NVFP4 experts (Mixtral's named gate_proj/up_proj/down_proj, as it writes
+    them; Qwen3-MoE's config saved with num_local_experts), through vLLM's FusedMoE and its
+    method's processing: every expert's w13 and w2, and the attention, apply the checkpoint's."""
+    verdicts = processed(PRODUCERS / "llmcompressor" / name, worker)
+    assert {f"experts.{e}.{group}" for e in range(4) for group in ("w13", "w2")} <= set(verdicts)
+    assert {v.status for v in verdicts.values()} == {EXACT}, [v.line() for v in verdicts.values()]
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_vllm_keeps_one_nvfp4_global_scale_per_fused_linear(checkpoints, worker):
     """Generated NVFP4 stores each module's own global scale: vLLM keeps the largest divisor
     (compressed-tensors) or multiplier (ModelOpt) for a fused Linear without requantizing
@@ -157,6 +173,9 @@ def test_vllm_keeps_one_nvfp4_global_scale_per_fused_linear(checkpoints, worker)
         assert {verdicts[m].status for m in ("o_proj", "down_proj")} == {EXACT}
     verdicts = processed(checkpoints["ct-fp8-tensor"], worker)
     assert {v.status for v in verdicts.values()} == {EXACT}, [v.line() for v in verdicts.values()]
+    experts = {m: v for m, v in processed(checkpoints["moe"], worker).items() if m.startswith("experts.")}
+    wrong = {module for v in experts.values() for module in v.wrong}  # the gate's global scale kept for up
+    assert wrong == {f"model.layers.0.mlp.experts.{e}.up_proj" for e in range(len(experts) // 2)}
 
 
 @needs_vllm

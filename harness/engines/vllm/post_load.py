@@ -60,7 +60,8 @@ class PostLoadVerdict:
 
 def judge_post_load(report: dict, tensors: dict[str, torch.Tensor], truth) -> list[PostLoadVerdict]:
     """Per worker entry with a `post_load` record (harness.engines.vllm.tensor_parallel.worker),
-    its verdict; `truth`: the tensor-parallel judge's Truth of the same layer."""
+    its verdict, then one per routed expert's w13 and w2 of each processed FusedMoE
+    (`experts_processed`); `truth`: the tensor-parallel judge's Truth of the same layer."""
     from harness.engines.vllm.tensor_parallel.layout import lane_linears
 
     verdicts = []
@@ -72,13 +73,12 @@ def judge_post_load(report: dict, tensors: dict[str, torch.Tensor], truth) -> li
         prefix = f"post/tp{entry['tp']}/rank{entry['rank']}/{linear.module(entry['layer'])}."
         held = {name: tensors[prefix + name].to(getattr(torch, meta["dtype"])) for name, meta in post["params"].items()}
         verdicts.append(judge_linear(linear, entry, post, held, truth))
+    for record in report.get("experts_processed", []):
+        verdicts += judge_experts(record, tensors, truth)
     return verdicts
 
 
 def judge_linear(linear, entry: dict, post: dict, held: dict[str, torch.Tensor], truth) -> PostLoadVerdict:
-    from harness.engines.vllm.tensor_parallel.judge import cut
-    from harness.engines.vllm.tensor_parallel.layout import ROTARY_PERMUTED, owned_slice, unpermute_rotary_rows
-
     verdict = PostLoadVerdict(linear.name, post["method"], EXACT)
     if post.get("error"):
         verdict.status, verdict.details = UNJUDGED, [f"its processing raised here: {post['error']}"]
@@ -88,20 +88,74 @@ def judge_linear(linear, entry: dict, post: dict, held: dict[str, torch.Tensor],
         verdict.status = UNJUDGED
         verdict.details = [f"no decoder reads what it holds ({', '.join(sorted(held))})"]
         return verdict
+    judge_parts(verdict, linear, entry, decoded, weight_is_fp8(held), truth)
+    alpha = alpha_problem(held, linear, entry["layer"], truth)
+    if alpha:
+        verdict.details.append(alpha)
+        verdict.status = FINDING
+    return verdict
+
+
+def judge_experts(record: dict, tensors: dict[str, torch.Tensor], truth) -> list[PostLoadVerdict]:
+    """One FusedMoE after its method's processing: each routed expert's slice of the stacked
+    parameters (`w13_weight`, `w13_weight_scale` and, for NVFP4, the multiplier `w13_weight_scale_2`;
+    w13 is [gate; up]) decoded like a Linear's and judged per part. Without expert parallelism,
+    expert e sits in slot e."""
+    from harness.engines.vllm.tensor_parallel.layout import lane_linears
+
+    layer, method = record["layer"], record["method"]
+    experts = [linear for linear in lane_linears(truth.config, layer) if linear.expert is not None]
+    if record.get("error"):
+        detail = f"its processing raised here: {record['error']}"
+        return [PostLoadVerdict("experts", method, UNJUDGED, [detail])]
+    prefix = f"post/tp{record['tp']}/rank{record['rank']}/model.layers.{layer}.experts."
+    held = {name: tensors[prefix + name].to(getattr(torch, meta["dtype"])) for name, meta in record["params"].items()}
+    verdicts = []
+    for linear in experts:
+        group = linear.name.rpartition(".")[2]  # w13 or w2
+        verdict = PostLoadVerdict(linear.name, method, EXACT)
+        piece = {
+            role: held[f"{group}_{name}"][linear.expert]
+            for role, name in (
+                ("weight", "weight"),
+                ("weight_scale", "weight_scale"),
+                ("weight_global_scale", "weight_scale_2"),
+            )
+            if f"{group}_{name}" in held
+        }
+        decoded = decode(piece, {"weight": {}}, None)
+        if decoded is None:
+            verdict.status = UNJUDGED
+            verdict.details = [f"no decoder reads what it holds ({', '.join(sorted(held))})"]
+        else:
+            rows = decoded[0].shape[0] // len(linear.parts)
+            entry = {"layer": layer, "tp": 1, "rank": 0, "partition_sizes": [rows] * len(linear.parts)}
+            judge_parts(verdict, linear, entry, decoded, weight_is_fp8(piece), truth)
+        verdicts.append(verdict)
+    return verdicts
+
+
+def judge_parts(verdict: PostLoadVerdict, linear, entry: dict, decoded, fp8: bool, truth) -> None:
+    """Each part's decoded rows against the reference's slice the rank owns: within one float32
+    rounding, plus one requantization where an FP8 method kept one scale for parts stored with
+    different ones. Llama-4's q/k rows, which vLLM permutes before loading, are put back first."""
+    from harness.engines.vllm.tensor_parallel.judge import cut
+    from harness.engines.vllm.tensor_parallel.layout import ROTARY_PERMUTED, owned_slice, unpermute_rotary_rows
+
     weight, scale_used, notes = decoded
     verdict.details += notes
     layer = entry["layer"]
-    stored = stored_scales(linear, layer, truth)
-    requantized = weight_is_fp8(held) and len(set(stored)) > 1 and scale_used is not None
+    requantized = fp8 and len(set(stored_scales(linear, layer, truth))) > 1 and scale_used is not None
     architecture = (truth.config.get("architectures") or ["?"])[0]
-    permuted = architecture in ROTARY_PERMUTED and linear.kind == "qkv"  # vLLM permutes q/k before loading
+    permuted = architecture in ROTARY_PERMUTED and linear.kind == "qkv"
     start = 0
     for part, rows in zip(linear.parts, entry["partition_sizes"], strict=False):
         owned = owned_slice(linear, part, entry["tp"], entry["rank"], truth.config)
-        expected = cut(truth.reference[linear.reference_name(layer, part)], owned)
+        reference = truth.reference[linear.reference_name(layer, part)]
+        expected = cut(reference, owned) if owned is not None else reference
         applied = weight[start : start + rows]
         start += rows
-        if permuted and part.shard_id in ("q", "k"):  # Llama-4: back in checkpoint row order
+        if permuted and part.shard_id in ("q", "k"):
             applied = unpermute_rotary_rows(applied, rows // linear.attention.head_dim)
         bound = FLOAT32_ROUNDING * expected.abs()
         if requantized:
@@ -109,15 +163,9 @@ def judge_linear(linear, entry: dict, post: dict, held: dict[str, torch.Tensor],
         problem = beyond(applied, expected, bound)
         if problem:
             verdict.details.append(f"{part.name} {problem}")
-            verdict.wrong[linear.part_module(layer, part)] = list(
-                truth.reference[linear.reference_name(layer, part)].shape
-            )
-    alpha = alpha_problem(held, linear, layer, truth)
-    if alpha:
-        verdict.details.append(alpha)
-    if verdict.wrong or alpha:
+            verdict.wrong[linear.part_module(layer, part)] = list(reference.shape)
+    if verdict.wrong:
         verdict.status = FINDING
-    return verdict
 
 
 def weight_is_fp8(held: dict[str, torch.Tensor]) -> bool:

@@ -29,6 +29,7 @@ from harness.engines.vllm.tensor_parallel.layout import (
     Part,
     Slice,
     held_share,
+    lane_config,
     lane_linears,
     owned_slice,
     unpermute_rotary_rows,
@@ -125,6 +126,7 @@ def load_truth(directory, layer: int) -> Truth:
     vocab = tuple(f"{linear.name}." for linear in vocab_linears(config)) if layer == 0 else ()
     prefixes = (f"model.layers.{layer}.", *vocab)
     checkpoint = Checkpoint(directory)
+    config = lane_config(config, checkpoint.names())
     fmt, knobs = format_and_knobs(checkpoint)
     raw = {name: checkpoint.tensor(name) for name in checkpoint.names() if name.startswith(prefixes)}
     reference = {name: t for name, t in dequantize_checkpoint(directory) if name.startswith(prefixes)}

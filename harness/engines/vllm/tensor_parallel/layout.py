@@ -254,10 +254,40 @@ def lane_linears(config: dict, layer: int) -> tuple[FusedLinear, ...]:
     return decoder_linears(config, layer) + (vocab_linears(config) if layer == 0 else ())
 
 
+#: a config key the lane sets (lane_config) where the checkpoint names an expert's projections
+#: otherwise than MOE says (llm-compressor writes Mixtral's as gate_proj/up_proj/down_proj; vLLM's
+#: Mixtral maps them to w1/w3/w2 before its loaders)
+EXPERT_NAMES = "_lane_expert_names"
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def lane_config(config: dict, names) -> dict:
+    """`config` as the lane reads it: a field transformers saves under its alias read under its
+    own name (Qwen3-MoE's `num_local_experts` for `num_experts`, saved_config.ATTRIBUTE_MAPS), and
+    EXPERT_NAMES set where the checkpoint's tensor `names` store routed experts' projections under
+    PROJECTIONS instead of the architecture's own names."""
+    from harness.checkpoints.saved_config import ATTRIBUTE_MAPS
+
+    aliases = ATTRIBUTE_MAPS.get(str(config.get("model_type")), {})
+    config = {
+        **config,
+        **{own: config[saved] for saved, own in aliases.items() if own not in config and saved in config},
+    }
+    architecture = (config.get("architectures") or ["?"])[0]
+    if architecture not in MOE or MOE[architecture][1] == PROJECTIONS:
+        return config
+    own = f".experts.0.{MOE[architecture][1][0]}."
+    other = f".experts.0.{PROJECTIONS[0]}."
+    if any(other in name for name in names) and not any(own in name for name in names):
+        return {**config, EXPERT_NAMES: list(PROJECTIONS)}
+    return config
+
+
 def moe_linears(config: dict, architecture: str) -> tuple[FusedLinear, ...]:
     """A sparse layer's shared expert (a dense MLP) and each routed expert's w13 and w2."""
     hidden = config["hidden_size"]
     block, (gate, up, down), count_key, width_key = MOE[architecture]
+    gate, up, down = config.get(EXPERT_NAMES) or (gate, up, down)
     shared_module, shared_key = SHARED.get(architecture, ("", ""))
     shared = config.get(shared_key) if shared_module else 0
     if shared and architecture in SHARED_COUNT:

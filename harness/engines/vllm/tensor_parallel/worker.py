@@ -31,6 +31,7 @@ from harness.engines.vllm.tensor_parallel.layout import (
     ROTARY_PERMUTED,
     TP,
     held_share,
+    lane_config,
     lane_linears,
     owned_slice,
 )
@@ -118,9 +119,16 @@ class ShardReport:
     vllm: str
     shards: list[dict] = field(default_factory=list)
     kernel_notes: list[str] = field(default_factory=list)
+    #: with the job's post_load: each FusedMoE after its method's processing (TensorParallelShards.processed_experts)
+    experts_processed: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"vllm": self.vllm, "shards": self.shards, "kernel_notes": sorted(set(self.kernel_notes))}
+        return {
+            "vllm": self.vllm,
+            "shards": self.shards,
+            "kernel_notes": sorted(set(self.kernel_notes)),
+            "experts_processed": self.experts_processed,
+        }
 
 
 class TensorParallelShards(Engine):
@@ -142,7 +150,7 @@ class TensorParallelShards(Engine):
         from harness.checkpoints.reader import Checkpoint
 
         checkpoint = Checkpoint(job["checkpoint"])
-        config = json.loads((checkpoint.directory / "config.json").read_text())
+        config = lane_config(json.loads((checkpoint.directory / "config.json").read_text()), checkpoint.names())
         report = ShardReport(self.version())
         names = checkpoint.names()
         linears = [  # a vocabulary module the checkpoint does not store (a tied head) is not built
@@ -168,6 +176,12 @@ class TensorParallelShards(Engine):
                         report.shards += self.load_experts(
                             checkpoint, experts, config, layer, tp, rank, quant_config, dtype
                         )
+                        if self.post_load:
+                            report.experts_processed.append(
+                                self.processed_experts(
+                                    checkpoint, experts, config, layer, tp, rank, quant_config, dtype
+                                )
+                            )
             for ep in job.get("ep_sizes", []) if experts else []:
                 for rank in range(ep):
                     if through_model:
@@ -289,6 +303,30 @@ class TensorParallelShards(Engine):
             entry["partition_sizes"] = [rows // len(linear.parts)] * len(linear.parts)
             entry["block"] = [int(b) for b in block] if block else None
         return [entry for _, entry in owned]
+
+    def processed_experts(self, checkpoint, experts, config, layer: int, tp: int, rank: int, quant_config, dtype):
+        """The layer's FusedMoE built afresh, fed once, then processed by its quantization method's
+        `process_weights_after_loading` (the MoE backend stood in where none runs here): the
+        method's name and the stacked parameters it then holds, or vLLM's error."""
+        described = {"layer": layer, "tp": tp, "rank": rank, "params": {}}
+        with mocked_rank(rank, tp):
+            try:
+                module = build_experts(experts, config, layer, tp, quant_config, dtype)
+                feed_experts(module, experts, layer, checkpoint)
+            except Exception as error:  # its placement above judges why
+                return described | {"method": "?", "error": f"it does not load here: {one_line(error)}"}
+            routed = getattr(module, "routed_experts", module)
+            described["method"] = type(routed.quant_method).__name__
+            try:
+                routed.quant_method.process_weights_after_loading(routed)
+            except Exception as error:  # vLLM's processing cannot run here, or raises: said, not judged
+                if not moe_kernel_setup(error):
+                    return described | {"error": one_line(error)}
+        for name, tensor in routed.named_parameters():
+            tensor = tensor.detach()
+            described["params"][name] = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
+            self.held[f"post/tp{tp}/rank{rank}/model.layers.{layer}.experts.{name}"] = tensor.clone()
+        return described
 
     def load_rank(self, checkpoint, linear, layer: int, tp: int, rank: int, quant_config, dtype) -> dict:
         entry = {"tp": tp, "rank": rank, "layer": layer, "module": linear.name}
@@ -443,6 +481,16 @@ def model_parameter(checkpoint, linear, layer: int, owned, suffix: str, name: st
         "unwritten": never_written(*written),
     }
     return described, last.clone()
+
+
+def moe_kernel_setup(error: BaseException) -> bool:
+    """Whether `error` is the MoE method's last step, setting up its modular kernel, failing for
+    want of the experts class a stand-in backend (EMULATION) does not give: the weights are already
+    converted to the kernel's format by then."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    return isinstance(error, AssertionError) and bool(frames) and "experts_cls" in (frames[-1].line or "")
 
 
 def local_slots(routed, experts: int) -> list[int]:
