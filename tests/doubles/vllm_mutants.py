@@ -91,3 +91,29 @@ class AlphaNotInvertedShards(TensorParallelShards):
             return super().load(directory)
         finally:
             scheme.process_weights_after_loading = original
+
+
+class ExpertDownGlobalScaleNotInvertedShards(TensorParallelShards):
+    """The tensor-parallel lane's worker with vLLM's compressed-tensors NVFP4 MoE processing after
+    loading mutated: every expert's w2 global scale handed to the kernel format as stored (the
+    divisor) instead of inverted into a multiplier."""
+
+    name = "double-vllm-tp-nvfp4-moe-w2-global-scale-not-inverted"
+
+    def load(self, directory):
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+            compressed_tensors_moe_w4a4_nvfp4,
+        )
+
+        scheme = compressed_tensors_moe_w4a4_nvfp4.CompressedTensorsW4A4Nvfp4MoEMethod
+        original = scheme.process_weights_after_loading
+
+        def not_inverted(self, layer):
+            layer.w2_weight_global_scale.data = 1.0 / layer.w2_weight_global_scale.data  # BUG: vLLM inverts it once
+            return original(self, layer)
+
+        scheme.process_weights_after_loading = not_inverted
+        try:
+            return super().load(directory)
+        finally:
+            scheme.process_weights_after_loading = original

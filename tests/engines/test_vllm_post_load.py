@@ -198,3 +198,16 @@ def test_a_mutant_whose_alpha_is_not_inverted_is_caught(tmp_path):
     verdicts = mutant_processed(PRODUCERS / "llmcompressor" / "llama-nvfp4", spec, tmp_path / "worker.log")
     assert {v.status for v in verdicts.values()} == {FINDING}
     assert all("alpha" in v.details[0] for v in verdicts.values())
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_mutant_whose_expert_global_scale_is_not_inverted_is_caught(tmp_path):
+    """compressed-tensors NVFP4 MoE with each expert's w2 global scale left a divisor (a labelled
+    double), on llm-compressor's own Mixtral: every expert's w2 is named, its w13 and the
+    attention are not."""
+    spec = "tests.doubles.vllm_mutants:ExpertDownGlobalScaleNotInvertedShards"
+    directory = PRODUCERS / "llmcompressor" / "mixtral-nvfp4a16"
+    verdicts = mutant_processed(directory, spec, tmp_path / "worker.log")
+    named = {module for module, verdict in verdicts.items() if verdict.status == FINDING}
+    assert named == {f"experts.{e}.w2" for e in range(4)}
