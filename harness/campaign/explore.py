@@ -38,6 +38,8 @@ from harness.core.findings import Finding
 from harness.differential.known_issues import KnownIssues
 from harness.differential.relations import CAMPAIGN_EVERY, sampled
 from harness.differential.runner import CheckpointResult, EngineSession, evaluate
+from harness.engines import judged_with_reference
+from harness.engines.options import CAMPAIGN_OPTIONS_EVERY, drawn_variant
 
 #: evaluations one new signature may spend on shrinking (each is a load in every engine)
 SHRINK_EVALUATIONS = 12
@@ -110,6 +112,8 @@ class Campaign:
     known: dict[tuple, tuple[Recipe, list[Finding]]] = field(default_factory=dict)
     counts: dict[tuple, int] = field(default_factory=dict)
     coverage: dict[str, CellStats] = field(default_factory=dict)
+    #: engine variant (harness.engines.options) -> examples it was drawn on
+    options_drawn: dict[str, int] = field(default_factory=dict)
 
     def cells_reached(self) -> int:
         return sum(1 for c in self.cells if self.coverage.get(c.name, CellStats()).examples)
@@ -184,16 +188,28 @@ def run_campaign(
     progress: Callable[[Campaign], None] | None = None,
     relations: tuple[str, ...] = (),
     relations_every: int = CAMPAIGN_EVERY,
+    options_every: int = CAMPAIGN_OPTIONS_EVERY,
 ) -> Campaign:
     """Visit `cells` until `budget` is spent or every cell is exhausted. Each visit goes to the
     cell served least so far (_VisitCost): least time under a time budget (a cell whose examples
     load in vLLM costs more than one only the reference loads, and gets fewer of them), fewest
     examples under an example budget (deterministic). Every cell is visited once before any twice.
     `relations` are checked one at a time on one example in `relations_every`
-    (harness.differential.relations.sampled)."""
+    (harness.differential.relations.sampled); one example in `options_every` also loads an engine
+    variant, in turn (harness.engines.options.drawn_variant)."""
     campaign = Campaign(cells)
     explorer = _Explorer(
-        campaign, coverage, budget, work / "examples", session, known, shrink, progress, relations, relations_every
+        campaign,
+        coverage,
+        budget,
+        work / "examples",
+        session,
+        known,
+        shrink,
+        progress,
+        relations,
+        relations_every,
+        options_every,
     )
     queue = [(0.0, position) for position in range(len(cells))]
     clock = _VisitCost(budget.seconds is not None)
@@ -245,6 +261,7 @@ class _Explorer:
         progress,
         relations=(),
         relations_every=CAMPAIGN_EVERY,
+        options_every=CAMPAIGN_OPTIONS_EVERY,
     ):
         self.campaign, self.coverage, self.budget = campaign, coverage, budget
         self.examples_dir, self.session, self.known = examples_dir, session, known
@@ -257,6 +274,8 @@ class _Explorer:
         self.relations: tuple[str, ...] = relations
         #: one example in `relations_every` checks one of them
         self.relations_every = relations_every
+        #: one example in `options_every` also loads an engine variant (harness.engines.options)
+        self.options_every = options_every
         #: (format, architecture) -> relation -> how often it was checked there (least checked first)
         self.relations_checked: dict[tuple[str, str], dict[str, int]] = {}
         #: cells not visited yet, besides the one being visited: under an example budget, shrinking
@@ -333,8 +352,14 @@ class _Explorer:
         for name in relations:
             checked[name] = checked.get(name, 0) + 1
         relations += tuple(sorted(state.relations - set(relations))) if state.shrinking else ()
+        variant = drawn_variant(campaign.examples, self.options_every, self.session.engines)
         try:
             result = evaluate(directory, self.session, self.known, relations=relations)
+            if variant is not None:  # judged as its plain engine is; one result per example
+                drawn = evaluate(directory, self.session, self.known, engines=judged_with_reference(variant))
+                result.outcomes[variant] = drawn.outcomes[variant]
+                result.findings += [f for f in drawn.findings if f.engine == variant]
+                campaign.options_drawn[variant] = campaign.options_drawn.get(variant, 0) + 1
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         campaign.results.append(result)

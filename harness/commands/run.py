@@ -17,6 +17,7 @@ from harness.commands.common import (
     start_engines,
 )
 from harness.core.errors import HarnessError
+from harness.engines.options import CAMPAIGN_OPTIONS_EVERY, CAMPAIGN_VARIANTS, base_engine
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h)?\s*$")
 
@@ -70,6 +71,9 @@ def command_run(args) -> int:
     relations = tuple(r for r in relations if RELATIONS[r].engines is None or set(RELATIONS[r].engines) & set(engines))
     if args.relations_every < 1:
         raise HarnessError(f"--relations-every expects a whole number of examples >= 1, got {args.relations_every}")
+    if args.options_every < 0:
+        raise HarnessError(f"--options-every expects a whole number of examples >= 0, got {args.options_every}")
+    variants = [v for v in CAMPAIGN_VARIANTS if base_engine(v) in engines and v not in engines]
     seconds = parse_duration(args.budget) if args.budget else None
     coverage, cells, mine = plan_cells(args)
     load_profile(args.profile)
@@ -83,6 +87,11 @@ def command_run(args) -> int:
         f"profile {args.profile}, {' or '.join(bounds)}"
         + ("" if args.shrink else ", no shrinking")
         + (f"; relations {', '.join(relations)}, one on 1 example in {args.relations_every}" if relations else "")
+        + (
+            f"; engine options {', '.join(variants)}, one on 1 example in {args.options_every}"
+            if variants and args.options_every
+            else ""
+        )
     )
     with tempfile.TemporaryDirectory(prefix="harness-run-") as scratch:
         report = Path(args.report).resolve() if args.report else None
@@ -94,13 +103,26 @@ def command_run(args) -> int:
             budget = Budget(max_examples, seconds)  # from now: starting the engines is not the campaign's time
             bar = _progress_bar(budget, len(mine))
             campaign = run_campaign(
-                mine, coverage, budget, work, session, known, args.shrink, bar, relations, args.relations_every
+                mine,
+                coverage,
+                budget,
+                work,
+                session,
+                known,
+                args.shrink,
+                bar,
+                relations,
+                args.relations_every,
+                args.options_every,
             )
         finally:
             session.close()
             if bar:
                 bar.close()
-        findings = summarise(campaign, session, engines, known, report)
+        findings = summarise(campaign, session, engines + sorted(campaign.options_drawn), known, report)
+        if campaign.options_drawn:
+            drawn = ", ".join(f"{v} on {n} example(s)" for v, n in sorted(campaign.options_drawn.items()))
+            print(f"engine options drawn: {drawn}")
         spent = session.time_spent()
         print(where_the_time_went(spent, budget.elapsed()))
         if report:
@@ -213,6 +235,8 @@ def write_campaign_report(
         "shard": args.shard or "1/1",
         "budget": args.budget or "",
         "relations_every": args.relations_every,
+        "options_every": args.options_every,
+        "engine_options_drawn": dict(sorted(campaign.options_drawn.items())),
         "counts": [{"signature": list(s), "seen": n, "new": s in campaign.minimal} for s, n in campaign.counts.items()],
         "known_issues_rediscovered": sorted(campaign.known_issue_ids()),
         "seconds_per_worker_op": {k: {op: round(s, 3) for op, s in ops.items()} for k, ops in (spent or {}).items()},
@@ -260,6 +284,15 @@ def add_parser(commands) -> None:
         default=CAMPAIGN_EVERY,
         metavar="N",
         help=f"check one relation on every N-th example (default: {CAMPAIGN_EVERY}; 1: on every example)",
+    )
+    run.add_argument(
+        "--options-every",
+        type=int,
+        default=CAMPAIGN_OPTIONS_EVERY,
+        metavar="N",
+        help="also load one engine variant on every N-th example, in turn: "
+        f"{', '.join(CAMPAIGN_VARIANTS)}, each where its plain engine runs "
+        f"(default: {CAMPAIGN_OPTIONS_EVERY}; 0: never; docs/engines.md)",
     )
     run.add_argument(
         "--optional-engines",

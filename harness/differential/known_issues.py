@@ -25,6 +25,7 @@ from harness.core.findings import CONSEQUENCE_KINDS, KINDS, Finding
 from harness.core.paths import CASES_DIR
 from harness.differential.misreadings import WEIGHT_KINDS, require_misreading
 from harness.differential.preconditions import Predicate, checkpoint_context, known_names, module_context
+from harness.engines.options import base_engine
 
 DEFAULT_FILE = CASES_DIR / "known_issues.toml"
 FIELDS = {
@@ -80,7 +81,7 @@ class KnownIssue:
 
     def applies_to(self, engine: str, version: str) -> bool:
         try:
-            return engine == self.engine and Version(version.split("+")[0]) in self.versions
+            return base_engine(engine) == self.engine and Version(version.split("+")[0]) in self.versions
         except InvalidVersion:
             return False
 

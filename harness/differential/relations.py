@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from harness.core.errors import HarnessError, first_line
 from harness.core.naming import canonical_name
+from harness.engines.options import base_engine
 from harness.engines.process import EngineError, EngineFailure
 from harness.engines.vllm.tensor_parallel.layout import ARCHITECTURES as TP_ARCHITECTURES
 
@@ -199,7 +200,7 @@ def check_relations(judgement: Judgement, engine: str, worker: EngineProcess, fi
     outcome = judgement.result.outcomes[engine]
     for name in judgement.relations:
         relation = RELATIONS[name]
-        if relation.second == SHARDS or (relation.engines is not None and engine not in relation.engines):
+        if relation.second == SHARDS or (relation.engines is not None and base_engine(engine) not in relation.engines):
             continue  # tensor-parallel: once per checkpoint (check_shard_relations); others: not this engine's
         try:
             outcome.relations[name] = _check(relation, judgement, engine, worker, first)

@@ -3,10 +3,12 @@ from checkpoint to checkpoint and restarted after a failure."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from harness.engines import ENGINES, engine_spec
 from harness.engines.environments import engine_python
+from harness.engines.options import base_engine
 from harness.engines.process import EngineFailure, EngineProcess, Limits
 
 
@@ -43,11 +45,11 @@ class EngineSession:
         if python is None:
             self.unavailable[engine] = why
             return None
-        entry = ENGINES.get(engine)
-        overrides = entry.overrides if entry is not None and spec == entry.spec else ()  # not a helper's
-        worker = EngineProcess(
-            spec, python, self.work / "logs" / f"{key.replace(':', '_')}.log", self.limits, overrides
-        )
+        entry = ENGINES.get(base_engine(engine))
+        plain = spec.partition("[")[0]  # an engine with options is its entry's, not a helper's
+        overrides = entry.overrides if entry is not None and plain == entry.spec else ()
+        log = self.work / "logs" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', key)}.log"
+        worker = EngineProcess(spec, python, log, self.limits, overrides)
         self.started.append((key, worker))
         try:
             info = worker.start()

@@ -17,6 +17,7 @@ import re
 
 from harness.core.errors import HarnessError, first_line
 from harness.core.findings import normalise
+from harness.engines.options import base_engine
 from harness.engines.process import EngineFailure
 from harness.engines.vllm.tensor_parallel import LaneRefused
 
@@ -43,7 +44,10 @@ def judge_with_stand_in_kernels(judgement, engine: str, outcome) -> None:
     from harness.engines.vllm.capability import missing_kernel
 
     relation = RELATIONS["tensor-parallel"]
-    if engine not in (relation.engines or ()) or not missing_kernel(outcome.detail):
+    if base_engine(engine) not in (relation.engines or ()) or not missing_kernel(outcome.detail):
+        return
+    if base_engine(engine) != engine:  # an engine option changes no loader: the plain engine's are judged
+        outcome.detail += f"; its loaders are judged with stand-in kernels as {base_engine(engine)}'s"
         return
     why = relation.inapplicable(judgement.config) or ("a hostile layout" if judgement.hazards else "")
     if not why and judgement.fmt is not None and not judgement.fmt.splits_by_rows(judgement.knobs or {}):

@@ -64,22 +64,32 @@ def judged_with_reference(engine: str) -> list[str]:
 
 
 def engine_spec(name: str) -> str:
-    """A registered name, or a user's own loader given as `package.module:Class`."""
-    if name in REGISTRY:
-        return REGISTRY[name]
-    if ":" in name:
-        return name
+    """A registered name, or a user's own loader given as `package.module:Class`; with options
+    (`vllm[enforce_eager=false]`, harness.engines.options) the spec carries them."""
+    from harness.engines.options import split_engine, with_options
+
+    base, options = split_engine(name)
+    if base in REGISTRY:
+        return with_options(REGISTRY[base], options)
+    if ":" in base:
+        return with_options(base, options)
     raise HarnessError(f"unknown engine '{name}' (known: {', '.join(REGISTRY)}; or give package.module:Class)")
 
 
 def load_engine(spec: str):
-    """Import and instantiate an engine (inside the worker process)."""
+    """Import and instantiate an engine (inside the worker process), its options set."""
+    from harness.engines.options import NAMED
+
+    found = NAMED.match(spec)
+    spec, text = (found.group("base"), found.group("options")) if found else (spec, "")
     module_name, _, attribute = engine_spec(spec).partition(":")
     module = importlib.import_module(module_name)
     try:
-        return getattr(module, attribute)()
+        engine = getattr(module, attribute)()
     except AttributeError:
         raise HarnessError(f"{module_name} has no attribute '{attribute}'") from None
+    engine.options = dict(item.split("=", 1) for item in text.split(",") if item)
+    return engine
 
 
 load_plugins()  # last: a plugin registers into the registries above

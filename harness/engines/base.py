@@ -40,6 +40,10 @@ class Engine:
     name: str = ""
     #: the distribution whose version identifies this engine in findings and known issues
     package: str = ""
+    #: settings other than the harness's defaults, from a name `ENGINE[key=value,...]`
+    #: (harness.engines.options; set by harness.engines.load_engine); an engine that reads none
+    #: is never given any (options.OPTIONS lists who takes which)
+    options: dict[str, str] = {}
 
     def version(self) -> str:
         from importlib.metadata import PackageNotFoundError, version

@@ -20,7 +20,11 @@ def variable_for(engine: str) -> str:
 
 
 def engine_python(engine: str) -> tuple[str | None, str]:
-    """(interpreter or None, how it was chosen or why none was found)."""
+    """(interpreter or None, how it was chosen or why none was found); an engine with options
+    (harness.engines.options) runs where its plain self does."""
+    from harness.engines.options import base_engine
+
+    engine = base_engine(engine)
     variable = variable_for(engine)
     if os.environ.get(variable):
         return os.environ[variable], f"${variable}"

