@@ -99,8 +99,8 @@ def judge_linear(linear, entry: dict, post: dict, held: dict[str, torch.Tensor],
 def judge_experts(record: dict, tensors: dict[str, torch.Tensor], truth) -> list[PostLoadVerdict]:
     """One FusedMoE after its method's processing: each routed expert's slice of the stacked
     parameters (`w13_weight`, `w13_weight_scale` and, for NVFP4, the multiplier `w13_weight_scale_2`;
-    w13 is [gate; up]) decoded like a Linear's and judged per part. Without expert parallelism,
-    expert e sits in slot e."""
+    w13 is [gate; up]) decoded like a Linear's and judged per part against the rank's slice.
+    Without expert parallelism (the only placement processed), expert e sits in slot e."""
     from harness.engines.vllm.tensor_parallel.layout import lane_linears
 
     layer, method = record["layer"], record["method"]
@@ -129,7 +129,12 @@ def judge_experts(record: dict, tensors: dict[str, torch.Tensor], truth) -> list
             verdict.details = [f"no decoder reads what it holds ({', '.join(sorted(held))})"]
         else:
             rows = decoded[0].shape[0] // len(linear.parts)
-            entry = {"layer": layer, "tp": 1, "rank": 0, "partition_sizes": [rows] * len(linear.parts)}
+            entry = {
+                "layer": layer,
+                "tp": record["tp"],
+                "rank": record["rank"],
+                "partition_sizes": [rows] * len(linear.parts),
+            }
             judge_parts(verdict, linear, entry, decoded, weight_is_fp8(piece), truth)
         verdicts.append(verdict)
     return verdicts
