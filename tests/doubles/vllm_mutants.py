@@ -6,8 +6,21 @@ environment's interpreter (HARNESS_<ENGINE>_PYTHON)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from harness.engines.vllm.engine import VllmEngine
 from harness.engines.vllm.tensor_parallel.worker import TensorParallelShards
+
+
+@contextmanager
+def replaced(owner, name: str, value):
+    """`owner.name` replaced by `value` (the mutation) for the block, restored afterwards."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
 
 class LastPartScaleHalvedAfterLoadingVllm(VllmEngine):
@@ -29,11 +42,8 @@ class LastPartScaleHalvedAfterLoadingVllm(VllmEngine):
                 layer.weight_scale.data[-widths[-1] :] *= 0.5  # BUG
             return original(self, layer)
 
-        scheme.process_weights_after_loading = halved
-        try:
+        with replaced(scheme, "process_weights_after_loading", halved):
             return super().construct(directory, config)
-        finally:
-            scheme.process_weights_after_loading = original
 
 
 class RequantizedUnderSmallestScaleShards(TensorParallelShards):
@@ -46,8 +56,6 @@ class RequantizedUnderSmallestScaleShards(TensorParallelShards):
     def load(self, directory):
         from vllm.model_executor.layers.quantization.utils import w8a8_utils
 
-        original = w8a8_utils.requantize_with_max_scale
-
         def under_smallest(weight, weight_scale, logical_widths):
             from vllm import _custom_ops as ops
 
@@ -59,11 +67,8 @@ class RequantizedUnderSmallestScaleShards(TensorParallelShards):
                 start += width
             return smallest, weight
 
-        w8a8_utils.requantize_with_max_scale = under_smallest
-        try:
+        with replaced(w8a8_utils, "requantize_with_max_scale", under_smallest):
             return super().load(directory)
-        finally:
-            w8a8_utils.requantize_with_max_scale = original
 
 
 class AlphaNotInvertedShards(TensorParallelShards):
@@ -86,11 +91,8 @@ class AlphaNotInvertedShards(TensorParallelShards):
             if hasattr(layer, "alpha"):
                 layer.alpha.data = layer.input_global_scale_inv * layer.weight_global_scale  # BUG
 
-        scheme.process_weights_after_loading = not_inverted
-        try:
+        with replaced(scheme, "process_weights_after_loading", not_inverted):
             return super().load(directory)
-        finally:
-            scheme.process_weights_after_loading = original
 
 
 class ExpertDownGlobalScaleNotInvertedShards(TensorParallelShards):
@@ -112,8 +114,5 @@ class ExpertDownGlobalScaleNotInvertedShards(TensorParallelShards):
             layer.w2_weight_global_scale.data = 1.0 / layer.w2_weight_global_scale.data  # BUG: vLLM inverts it once
             return original(self, layer)
 
-        scheme.process_weights_after_loading = not_inverted
-        try:
+        with replaced(scheme, "process_weights_after_loading", not_inverted):
             return super().load(directory)
-        finally:
-            scheme.process_weights_after_loading = original
