@@ -371,7 +371,7 @@ def unscriptable(reproducer: Reproducer) -> str | None:
             return "activation quantization in a reduced-precision model (the scripts judge it in float32)"
         if reproducer.finding and not reproducer.finding_pattern.startswith(PROBE_FINDING):
             return "an activations finding from the logits (the scripts judge each Linear and routed-experts module)"
-    if reproducer.engine == "vllm" and "post-load" in reproducer.kinds:
+    if reproducer.engine == "vllm" and set(reproducer.kinds) <= {"post-load"}:
         # vLLM's script judges layer sizes and a finite forward pass: a part applying a scaled weight passes both
         return "vLLM's processing after loading (its script reads no weights a kernel applies)"
     if "relation" in reproducer.kinds and reproducer.relation not in SCRIPT_RELATIONS.get(reproducer.engine, ()):
