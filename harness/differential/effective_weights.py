@@ -11,7 +11,12 @@ exactly under every activation scheme (d is known), so the activation quantizati
 activation probe, does not enter. Every probed column's output is one product (no accumulation):
 the bound per element is one ulp of the model dtype for a kernel that holds its weight there, plus
 the output's rounding to the model dtype, plus a static scale's rounding to it, plus float32's
-flushing of a subnormal product. A Linear with a static input scale is left to the activation
+flushing of a subnormal product; for an integer format with zero points (GPTQ, AWQ), plus two
+roundings of (2**bits - 1) * scale to the model dtype: CPU int4 kernels fold the zero point into a
+float offset, each of its two terms at most that large (GPTQModel's TorchAtenLinear computes
+(q - 8) * s + (8 - z) * s in bfloat16; on asymmetric GPTQ it measured up to 0.072 of a quantization
+step, an eighth of a step in bfloat16 being the bound), while a zero point read wrong moves an
+element by a whole step. A Linear with a static input scale is left to the activation
 probe: by outputs alone a static scale read wrong and a weight scale read wrong are the same, and
 engines round a static scale (and NVFP4's global one) into their own arithmetic in ways the basis
 does not model (the main job flagged compressed-tensors' NVFP4 W4A4 and static FP8 Linears on
@@ -64,9 +69,14 @@ def applied_columns(output: torch.Tensor, bias: torch.Tensor | None, candidate: 
     return (output / candidate.unsqueeze(1)).T
 
 
-def column_bound(weight: torch.Tensor, bias, candidate: torch.Tensor, rounding: float, dtype) -> torch.Tensor:
-    """[out, C]: how far an applied column may sit from the held one's `weight` [out, C]."""
+def column_bound(
+    weight: torch.Tensor, bias, candidate: torch.Tensor, rounding: float, dtype, folded: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[out, C]: how far an applied column may sit from the held one's `weight` [out, C];
+    `folded` [out, C]: an integer format's largest code times scale, bounding both terms a kernel
+    that folds the zero point into a float offset rounds to the model dtype."""
     d = candidate.abs().unsqueeze(0)
+    fold = 2 * ulp(folded, dtype) if folded is not None else 0
     product = weight.abs() * d + (bias.double().abs().unsqueeze(1) if bias is not None else 0)
     # a product below float32's (and bfloat16's) smallest normal may be flushed to zero whole
     flushed = torch.where(weight.abs() * d < 2 * FLOAT32_TINY, weight.abs(), torch.zeros_like(weight))
@@ -76,6 +86,7 @@ def column_bound(weight: torch.Tensor, bias, candidate: torch.Tensor, rounding: 
         + weight.abs() * (rounding + FLOAT32_ROUNDING)
         + flushed
         + 2 * FLOAT32_TINY / d
+        + fold
     )
 
 
@@ -89,7 +100,7 @@ def judge_module(name: str, output, weight, bias, basis: dict, dtype) -> dict | 
         applied = applied_columns(output, bias, candidate)
         if applied.shape != held.shape:
             return {"module": name, "shape": list(applied.shape), "held_shape": list(held.shape)}
-        bound = column_bound(held, bias, candidate, rounding, dtype)
+        bound = column_bound(held, bias, candidate, rounding, dtype, basis.get(f"{name}.zero_point_products"))
         off = ~((applied - held).abs() <= bound)  # NaN counts as off
         judged = torch.isfinite(bound)
         off &= judged
@@ -170,13 +181,29 @@ def judge_effective_weights(judgement, engine: str, worker: EngineProcess, outco
         f"; {len(judged) - len(found)} not run by this engine by that name" if len(found) < len(judged) else ""
     )
     if differing:
+        coarser = coarser_arithmetic(differing, outputs, held, basis)
         judgement.finding(
             engine,
             "post-load",
-            describe(differing, len(found)),
+            describe(differing, len(found)) + (f"; every one fits {coarser} arithmetic" if coarser else ""),
             module=differing[0]["module"],
             metrics={"probe": "basis", "modules": [d["module"] for d in differing], "worst": differing[0]},
         )
+
+
+def coarser_arithmetic(differing: list[dict], outputs: dict, held: dict, basis: dict) -> str | None:
+    """"bfloat16" when every differing module's applied weights fit the bound in bfloat16 though
+    the model's dtype is float16 or float32: a kernel that computes in bfloat16 (a precision it
+    chose, not a weight read wrong); else None."""
+    dtypes = {basis[f"{d['module']}.basis"].dtype for d in differing}
+    if "shape" in differing[0] or not dtypes <= {torch.float16, torch.float32}:
+        return None
+    for verdict in differing:
+        name = verdict["module"]
+        weight = held[f"{name}.weight"]
+        if judge_module(name, outputs[name], weight, held.get(f"{name}.bias"), basis, torch.bfloat16) is not None:
+            return None
+    return "bfloat16"
 
 
 def describe(differing: list[dict], probed: int) -> str:

@@ -14,6 +14,7 @@ import torch
 from harness.core.dtypes import MODEL_DTYPES as DTYPES
 from harness.core.naming import canonical_name
 from harness.engines.base import Engine, LoadReport
+from harness.engines.gptqmodel_modules import MARKER, is_quantized_linear
 
 
 def checkpoint_dtype(directory: str | Path) -> torch.dtype:
@@ -83,6 +84,8 @@ class HFModelEngine(Engine):
     def __init__(self):
         self.model = None
         self.fmt = self.knobs = None
+        #: what GPTQ / AWQ Linears held before their kernels repacked them (gptqmodel_modules)
+        self.placed = {}
 
     @staticmethod
     def checkpoint_report(config: dict, missing, unexpected, tied=frozenset(), stored=None) -> LoadReport:
@@ -99,7 +102,7 @@ class HFModelEngine(Engine):
     def weights(self):
         from harness.checkpoints.model_layout import to_checkpoint_names
 
-        held = held_weights(self.model, self.fmt, self.knobs)
+        held = held_weights(self.model, self.fmt, self.knobs, self.placed)
         return to_checkpoint_names(loaded_config(self.model), held, stored_names(loaded_directory(self.model)))
 
     def logprobs(self, sequences):
@@ -123,6 +126,7 @@ class HFModelEngine(Engine):
 
     def unload(self):
         self.model = None
+        self.placed = {}
 
     def load_variant(self, directory, variant):
         if variant != "sentinel":
@@ -174,16 +178,25 @@ def run_linears(model, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
                     outputs[f"{name}.{expert}"] = output.detach().cpu()
             continue
         module = modules.get(name)
-        weight = getattr(module, "weight", None)
-        if name.endswith(LEAD) or module is None or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        device = linear_device(module)
+        if name.endswith(LEAD) or device is None:
             continue  # e.g. a fused or renamed module: the probe judges what it can find
         lead = inputs.get(name + LEAD, torch.tensor([1, -1])).tolist()
         shaped = [rows.shape[0] if d == -1 else d for d in lead]
         if torch.Size(shaped).numel() != rows.shape[0]:
             shaped = [1, rows.shape[0]]
-        result = module(rows.reshape(*shaped, rows.shape[-1]).to(weight.device))
+        result = module(rows.reshape(*shaped, rows.shape[-1]).to(device))
         outputs[name] = result.reshape(rows.shape[0], -1).detach().cpu()
     return outputs
+
+
+def linear_device(module) -> torch.device | None:
+    """Where a Linear's inputs go: its 2-D weight's device, or its packed codes' for a GPTQ / AWQ
+    Linear (no float weight); None for anything else."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return weight.device
+    return getattr(module, MARKER).device if is_quantized_linear(module) else None
 
 
 @torch.no_grad()
@@ -243,13 +256,17 @@ def stored_names(directory: str | Path) -> list[str] | None:
 CODE_DTYPES = (torch.uint8, torch.int8)
 
 
-def held_weights(model, fmt=None, knobs=None) -> dict[str, torch.Tensor]:
+def held_weights(model, fmt=None, knobs=None, placed=None) -> dict[str, torch.Tensor]:
     """The model's parameters under canonical names, float32. A Linear that still holds packed
     tensors (its weight not floating point, or FP8) is dequantized with the format's reference
     from exactly the tensors it holds; one that holds codes but not the format's scale (a module
-    the loader took for unquantized) holds the codes as its values."""
+    the loader took for unquantized) holds the codes as its values. A module in `placed` (module
+    name -> its weights, read before a kernel repacked them) holds those."""
     result = {}
     for module_name, module in model.named_modules():
+        if placed and module_name in placed:
+            result.update(placed[module_name])
+            continue
         params = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
         if not params:
             continue

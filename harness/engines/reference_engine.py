@@ -42,6 +42,7 @@ class ReferenceEngine(HFModelEngine):
             canonical_name(n): t.to(dtype) if t.is_floating_point() else t for n, t in tensors if not is_kv_scale(n)
         }
         state = to_model_state(checkpoint.config, state)
+        self.checkpoint = checkpoint
         self.model, tied = unquantized_model(directory)
         self.activations = specified.plan(checkpoint)
         self.quantization_config = checkpoint.config.get("quantization_config") or {}
@@ -165,6 +166,9 @@ class ReferenceEngine(HFModelEngine):
                 continue
             if torch.isfinite(basis["basis"]).all() and bool((basis["candidates"] != 0).all()):
                 probe |= {f"{name}.{key}": value for key, value in basis.items()}
+                folded = zero_point_products(self.checkpoint, name, basis["columns"])
+                if folded is not None:
+                    probe[f"{name}.zero_point_products"] = folded
         return probe
 
     def probe_experts(self, plan, rows: int) -> dict:
@@ -228,3 +232,30 @@ def input_leads(model, names, tokens: int = 5) -> dict:
         for handle in handles:
             handle.remove()
     return leads
+
+
+def zero_point_products(checkpoint, module: str, columns):
+    """[N, C] float64: the largest product of a code and a scale, (2**bits - 1) * scale, at each of
+    `module`'s probed `columns`, for an integer format with zero points (QuantFormat.affine_parts):
+    every term a kernel that folds the zero point into a float offset rounds (codes * s, zeros * s,
+    or both taken from a midpoint) is at most that. None for other formats and modules."""
+    from harness.formats import detect_format
+
+    quantization = checkpoint.config.get("quantization_config")
+    if not isinstance(quantization, dict):
+        return None
+    fmt = detect_format(quantization)
+    suffix = f".{fmt.marker}"
+    stored = {
+        canonical_name(n).removesuffix(suffix): n.removesuffix(suffix) for n in checkpoint.names() if n.endswith(suffix)
+    }
+    prefix = stored.get(module)
+    if prefix is None:
+        return None
+    names = set(checkpoint.names())
+    tensors = {s: checkpoint.tensor(f"{prefix}.{s}") for s in fmt.suffixes if f"{prefix}.{s}" in names}
+    knobs = fmt.knobs_from_config(quantization)
+    parts = fmt.affine_parts(tensors, knobs)
+    if parts is None:
+        return None
+    return (2 ** knobs.get("bits", 4) - 1) * parts[2][:, columns].abs()

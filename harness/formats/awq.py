@@ -121,6 +121,10 @@ class Awq(QuantFormat):
         return result
 
     def dequantize(self, tensors, knobs):
+        codes, zeros, scales = self.affine_parts(tensors, knobs)
+        return (codes - zeros) * scales
+
+    def affine_parts(self, tensors, knobs):
         qweight, qzeros, scales = packed_tensors(tensors)
         group = knobs["group_size"]
         cols, rows = qweight.shape[0], scales.shape[1]
@@ -132,7 +136,7 @@ class Awq(QuantFormat):
         codes = int_packing.unpack(qweight, BITS, rows, dim=1, order=AWQ_ORDER)  # [K, N]
         zeros = int_packing.unpack(qzeros, BITS, rows, dim=1, order=AWQ_ORDER)  # [G, N]
         column = torch.arange(cols) // group
-        return ((codes - zeros[column]).to(torch.float64) * scales.to(torch.float64)[column]).T.contiguous()
+        return tuple(t.to(torch.float64).T.contiguous() for t in (codes, zeros[column], scales[column]))
 
     def scale_block(self, knobs, shape):
         return 1, knobs["group_size"]

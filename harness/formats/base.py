@@ -99,6 +99,15 @@ class QuantFormat:
         """Reference dequantization to float64 [N, K]; raise FormatError on malformed input."""
         raise NotImplementedError
 
+    def affine_parts(
+        self, tensors: Mapping[str, torch.Tensor], knobs: Mapping[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For an integer format with zero points, W = (codes - zeros) * scales: the three, each
+        float64 [N, K] (a zero point and scale per element); None for other formats. A kernel may
+        fold the zero point into a float offset (codes * s - zeros * s, each product rounded to its
+        compute dtype): the effective-weight probe bounds that rounding with them."""
+        return None
+
     def dequantize_held(self, tensors: Mapping[str, torch.Tensor], knobs: Mapping[str, Any]) -> torch.Tensor:
         """An engine's held tensors decoded as they are. A non-finite scale an engine holds (a slot
         its loader never wrote, left uninitialised) is the engine's state, judged as its weights

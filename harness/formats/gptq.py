@@ -235,6 +235,10 @@ class Gptq(QuantFormat):
         return result
 
     def dequantize(self, tensors, knobs):
+        codes, zeros, scales = self.affine_parts(tensors, knobs)
+        return (codes - zeros) * scales
+
+    def affine_parts(self, tensors, knobs):
         qweight, qzeros, scales = packed_tensors(tensors)
         bits, group = knobs["bits"], knobs["group_size"]
         per = int_packing.slots_per_word(bits)
@@ -260,7 +264,7 @@ class Gptq(QuantFormat):
         if knobs["checkpoint_format"] == "gptq":
             zeros = zeros + 1
         g = g_idx.long()
-        return ((codes - zeros[g]).to(torch.float64) * scales.to(torch.float64)[g]).T.contiguous()
+        return tuple(t.to(torch.float64).T.contiguous() for t in (codes, zeros[g], scales[g]))
 
     def scale_block(self, knobs, shape):
         return 1, (shape[1] if knobs["group_size"] == -1 else knobs["group_size"])
