@@ -590,6 +590,10 @@ WITHOUT_SCRIPT = {
     # (parts/integer.py writes compressed-tensors' pack-quantized only)
     "transformers-gptqmodel-cpu-int4-group-must-divide-inputs",
     "transformers-gptqmodel-cpu-int4-float16-model-computed-in-bfloat16",
+    "vllm-cpu-gptq-act-order-refused",
+    "vllm-cpu-gptq-asymmetric-int4-refused",
+    "vllm-cpu-gptq-int8-refused",
+    "vllm-int4-partial-last-group-scales-dropped",
 }
 
 
