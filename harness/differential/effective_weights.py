@@ -192,7 +192,7 @@ def judge_effective_weights(judgement, engine: str, worker: EngineProcess, outco
 
 
 def coarser_arithmetic(differing: list[dict], outputs: dict, held: dict, basis: dict) -> str | None:
-    """"bfloat16" when every differing module's applied weights fit the bound in bfloat16 though
+    """ "bfloat16" when every differing module's applied weights fit the bound in bfloat16 though
     the model's dtype is float16 or float32: a kernel that computes in bfloat16 (a precision it
     chose, not a weight read wrong); else None."""
     dtypes = {basis[f"{d['module']}.basis"].dtype for d in differing}

@@ -16,6 +16,7 @@ import torch
 
 from harness.engines.base import EngineUnsupported, LoadReport
 from harness.engines.reference_engine import ReferenceEngine
+from harness.engines.transformers_engine import TransformersEngine
 
 
 class DroppedScaleEngine(ReferenceEngine):
@@ -479,3 +480,22 @@ class RefusingEngine(ReferenceEngine):
         from harness.engines.base import EngineRefuses
 
         raise EngineRefuses("double: every partition must be whole 128-row blocks")
+
+
+class GptqV1ZerosNotConvertedEngine(TransformersEngine):
+    """DELIBERATELY BUGGY: transformers with GPTQModel, whose conversion of a `checkpoint_format:
+    gptq` (v1) checkpoint's zero points to its kernels' internal v2 (the stored value plus one) is
+    skipped: every zero point one too small, the bug class of a v1/v2 offset lost on the way.
+    The kernels then apply what the loader placed; the placed weights are off by one step."""
+
+    name = "double-transformers-gptq-v1-zeros-not-converted"
+
+    def load(self, directory):
+        import gptqmodel.utils.model as model_utils
+
+        original = model_utils.convert_gptq_v1_to_v2_format
+        model_utils.convert_gptq_v1_to_v2_format = lambda model, cfg, qlinear_kernel: model
+        try:
+            return super().load(directory)
+        finally:
+            model_utils.convert_gptq_v1_to_v2_format = original
