@@ -157,6 +157,7 @@ class ReferenceEngine(HFModelEngine):
             name for name, m in self.model.named_modules() if type(m).forward is torch.nn.Linear.forward
         )
         probe = {f"{name}{LEAD}": lead for name, lead in input_leads(self.model, linears).items()}
+        folds = zero_point_products(self.checkpoint)
         for name in linears:
             module = self.model.get_submodule(name)
             scheme = plan.scheme if name in inputs else None
@@ -166,7 +167,7 @@ class ReferenceEngine(HFModelEngine):
                 continue
             if torch.isfinite(basis["basis"]).all() and bool((basis["candidates"] != 0).all()):
                 probe |= {f"{name}.{key}": value for key, value in basis.items()}
-                folded = zero_point_products(self.checkpoint, name, basis["columns"])
+                folded = folds(name, basis["columns"]) if folds else None
                 if folded is not None:
                     probe[f"{name}.zero_point_products"] = folded
         return probe
@@ -234,28 +235,31 @@ def input_leads(model, names, tokens: int = 5) -> dict:
     return leads
 
 
-def zero_point_products(checkpoint, module: str, columns):
-    """[N, C] float64: the largest product of a code and a scale, (2**bits - 1) * scale, at each of
-    `module`'s probed `columns`, for an integer format with zero points (QuantFormat.affine_parts):
-    every term a kernel that folds the zero point into a float offset rounds (codes * s, zeros * s,
-    or both taken from a midpoint) is at most that. None for other formats and modules."""
+def zero_point_products(checkpoint):
+    """For an integer format with zero points (one that defines QuantFormat.affine_parts), a
+    function (module, probed columns) -> [N, C] float64: the largest product of a code and a scale,
+    (2**bits - 1) * scale, at each column, which bounds every term a kernel that folds the zero
+    point into a float offset rounds (codes * s, zeros * s, or both taken from a midpoint); it
+    returns None for a module stored otherwise. None for every other checkpoint."""
     from harness.formats import detect_format
+    from harness.formats.base import QuantFormat
 
     quantization = checkpoint.config.get("quantization_config")
     if not isinstance(quantization, dict):
         return None
     fmt = detect_format(quantization)
-    suffix = f".{fmt.marker}"
-    stored = {
-        canonical_name(n).removesuffix(suffix): n.removesuffix(suffix) for n in checkpoint.names() if n.endswith(suffix)
-    }
-    prefix = stored.get(module)
-    if prefix is None:
+    if type(fmt).affine_parts is QuantFormat.affine_parts:
         return None
-    names = set(checkpoint.names())
-    tensors = {s: checkpoint.tensor(f"{prefix}.{s}") for s in fmt.suffixes if f"{prefix}.{s}" in names}
     knobs = fmt.knobs_from_config(quantization)
-    parts = fmt.affine_parts(tensors, knobs)
-    if parts is None:
-        return None
-    return (2 ** knobs.get("bits", 4) - 1) * parts[2][:, columns].abs()
+    names = set(checkpoint.names())
+    suffix = f".{fmt.marker}"
+    stored = {canonical_name(n).removesuffix(suffix): n.removesuffix(suffix) for n in names if n.endswith(suffix)}
+
+    def products(module: str, columns):
+        prefix = stored.get(module)
+        if prefix is None:
+            return None
+        tensors = {s: checkpoint.tensor(f"{prefix}.{s}") for s in fmt.suffixes if f"{prefix}.{s}" in names}
+        return (2 ** knobs.get("bits", 4) - 1) * fmt.affine_parts(tensors, knobs)[2][:, columns].abs()
+
+    return products
