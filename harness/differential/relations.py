@@ -198,12 +198,20 @@ def check_relations(judgement: Judgement, engine: str, worker: EngineProcess, fi
     each verdict goes to the engine's outcome (`relations`), each failure is a finding. A worker
     that dies stops the rest (its failure is that engine-* finding)."""
     outcome = judgement.result.outcomes[engine]
+    holds_first = True  # after a relation's second load the worker holds that one (or none, if it failed)
     for name in judgement.relations:
         relation = RELATIONS[name]
         if relation.second == SHARDS or (relation.engines is not None and base_engine(engine) not in relation.engines):
             continue  # tensor-parallel: once per checkpoint (check_shard_relations); others: not this engine's
         try:
+            if relation.second == "saved" and not holds_first:
+                try:
+                    worker.load(judgement.directory)  # it saves what it holds: the first load, again
+                except EngineError as error:
+                    outcome.relations[name] = f"not checked: loading the checkpoint again failed: {first_line(error)}"
+                    continue
             outcome.relations[name] = _check(relation, judgement, engine, worker, first)
+            holds_first = False
         except EngineFailure as failure:
             outcome.relations[name] = f"not checked: the worker failed ({failure.kind})"
             judgement.finding(

@@ -128,6 +128,15 @@ def test_a_relation_the_checkpoint_has_no_path_for_is_not_checked(session, tmp_p
     assert verdict == "not checked: dequantize applies to quant_method compressed-tensors, fp8, not modelopt"
 
 
+def test_a_saving_relation_after_another_saves_the_first_load(session, tmp_path):
+    """The worker holds a relation's second load (none, where that path is unsupported): a later
+    round-trip must save the checkpoint's own load, not what the previous relation left."""
+    directory = small_checkpoint(tmp_path / "c", fmt="ct-fp8-channel")
+    result = evaluate(directory, session, engines=["reference"], relations=("offload", "round-trip"))
+    assert result.outcomes["reference"].relations["round-trip"] == "holds", result.findings
+    assert not result.findings
+
+
 @pytest.mark.parametrize(
     "engine, relation, says",
     [
