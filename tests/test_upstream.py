@@ -591,9 +591,15 @@ WITHOUT_SCRIPT = {
     "transformers-gptqmodel-cpu-int4-group-must-divide-inputs",
     "transformers-gptqmodel-cpu-int4-float16-model-computed-in-bfloat16",
     "vllm-cpu-gptq-act-order-refused",
-    "vllm-cpu-gptq-asymmetric-int4-refused",
+    "vllm-cpu-gptq-asymmetric-refused",
     "vllm-cpu-gptq-int8-refused",
     "vllm-int4-partial-last-group-scales-dropped",
+    "transformers-gptqmodel-scales-and-bias-held-in-float16",
+    "transformers-gptqmodel-cpu-int4-outputs-must-be-multiples-of-16",
+    "transformers-gptq-quantized-lm-head-left-random",
+    "transformers-gptqmodel-cpu-save-after-forward-writes-kernel-state",
+    "transformers-gptq-module-without-scales-loads",
+    "transformers-gptqmodel-cpu-int8-float32-model-computed-in-float16",
 }
 
 

@@ -139,6 +139,15 @@ def home_architecture(format_name: str, default: str = "llama") -> str:
     return next((a.name for a in ARCHITECTURES.values() if format_name in a.only_formats), default)
 
 
+#: formats whose producers never write a quantized embedding (GPTQ and AWQ quantize nn.Linear
+#: layers) or head (AutoAWQ leaves lm_head in its modules_to_not_convert; GPTQ declares it with
+#: `lm_head: true`, which the generator writes)
+INT_LINEAR_ONLY = {"quantize_embeddings": ("gptq", "awq"), "quantize_lm_head": ("awq",)}
+INT_LINEAR_ONLY_WHY = {
+    "quantize_embeddings": "Linear layers only (no embedding in their layout)",
+    "quantize_lm_head": "no lm_head (AutoAWQ always leaves it unconverted)",
+}
+
 #: layout fields an architecture whose experts are packed on disk cannot vary: its release
 #: quantizes nothing but the experts, declares no KV scales and stores no per-part scales
 _PACKED_FIXED = ("fused_scales", "quantize_lm_head", "quantize_embeddings", "kv_scales")
@@ -154,6 +163,8 @@ def layout_refusal(key: str, value: Any, fmt, arch, knobs: Mapping) -> str | Non
             f"fused_scales=shared needs scales that never span two parts' rows (per tensor, per channel, "
             f"NVFP4); {fmt.name} scales blocks of rows"
         )
+    if key in ("quantize_embeddings", "quantize_lm_head") and value and fmt.name in INT_LINEAR_ONLY.get(key, ()):
+        return f"{key}=True: {fmt.name} producers quantize {INT_LINEAR_ONLY_WHY[key]}"
     if key == "expert_naming" and value != "architecture" and not (arch.moe and arch.moe.other_parts):
         return f"expert_naming={value!r}: {arch.name} has one naming of its experts' parts"
     if key == "config_style" and value != "release" and not arch.release_only:

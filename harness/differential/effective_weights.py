@@ -192,18 +192,29 @@ def judge_effective_weights(judgement, engine: str, worker: EngineProcess, outco
 
 
 def coarser_arithmetic(differing: list[dict], outputs: dict, held: dict, basis: dict) -> str | None:
-    """ "bfloat16" when every differing module's applied weights fit the bound in bfloat16 though
-    the model's dtype is float16 or float32: a kernel that computes in bfloat16 (a precision it
-    chose, not a weight read wrong); else None."""
+    """The finest dtype coarser than the model's (float16, then bfloat16) whose bound every
+    differing module's applied weights fit: a kernel that computes in that dtype (a precision it
+    chose, not a weight read wrong); None when there is none."""
     dtypes = {basis[f"{d['module']}.basis"].dtype for d in differing}
-    if "shape" in differing[0] or not dtypes <= {torch.float16, torch.float32}:
+    if "shape" in differing[0] or len(dtypes) != 1:
         return None
-    for verdict in differing:
-        name = verdict["module"]
-        weight = held[f"{name}.weight"]
-        if judge_module(name, outputs[name], weight, held.get(f"{name}.bias"), basis, torch.bfloat16) is not None:
-            return None
-    return "bfloat16"
+    coarser = {torch.float32: (torch.float16, torch.bfloat16), torch.float16: (torch.bfloat16,)}.get(dtypes.pop(), ())
+    for dtype in coarser:
+        fits = all(
+            judge_module(
+                d["module"],
+                outputs[d["module"]],
+                held[f"{d['module']}.weight"],
+                held.get(f"{d['module']}.bias"),
+                basis,
+                dtype,
+            )
+            is None
+            for d in differing
+        )
+        if fits:
+            return str(dtype).removeprefix("torch.")
+    return None
 
 
 def describe(differing: list[dict], probed: int) -> str:

@@ -155,7 +155,7 @@ class Gptq(QuantFormat):
             "damp_percent": 0.01,
             "desc_act": knobs["desc_act"],
             "group_size": knobs["group_size"],
-            "lm_head": False,
+            "lm_head": "lm_head" not in ignore,  # GPTQModel's flag for a quantized head
             "quant_method": QUANT_METHOD,
             "static_groups": False,
             "sym": knobs["sym"],
