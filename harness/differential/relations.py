@@ -340,7 +340,7 @@ def _check(relation: Relation, judgement: Judgement, engine: str, worker: Engine
         return "does not hold"
     finally:
         shutil.rmtree(saved, ignore_errors=True)
-    difference = first_difference(relation, first, second)
+    difference = first_difference(relation, first, second, judgement.config)
     if difference is None:
         return "holds"
     message, metrics = difference
@@ -367,7 +367,36 @@ def _second_load(
     return Load(report, weights, rows, forward)
 
 
-def first_difference(relation: Relation, first: Load, second: Load) -> tuple[str, dict] | None:
+def expert_parts_as(first: dict, second: dict, config: Mapping | None) -> dict:
+    """`second`'s weights with each expert's projections under the part names `first` uses, where
+    the architecture has several namings (Mixtral's w1/w3/w2 and llm-compressor's
+    gate_proj/up_proj/down_proj): a saved model reloads under transformers' naming, the same
+    tensors under other names."""
+    from harness.checkpoints.architectures import architecture_for
+
+    arch = architecture_for(str((config or {}).get("model_type"))) if config else None
+    moe = arch.moe if arch else None
+    if moe is None or not moe.other_parts:
+        return second
+    namings = (moe.parts, *moe.other_parts)
+    split = [name.rpartition(".experts.")[2].split(".") for name in first if ".experts." in name]
+    used = next((parts for parts in namings if any(len(p) > 2 and p[1] in parts for p in split)), None)
+    if used is None:
+        return second
+    rename = {other[i]: used[i] for other in namings for i in range(3)}
+    renamed = {}
+    for name, tensor in second.items():
+        head, sep, tail = name.rpartition(".experts.")
+        pieces = tail.split(".")
+        if sep and len(pieces) > 2 and pieces[1] in rename:
+            name = f"{head}{sep}{pieces[0]}.{rename[pieces[1]]}." + ".".join(pieces[2:])
+        renamed[name] = tensor
+    return renamed
+
+
+def first_difference(
+    relation: Relation, first: Load, second: Load, config: Mapping | None = None
+) -> tuple[str, dict] | None:
     """The first way `second` differs from `first` in what `relation` compares (a message and its
     metrics), or None. Modules the first load reported missing are left out: their values are the
     engine's initial ones, a load-report finding already."""
@@ -380,7 +409,9 @@ def first_difference(relation: Relation, first: Load, second: Load) -> tuple[str
                 return f"the second load reports {len(two)} {key} key(s), the first {len(one)}", metrics
     if "weights" in relation.compares:
         missing = {canonical_name(k).rpartition(".")[0] for k in first.report.get("missing", [])}
-        found = _weights_difference(relation, first.weights, second.weights, missing)
+        found = _weights_difference(
+            relation, first.weights, expert_parts_as(first.weights, second.weights, config), missing
+        )
         if found:
             return found[0], metrics | found[1]
     if "logprobs" in relation.compares and first.forward:

@@ -6,6 +6,7 @@ keep state across loads, leave a parameter unwritten or save lossily are each ca
 from __future__ import annotations
 
 import pytest
+import torch
 
 from harness.checkpoints.recipe import Recipe
 from harness.checkpoints.writer import generate
@@ -215,3 +216,16 @@ def test_transformers_sentinel_storage_leaves_nan_where_it_loaded_nothing(tmp_pa
     assert engine.load_variant(str(directory), "sentinel").missing == ["model.norm.weight"]
     assert [n for n, p in engine.model.named_parameters() if p.isnan().any()] == ["model.norm.weight"]
     assert torch.isfinite(engine.model.model.rotary_emb.inv_freq).all()
+
+
+def test_a_reload_under_another_expert_naming_is_compared_part_for_part():
+    """A Mixtral checkpoint written with llm-compressor's gate_proj/up_proj/down_proj reloads, once
+    saved by transformers, as w1/w3/w2: the same tensors, compared under the first load's names."""
+    from harness.differential.relations import expert_parts_as
+
+    tensor = torch.ones(2)
+    first = {"model.layers.0.block_sparse_moe.experts.0.down_proj.weight": tensor}
+    second = {"model.layers.0.block_sparse_moe.experts.0.w2.weight": tensor, "model.norm.weight": tensor}
+    renamed = expert_parts_as(first, second, {"model_type": "mixtral"})
+    assert set(renamed) == {"model.layers.0.block_sparse_moe.experts.0.down_proj.weight", "model.norm.weight"}
+    assert expert_parts_as(first, second, {"model_type": "llama"}) is second
