@@ -332,7 +332,8 @@ class VllmEngine(Engine):
             if any(suffix.partition("_")[0] in EXPERT_GROUPS for suffix in tensors):
                 result |= {name: t.to(torch.float32) for name, t in self.expert_weights(module, tensors).items()}
                 continue
-            packed = "weight_packed" in tensors or (self.fmt is not None and self.fmt.marker in tensors)
+            # GPTQ / AWQ hold `qweight` (int32 codes) and no `weight` at all
+            packed = "weight_packed" in tensors or "qweight" in tensors
             if packed or ("weight" in tensors and tensors["weight"].dtype in PACKED_DTYPES):
                 weights = self.dequantized_fused(module, tensors, info)
             else:
