@@ -228,6 +228,21 @@ def test_vllm_fp8_block_qkv_split_inside_blocks_is_caught(tmp_path, tp_worker):
     )
 
 
+@needs_vllm
+def test_a_block_grid_of_one_row_is_traced_as_a_grid_not_as_row_scales(tmp_path, tp_worker):
+    """A [1, 58] down_proj in 32 x 16 blocks holds a [1, 4] grid: one grid row, as many as the
+    weight's rows. The main job read it as one scale per row split across columns at tp 1."""
+    recipe = apply_settings(
+        Recipe(format="ct-fp8-block", arch="llama", knobs={"block_rows": 32, "block_cols": 16}),
+        ["hidden_size=1", "intermediate_size=58", "num_attention_heads=1", "num_key_value_heads=1", "head_dim=2"],
+    )
+    recipe.config["num_hidden_layers"] = 1
+    generate(recipe, tmp_path / "ckpt")
+    result = check_tensor_parallel(tmp_path / "ckpt", [1], process=tp_worker)
+    traced = [d for v in result.verdicts if v.module == "down_proj" for d in v.details]
+    assert not [d for d in traced if "stored columns" in d], traced
+
+
 # -- routed experts (one FusedMoE per layer: w13 = gate and up, w2 = down) ----------------------
 
 

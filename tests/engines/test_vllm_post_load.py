@@ -41,6 +41,17 @@ def test_a_transposed_per_tensor_fp8_weight_is_decoded_in_checkpoint_orientation
     assert torch.equal(weight, decode_e4m3(codes) * scale.to(torch.float64))
 
 
+def test_a_block_grid_of_one_row_of_blocks_is_a_grid_not_one_scale_per_row():
+    """[16, 256] in 16 x 16 blocks: a [1, 16] grid has as many entries as the weight has rows (the
+    main job read it as per-row scales on a Mixtral o_proj and flagged vLLM)."""
+    codes = torch.randn(16, 256).mul(100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    grid = torch.rand(1, 16) + 0.5
+    weight, _, _ = decode({"weight": codes, "weight_scale": grid}, {"weight": {}}, (16, 16))
+    assert torch.equal(weight, decode_e4m3(codes) * grid.to(torch.float64).repeat_interleave(16, 1))
+    rows, _, _ = decode({"weight": codes, "weight_scale": grid.reshape(16, 1)}, {"weight": {}}, None)
+    assert torch.equal(rows, decode_e4m3(codes) * grid.to(torch.float64).reshape(16, 1))  # per row, still
+
+
 def test_an_nvfp4_weight_is_decoded_with_its_multiplier():
     packed = torch.tensor([[0x21, 0x7F] * 8], dtype=torch.uint8)  # 32 columns: two groups of 16
     groups = torch.tensor([[2.0, 0.5]]).to(torch.float8_e4m3fn)

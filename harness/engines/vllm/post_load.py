@@ -196,7 +196,9 @@ def decode(held: dict[str, torch.Tensor], meta: dict, block) -> tuple[torch.Tens
         scale = scale.to(torch.float64)
         if scale.numel() == 1:
             return values * scale.reshape(()), float(scale.reshape(())), []
-        if scale.numel() == values.shape[0]:
+        if scale.numel() == values.shape[0] and not (block and scale.dim() == 2 and scale.shape[0] < scale.numel()):
+            # one scale per row; a block grid of one row of blocks ([1, 16] for [16, 256] in 16 x 16
+            # blocks) has as many entries, and is a grid
             return values * scale.reshape(-1, 1), None, []
         if scale.dim() == 2 and block:
             rows, columns = values.shape

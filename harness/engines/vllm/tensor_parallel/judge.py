@@ -360,8 +360,9 @@ def raw_problems(shard: Shard, part: Part, owned: Slice, truth: Truth) -> list[s
         source = truth.raw.get(f"{module}.{suffix}")
         if source is None or held.dim() == 0 or (suffix != "bias" and held.dim() == 1):
             continue  # per-part scalars are judged through the dequantized weight
-        if held.shape[0] != _held_rows(shard) or source.shape[0] != part.rows:
-            continue  # a block grid: traced in block_trace
+        grid = shard.block and suffix not in ("bias", truth.fmt.suffixes[0]) and held.dim() == 2
+        if grid or held.shape[0] != _held_rows(shard) or source.shape[0] != part.rows:
+            continue  # a block grid (one grid row can look like one scale per row): traced in block_trace
         mine = held[start : start + rows]
         if suffix == "bias" and owned.bias_zero:
             wanted = torch.zeros_like(source)  # gpt-oss's w2 bias: rank 0 holds it, the others zeros
