@@ -52,6 +52,7 @@ CI_SCRIPTS = {
     "ct-kv-scale-never-arrives",  # compressed-tensors on transformers' whole model (its KV cache)
     "transformers-ct-token-activation-scale-spans-every-token-of-a-2d-input",  # activations judged
     "vllm-tp-nvfp4-row-parallel-split-inside-groups",  # vLLM's loaders under a mocked tensor-parallel rank
+    "transformers-gptqmodel-cpu-int4-float16-model-computed-in-bfloat16",  # GPTQ read through its kernel
 }
 RUN_SCRIPTS = [
     pytest.param(issue, id=issue.id, marks=() if issue.id in CI_SCRIPTS else pytest.mark.nightly) for issue in ISSUES
@@ -169,6 +170,26 @@ OTHER_RECIPES = {
         "layout": {"key_prefix": "model.language_model."},
         "perturb": {"extreme_amax": "huge"},
     },
+    "gptq-asym-v1-act-order": {
+        "format": "gptq",
+        "arch": "qwen2",
+        "config": {"num_hidden_layers": 1},
+        "knobs": {"sym": False, "desc_act": True, "group_size": 32},
+    },
+    "gptq-int8-v2-per-channel-float32-scales": {
+        "format": "gptq",
+        "arch": "llama",
+        "config": {"num_hidden_layers": 1, "intermediate_size": 100},
+        "knobs": {"bits": 8, "group_size": -1, "checkpoint_format": "gptq_v2", "scale_storage": "float32"},
+        "perturb": {"zero_block": True},
+    },
+    "awq-partial-group-bfloat16-scales": {
+        "format": "awq",
+        "arch": "llama",
+        "config": {"num_hidden_layers": 1},
+        "knobs": {"group_size": 64, "scale_storage": "bfloat16"},
+        "perturb": {"subnormal_block": True},
+    },
 }
 
 
@@ -208,9 +229,16 @@ def assert_reference_agrees(namespace: dict, tmp_path: Path) -> None:
         rtol = 2**-23 if swapped else 0  # 1 / (1 / x) in float32
         torch.testing.assert_close(expected[canonical_name(module)], reference, rtol=rtol, atol=0)
         compared += 1
-    # refused by design: the module with a non-finite scale, or without its static input scale
+    # refused by design: the module with a non-finite scale, or without its static input scale, or
+    # (a format whose marker is not its scale: GPTQ/AWQ's qweight) without its main scale
     refused = namespace["PERTURB"]["nonfinite_scale"] != "none"
     refused += namespace["PERTURB"]["disagreement"] == "missing-input-scale"
+    without_scale = namespace["PERTURB"]["disagreement"] in (
+        "missing-scale",
+        "scale-renamed",
+        "index-lists-absent-tensor",
+    )
+    refused += without_scale and bool(target & set(map(canonical_name, modules)))
     assert compared == len(modules) - refused
 
 
@@ -411,7 +439,7 @@ def test_relation_script_says_fixed_when_the_two_load_paths_agree(tmp_path):
 
 
 #: a known issue's script on a checkpoint its engine handles right: it must exit 0 (issue, recipe
-#: changes, why the engine is right there); the first runs in CI, the others nightly
+#: changes, why the engine is right there); CI_FIXED_VARIANTS run in CI, the others nightly
 FIXED_VARIANTS = {
     "activations-as-specified": (
         "transformers-ct-token-activation-scale-spans-every-token-of-a-2d-input",
@@ -458,6 +486,12 @@ FIXED_VARIANTS = {
         {"config": {"num_local_experts": 4}},
         "4 gpt-oss experts at ep 2 and 4: whole experts on each rank; every tp rank holds its share of each",
     ),
+    "gptq-asym-act-order-bfloat16": (
+        "transformers-gptqmodel-cpu-int4-float16-model-computed-in-bfloat16",
+        {"layout": {"dtype": "bfloat16"}, "knobs": {"sym": False, "desc_act": True}},
+        "a bfloat16 model: GPTQModel's int4 kernel computes in the model's dtype, its zero points "
+        "folded within two roundings; the v1 zeros and act-order's g_idx read right",
+    ),
     "tp-fp8-whole-blocks": (
         "vllm-tp-fp8-block-fused-part-inside-a-block",
         {"config": {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128}},
@@ -466,11 +500,14 @@ FIXED_VARIANTS = {
 }
 
 
+CI_FIXED_VARIANTS = ("activations-as-specified", "gptq-asym-act-order-bfloat16")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "variant",
     [
-        pytest.param(name, id=name, marks=() if name == "activations-as-specified" else pytest.mark.nightly)
+        pytest.param(name, id=name, marks=() if name in CI_FIXED_VARIANTS else pytest.mark.nightly)
         for name in FIXED_VARIANTS
     ],
 )
@@ -482,6 +519,7 @@ def test_script_says_fixed_where_the_engine_is_right(variant, tmp_path):
     recipe.config |= changes.get("config", {})
     recipe.layout |= changes.get("layout", {})
     recipe.perturb |= changes.get("perturb", {})
+    recipe.knobs |= changes.get("knobs", {})
     done, _ = run_standalone(render_script(reproducer).text, reproducer.engine, tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "verdict: fixed" in done.stdout
@@ -553,7 +591,7 @@ def test_upstream_usage_errors_exit_2(argv, tmp_path, capsys):
 UNEXPRESSIBLE_CHANGES = {
     "fused-part scales": ("transformers-fp8-block-grid-inferred-from-shape", {"layout": {"fused_scales": "shared"}}),
     "expert weights in vLLM": ("vllm-ct-moe-expert-without-scale-loads", {"kinds": ["weight-mismatch"]}),
-    "gptq": ("transformers-fp8-block-grid-inferred-from-shape", {"format": "gptq"}),
+    "a plugin's format": ("transformers-fp8-block-grid-inferred-from-shape", {"format": "plugin-int3"}),
     "activations in bfloat16": (
         "transformers-fp8-block-cpu-activations-unquantized",
         {"layout": {"dtype": "bfloat16"}},
@@ -586,20 +624,6 @@ WITHOUT_SCRIPT = {
     # sizes and a finite forward pass where the kernel runs, and a part scaled by 0.87 passes both
     "vllm-nvfp4-fused-parts-global-scale-max-without-requantizing",
     "vllm-fp8-tensor-requantization-flushes-subnormal-scales",
-    # GPTQ / AWQ through transformers (optimum + GPTQModel): the scripts have no gptq/awq piece yet
-    # (parts/integer.py writes compressed-tensors' pack-quantized only)
-    "transformers-gptqmodel-cpu-int4-group-must-divide-inputs",
-    "transformers-gptqmodel-cpu-int4-float16-model-computed-in-bfloat16",
-    "vllm-cpu-gptq-act-order-refused",
-    "vllm-cpu-gptq-asymmetric-refused",
-    "vllm-cpu-gptq-int8-refused",
-    "vllm-int4-partial-last-group-scales-dropped",
-    "transformers-gptqmodel-scales-and-bias-held-in-float16",
-    "transformers-gptqmodel-cpu-int4-outputs-must-be-multiples-of-16",
-    "transformers-gptq-quantized-lm-head-left-random",
-    "transformers-gptqmodel-cpu-save-after-forward-writes-kernel-state",
-    "transformers-gptq-module-without-scales-loads",
-    "transformers-gptqmodel-cpu-int8-float32-model-computed-in-float16",
 }
 
 

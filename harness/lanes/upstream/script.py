@@ -38,6 +38,8 @@ FORMAT_PIECES = {
     "ct-int4": "integer",
     "ct-int8": "integer",
     "ct-w8a8": "integer",
+    "gptq": "gptq_awq",
+    "awq": "gptq_awq",
 }
 ENGINE_PIECES = {
     "transformers": ("modules", "engine_transformers"),

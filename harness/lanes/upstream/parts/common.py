@@ -13,6 +13,9 @@ from harness.lanes.upstream.parts.parameters import LAYOUT, WEIGHT_TOLERANCE
 EXIT_FIXED, EXIT_BUG, EXIT_CANNOT_RUN = 0, 1, 2
 MODEL_DTYPE = getattr(torch, LAYOUT["dtype"])
 PROMPT = [1, 3, 4, 5]
+#: the Linears whose weight was read through their kernel on basis inputs (modules.applied_weight),
+#: with the bias its outputs carried (or None): module -> bias
+PROBED: dict = {}
 
 
 class CapturedLogs(logging.Handler):
@@ -48,14 +51,37 @@ def ranges(indices) -> str:
     return text + (f", ... ({len(spans)} spans)" if len(spans) > 6 else "")
 
 
+def ulp(values: torch.Tensor) -> torch.Tensor:
+    """One unit in the last place of |values| in the model dtype (float64)."""
+    held = values.abs().to(MODEL_DTYPE)
+    return torch.nextafter(held, torch.full_like(held, float("inf"))).to(torch.float64) - held.to(torch.float64)
+
+
+def kernel_slack(want: torch.Tensor, bias, block) -> torch.Tensor:
+    """What a kernel's arithmetic may add to a weight read through it (common.PROBED): its output
+    W[:, j] + bias rounded to the model dtype, and an integer kernel's zero point folded into a
+    float offset, two terms each up to a group's range (at most twice its largest |W|) rounded to the
+    model dtype (CPU int4 kernels compute (q - 8) s + (8 - z) s). A zero point or scale read wrong
+    moves a weight by a whole quantization step (a group's range / (2**bits - 1)), far beyond."""
+    rows, cols = want.shape
+    width = min(block[1], cols)
+    groups = -(-cols // width)
+    padded = torch.zeros(rows, groups * width, dtype=torch.float64)
+    padded[:, :cols] = want.abs()
+    span = 2 * padded.reshape(rows, groups, width).amax(dim=-1).repeat_interleave(width, dim=1)[:, :cols]
+    output = want.abs() + (0 if bias is None else bias.abs().unsqueeze(1))
+    return ulp(output) + 2 * ulp(span) + 2.0**-125
+
+
 def weight_problems(held, expected, scale_block) -> list[str]:
     """One line per module whose held weight is not the definition's value, rounded once to the
-    model dtype, within WEIGHT_TOLERANCE."""
+    model dtype, within WEIGHT_TOLERANCE (and, for a weight read through its kernel, the kernel's
+    arithmetic: kernel_slack). A held value that is a string says why the engine holds none."""
     problems = []
     for module, definition in expected.items():
         got = held.get(module)
-        if got is None:
-            problems.append(f"{module}: the engine holds no weight for it")
+        if got is None or isinstance(got, str):
+            problems.append(f"{module}: {got or 'the engine holds no weight for it'}")
             continue
         if tuple(got.shape) != tuple(definition.shape):
             problems.append(
@@ -65,15 +91,17 @@ def weight_problems(held, expected, scale_block) -> list[str]:
         want = definition.to(MODEL_DTYPE).to(torch.float64)
         value = got.detach().to("cpu").to(torch.float64)
         error = (value - want).abs()
-        bad = ~(error <= WEIGHT_TOLERANCE["rel"] * want.abs() + WEIGHT_TOLERANCE["abs"])
+        bound = WEIGHT_TOLERANCE["rel"] * want.abs() + WEIGHT_TOLERANCE["abs"]
+        if module in PROBED:
+            bound = bound + kernel_slack(want, PROBED[module], scale_block(tuple(want.shape)))
+        bad = ~(error <= bound)
         if bad.any():
-            problems.append(
-                describe_mismatch(module, got.dtype, value, want, error, bad, scale_block(tuple(want.shape)))
-            )
+            how = "applied by its kernel (basis inputs)" if module in PROBED else f"held as {str(got.dtype)[6:]}"
+            problems.append(describe_mismatch(module, how, value, want, error, bad, scale_block(tuple(want.shape))))
     return problems
 
 
-def describe_mismatch(module, dtype, value, want, error, bad, block) -> str:
+def describe_mismatch(module, how, value, want, error, bad, block) -> str:
     """Where a held weight differs: how many elements, which rows, columns and scale blocks, the
     largest error and one example."""
     rows, cols = bad.any(dim=1).nonzero().flatten().tolist(), bad.any(dim=0).nonzero().flatten().tolist()
@@ -86,7 +114,7 @@ def describe_mismatch(module, dtype, value, want, error, bad, block) -> str:
         f", ... ({len(blocks)} blocks)" if len(blocks) > 8 else ""
     )
     return (
-        f"{module} {list(want.shape)}, held as {str(dtype).removeprefix('torch.')}: {len(positions)} of "
+        f"{module} {list(want.shape)}, {how}: {len(positions)} of "
         f"{want.numel()} elements differ; rows {ranges(rows)}; columns {ranges(cols)}; scale blocks "
         f"[{block[0]} x {block[1]}] (row, col): {shown}; largest at [{r}, {c}]: expected "
         f"{float(want[r, c]):.6g}, held {float(value[r, c]):.6g} (relative error {relative:.3g})"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from harness.lanes.upstream.parts.common import PROMPT
-from harness.lanes.upstream.parts.modules import held_weights
+from harness.lanes.upstream.parts.modules import bias_problems, held_weights
 
 # ---- reproduce.py ----
 
@@ -23,8 +23,9 @@ def load_model(directory):
 
 
 def check_loaded(loaded, expected):
-    """(held weights, problems, notes); every weight is read (`expected` is judged by main). compressed-tensors formats decompress on the first forward,
-    so the weights are read after it."""
+    """(held weights, problems, notes); every weight is read (`expected` is judged by main), every
+    Linear bias judged against the checkpoint's. compressed-tensors formats decompress on the first
+    forward, so the weights are read after it."""
     model, info = loaded
     notes = [
         f"load report: {len(info[key])} {key.replace('_', ' ')}, e.g. {sorted(map(str, info[key]))[:3]}"
@@ -42,6 +43,7 @@ def check_loaded(loaded, expected):
         for key in sorted(map(str, info.get(report) or ()))[:8]
         if "scale" in key.rpartition(".")[2]
     ]
+    problems += bias_problems(model)
     try:
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([PROMPT])).logits

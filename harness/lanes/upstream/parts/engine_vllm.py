@@ -2,7 +2,8 @@
 
 With the settings the harness's vllm engine uses on CPU (the checkpoint's dtype, eager, a small KV
 cache), without a tokenizer (token ids in, log-probabilities out). vLLM repacks weights for its
-kernels, so what it holds is judged by its layers' sizes against config.json and by a forward pass;
+kernels, so what it holds is judged by its layers' sizes against config.json (GPTQ / AWQ: and their
+groups of scales) and by a forward pass;
 where the checkpoint declares an FP8 KV cache, by the scales its attention layers quantize it with;
 a quantized embedding (never repacked) by its values."""
 
@@ -41,10 +42,15 @@ def load_model(directory):
     )
 
 
-def layer_sizes(model) -> dict[str, tuple[list[int], int]]:
-    """Each linear layer's output rows (per fused part) and input width, as vLLM allocated them."""
+def layer_sizes(model) -> dict[str, tuple[list[int], int, int | None]]:
+    """Each linear layer's output rows (per fused part), input width and, for GPTQ / AWQ (`scales`
+    [groups, outputs], kept as loaded), its groups of inputs, as vLLM allocated them."""
     return {
-        name: ([int(s) for s in module.output_partition_sizes], int(module.input_size))
+        name: (
+            [int(s) for s in module.output_partition_sizes],
+            int(module.input_size),
+            int(module.scales.shape[0]) if getattr(module, "scales", None) is not None else None,
+        )
         for name, module in model.named_modules()
         if hasattr(module, "output_partition_sizes") and hasattr(module, "input_size")
     }
@@ -58,7 +64,7 @@ def size_problems(sizes) -> list[str]:
         if role in ("linear", "plain") and "layers." in name
     }
     problems = []
-    for name, (rows, width) in sorted(sizes.items()):
+    for name, (rows, width, groups) in sorted(sizes.items()):
         parent, _, leaf = ("layers." + name.partition("layers.")[2]).rpartition(".")
         parts = [f"{parent}.{part}" for part in FUSED.get(leaf, (leaf,))]
         if not all(part in shapes for part in parts):
@@ -68,6 +74,12 @@ def size_problems(sizes) -> list[str]:
             problems.append(
                 f"{name}: vLLM allocated {rows} output rows x {width} inputs; config.json implies "
                 f"{want_rows} x {want_width} ({', '.join(part.rpartition('.')[2] for part in parts)})"
+            )
+        group = scale_block((want_rows[0], want_width))[1]
+        if groups is not None and groups != math.ceil(want_width / group):
+            problems.append(
+                f"{name}: vLLM holds scales for {groups} group(s) of {group} inputs; the checkpoint stores "
+                f"ceil({want_width} / {group}) = {math.ceil(want_width / group)} (a partial last group has its own)"
             )
     return problems
 
