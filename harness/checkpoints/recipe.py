@@ -125,9 +125,6 @@ def pairing_refusal(fmt, arch) -> str | None:
     own MXFP4 layout (experts packed), and that format exists only for it."""
     if arch.only_formats and fmt.name not in arch.only_formats:
         return f"{arch.name} is written only in {', '.join(arch.only_formats)} (its release layout)"
-    if arch.moe is not None and not fmt.splits_by_rows(fmt.resolve_knobs({})):
-        # GPTQ/AWQ hold outputs along dim 1: the experts' views and stacking read row-major tensors
-        return f"{fmt.name} on routed experts ({arch.name}) is not written yet (its tensors hold outputs along dim 1)"
     owners = [a.name for a in ARCHITECTURES.values() if fmt.name in a.only_formats]
     if owners and arch.name not in owners:
         return f"{fmt.name} is the layout of {', '.join(owners)} only (experts packed on disk)"

@@ -43,6 +43,13 @@ DERIVED_NAMES = ("dtype_bytes", "expert_width", "isa")
 #: Linear (q/k/v, gate/up) store different per-tensor global scales (NVFP4's weight_global_scale or
 #: weight_scale_2), which such an engine must requantize or refuse (stored_facts)
 STORED_NAMES = ("fused_global_scales_differ",)
+#: read from the checkpoint (its manifest, or GPTQ/AWQ tensors' headers): the largest power of two
+#: (at most ALIGNMENT_CAP) dividing every quantized Linear's input width, and its output width. A
+#: kernel that needs whole groups of g inputs, or outputs in multiples of 16, fails where it is
+#: below that (`input_alignment < group_size`): whatever the architecture calls the width
+#: (DeepSeek's kv_lora_rank, an expert's moe_intermediate_size)
+ALIGNMENT_NAMES = ("input_alignment", "output_alignment")
+ALIGNMENT_CAP = 1024
 #: fused parts by the first part's module name, as vLLM and SGLang fuse them
 FUSED_PARTS = {
     "q_proj": ("q_proj", "k_proj", "v_proj"),
@@ -86,6 +93,7 @@ def known_names() -> frozenset[str]:
         set(CONFIG_NAMES)
         | set(DERIVED_NAMES)
         | set(STORED_NAMES)
+        | set(ALIGNMENT_NAMES)
         | set(TINY_DEFAULTS)
         | set(LAYOUT_DEFAULTS)
         | set(PERTURB_DEFAULTS)
@@ -252,6 +260,7 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
     context["dtype"] = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
     context |= derived_facts(config, context["dtype"])
     context |= stored_facts(directory)
+    context |= alignment_facts(directory)
     context["isa"] = isa_class()
     hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
     if config.get("head_dim") is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
@@ -283,6 +292,53 @@ def stored_facts(directory: Path) -> dict[str, Any]:
     except (HarnessError, OSError, ValueError):
         return {}
     return {"fused_global_scales_differ": False}
+
+
+def alignment_facts(directory: Path) -> dict[str, Any]:
+    """ALIGNMENT_NAMES from every quantized Linear's [outputs, inputs] (empty where none is known)."""
+    shapes = linear_shapes(directory)
+    if not shapes:
+        return {}
+    return {
+        "input_alignment": min(power_of_two_dividing(cols) for _, cols in shapes),
+        "output_alignment": min(power_of_two_dividing(rows) for rows, _ in shapes),
+    }
+
+
+def power_of_two_dividing(width: int) -> int:
+    """The largest power of two dividing `width`, at most ALIGNMENT_CAP (0: ALIGNMENT_CAP)."""
+    return min(width & -width, ALIGNMENT_CAP) if width else ALIGNMENT_CAP
+
+
+def linear_shapes(directory: Path) -> list[tuple[int, int]]:
+    """Each quantized Linear's [outputs, inputs]: as the harness's manifest records them, or, for a
+    GPTQ/AWQ checkpoint it did not write, from its tensors' headers (GPTQ: g_idx's length, or
+    qweight's packed rows, by scales' columns; AWQ: qweight's rows by scales' columns)."""
+    from harness.checkpoints.manifest import read_manifest
+    from harness.checkpoints.reader import Checkpoint
+    from harness.checkpoints.writer import MANIFEST_FILE
+
+    try:
+        if (directory / MANIFEST_FILE).is_file():
+            return [tuple(info["shape"]) for info in read_manifest(directory)["modules"].values()]
+        checkpoint = Checkpoint(directory)
+        quantization = checkpoint.quantization_config
+        shapes = {n: checkpoint.headers[checkpoint.shard_of(n)][n]["shape"] for n in checkpoint.weight_map}
+    except (HarnessError, OSError, ValueError, KeyError, TypeError):
+        return []
+    method, bits = quantization.get("quant_method"), quantization.get("bits", 4)
+    if method not in ("gptq", "awq") or bits not in (4, 8):
+        return []
+    result = []
+    for name, shape in shapes.items():
+        module, _, suffix = name.rpartition(".")
+        scales = shapes.get(f"{module}.scales")
+        if suffix != "qweight" or len(shape) != 2 or not scales or len(scales) != 2:
+            continue
+        g_idx = shapes.get(f"{module}.g_idx")
+        cols = shape[0] if method == "awq" else g_idx[0] if g_idx else shape[0] * 32 // bits
+        result.append((scales[1], cols))
+    return result
 
 
 def derived_facts(config: Mapping[str, Any], dtype: str) -> dict[str, Any]:

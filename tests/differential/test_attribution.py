@@ -13,7 +13,7 @@ from harness.core.errors import HarnessError
 from harness.core.findings import Finding
 from harness.differential.known_issues import KnownIssues
 from harness.differential.misreadings import REGISTRY
-from harness.differential.preconditions import Predicate, known_names
+from harness.differential.preconditions import Predicate, alignment_facts, known_names
 from harness.differential.runner import EngineSession, Judgement, evaluate, judge_held_weights
 
 GRID_ISSUE = "transformers-fp8-block-grid-inferred-from-shape"
@@ -154,6 +154,30 @@ def generated(tmp_path, name, fmt, arch, **config):
     directory = tmp_path / name
     generate(Recipe(format=fmt, arch=arch, config={"num_hidden_layers": 1, **config}), directory)
     return directory
+
+
+@pytest.mark.parametrize(
+    ("fmt", "arch", "config", "knobs", "inputs", "outputs"),
+    [
+        # llama: inputs 128 (hidden, q heads) and 160 (intermediate: 32 | 160); outputs 64 (k/v), 128, 160
+        ("gptq", "llama", {}, {}, 32, 32),
+        # DeepSeek's latent attention: its kv_a / kv_b and q_b widths, whatever config fields name them
+        ("gptq", "deepseek_v3", {}, {"desc_act": True, "group_size": 32}, 16, 16),
+        ("awq", "qwen3_moe", {"moe_intermediate_size": 24}, {"group_size": 32}, 8, 8),
+    ],
+)
+def test_alignment_facts_read_every_quantized_linear_alike_with_or_without_the_manifest(
+    tmp_path, fmt, arch, config, knobs, inputs, outputs
+):
+    """input_alignment / output_alignment: the largest power of two dividing every quantized Linear's
+    widths, from the generator's manifest and, for a checkpoint it did not write (no manifest), from
+    the GPTQ/AWQ tensors' headers: the same numbers."""
+    directory = tmp_path / "written"
+    generate(Recipe(format=fmt, arch=arch, config={"num_hidden_layers": 1, **config}, knobs=knobs), directory)
+    written = alignment_facts(directory)
+    assert written == {"input_alignment": inputs, "output_alignment": outputs}
+    (directory / "harness_manifest.json").unlink()
+    assert alignment_facts(directory) == written
 
 
 def test_head_dim_message_without_its_precondition_is_new(tmp_path):
