@@ -255,6 +255,34 @@ def test_script_judges_a_correct_loader_fixed():
     assert refuse["judge_loaded"]([], [])[0] == 1
 
 
+def test_script_kernel_slack_allows_the_zero_point_fold_and_never_a_quantization_step():
+    """A GPTQ Linear read through its kernel (modules.applied_weight): the comparison allows two
+    roundings of the group's range and the output's rounding (common.kernel_slack), and flags a
+    weight a zero point read one off moves by one quantization step (the range / 15), in the
+    bfloat16 model of the script and in a float16 one."""
+    script = script_namespace("transformers-gptqmodel-cpu-int4-float16-model-computed-in-bfloat16")
+    for dtype in (torch.bfloat16, torch.float16):
+        script["MODEL_DTYPE"] = dtype
+        script["WEIGHT_TOLERANCE"] = {"rel": 2 * torch.finfo(dtype).eps, "abs": 0.0}
+        weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(0), dtype=torch.float64) / 10
+        block = script["scale_block"](tuple(weight.shape))
+        span = weight.abs().reshape(64, -1, block[1]).amax(-1) * 2  # a symmetric group's range
+        step = (span / 15).repeat_interleave(block[1], dim=1)
+        bias = torch.linspace(-1, 1, 64, dtype=torch.float64)
+        script["PROBED"].clear()
+        script["PROBED"]["m"] = bias
+        fold = (
+            torch.where(torch.arange(96) % 2 == 0, 1.0, -1.0) * 0.9 * script["ulp"](span.repeat_interleave(block[1], 1))
+        )
+        assert script["weight_problems"]({"m": weight + fold}, {"m": weight}, script["scale_block"]) == []
+        off = weight.clone()
+        off[5, 7] += step[5, 7]
+        problems = script["weight_problems"]({"m": off}, {"m": weight}, script["scale_block"])
+        assert (
+            len(problems) == 1 and "1 of 6144 elements differ" in problems[0] and "applied by its kernel" in problems[0]
+        )
+
+
 def test_script_activation_judge_passes_the_definition_and_catches_labelled_doubles(tmp_path):
     """The activations piece on one Linear: computing from the input quantized as the config
     specifies (FineGrainedFP8: dynamic FP8 per token and 128 columns) passes; two deliberately
