@@ -320,7 +320,8 @@ def linear_shapes(directory: Path) -> list[tuple[int, int]]:
 
     try:
         if (directory / MANIFEST_FILE).is_file():
-            return [tuple(info["shape"]) for info in read_manifest(directory)["modules"].values()]
+            shapes = [info.get("shape") or [] for info in read_manifest(directory)["modules"].values()]
+            return [tuple(shape) for shape in shapes if len(shape) == 2]  # an orphan scale's module has none
         checkpoint = Checkpoint(directory)
         quantization = checkpoint.quantization_config
         shapes = {n: checkpoint.headers[checkpoint.shard_of(n)][n]["shape"] for n in checkpoint.weight_map}

@@ -23,8 +23,9 @@ hi = max(group max, 0); symmetric: hi = max(|lo|, hi), lo = -hi; an all-zero gro
 lo, hi = -1, 1; scale = (hi - lo) / (2**b - 1); z = 2**(b-1) (symmetric) or round(-lo / scale).
 The stored float16 scale is what the codes are computed against, as AutoGPTQ's `pack` does:
 q = clamp(round(w / scale) + z, 0, 2**b - 1). The generator quantizes by rounding (no Hessian
-compensation: the format is the same) and, under act-order, orders inputs by decreasing column
-amax in the Hessian's place. v1 cannot store z = 0 (z - 1 = -1 is no unsigned code): v1's
+compensation: the format is the same) and, under act-order, orders the inputs by a fixed hash of
+their index in the Hessian's place, one order per input width, so that q/k/v and gate/up share
+their g_idx as a real producer's do (they read the same activations). v1 cannot store z = 0 (z - 1 = -1 is no unsigned code): v1's
 quantizer keeps z >= 1, as a v1 producer must. Packing needs whole words: an N or K that is not a
 multiple of 32/b is padded with zero slots, which GPTQ's own loaders do not allocate, so such a
 module is `exact-or-refuse`.
@@ -78,10 +79,17 @@ def group_count(cols: int, group: int) -> int:
     return 1 if group == -1 else ceil_div(cols, group)
 
 
-def act_order(weight: torch.Tensor) -> torch.Tensor:
-    """The producer's input order under act-order: decreasing importance. GPTQ ranks inputs by
-    the Hessian's diagonal (the calibration activations' energy); with none, by column amax."""
-    return torch.argsort(weight.abs().amax(dim=0), descending=True, stable=True)
+#: Knuth's multiplicative hash constant: odd, so k -> k * HASH mod 2**32 is a bijection
+HASH = 2654435761
+
+
+def act_order(cols: int) -> torch.Tensor:
+    """The producer's input order under act-order: decreasing importance. GPTQ ranks inputs by the
+    Hessian's diagonal, the calibration activations' energy on each input, so Linears that read one
+    input (q/k/v, gate/up, an expert's gate/up) share one order and one g_idx. With no calibration
+    data, a fixed stand-in for that ranking that depends on the input width alone: inputs sorted by
+    Knuth's multiplicative hash of their index."""
+    return torch.argsort((torch.arange(cols, dtype=torch.int64) * HASH) % 2**32)
 
 
 def group_index(cols: int, group: int, order: torch.Tensor | None) -> torch.Tensor:
@@ -202,7 +210,7 @@ class Gptq(QuantFormat):
         weight = weight.to(model_dtype).to(torch.float32)  # the producer quantizes the model's weight
         rows, cols = weight.shape
         bits, group, v1 = knobs["bits"], knobs["group_size"], knobs["checkpoint_format"] == "gptq"
-        order = act_order(weight) if knobs["desc_act"] else None
+        order = act_order(cols) if knobs["desc_act"] else None
         g_idx = group_index(cols, group, order)
         groups = group_count(cols, group)
         dtype = SCALE_STORAGES[knobs.get("scale_storage", "float16")]

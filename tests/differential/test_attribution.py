@@ -180,6 +180,15 @@ def test_alignment_facts_read_every_quantized_linear_alike_with_or_without_the_m
     assert alignment_facts(directory) == written
 
 
+def test_alignment_facts_skip_a_module_the_manifest_gives_no_shape(tmp_path):
+    """An orphan scale's module (a scale for a module the model lacks) has no shape: the others count."""
+    recipe = Recipe(
+        format="gptq", arch="llama", config={"num_hidden_layers": 1}, perturb={"disagreement": "orphan-scale"}
+    )
+    generate(recipe, tmp_path)
+    assert alignment_facts(tmp_path) == {"input_alignment": 32, "output_alignment": 32}
+
+
 def test_head_dim_message_without_its_precondition_is_new(tmp_path):
     """vLLM's Qwen2 head_dim issue excuses a slicing error only where head_dim != hidden / heads:
     the same message on a checkpoint where they agree is another mechanism, so new."""

@@ -83,6 +83,26 @@ def test_gptq_reference_equals_the_quantizers_truth(knobs, shape):
             assert torch.equal(GPTQ.dequantize(without, read), result.truth)
 
 
+def test_act_order_is_one_order_per_input_as_a_producer_writes_it(tmp_path):
+    """GPTQ ranks inputs by the Hessian of the activations a Linear reads: q/k/v share one g_idx,
+    gate/up another (each a permutation of whole groups, not k // group), as GPTQModel writes them."""
+    from harness.checkpoints.reader import Checkpoint
+    from harness.checkpoints.recipe import Recipe
+    from harness.checkpoints.writer import generate
+
+    recipe = Recipe(
+        format="gptq", arch="llama", config={"num_hidden_layers": 1}, knobs={"desc_act": True, "group_size": 32}
+    )
+    generate(recipe, tmp_path)
+    checkpoint = Checkpoint(tmp_path)
+    layer = "model.layers.0"
+    for parts in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+        first, *others = (checkpoint.tensor(f"{layer}.{part}.g_idx") for part in parts)
+        assert all(torch.equal(first, other) for other in others), parts
+        assert torch.equal(torch.bincount(first.long()), torch.full((len(first) // 32,), 32))
+        assert not torch.equal(first, torch.arange(len(first), dtype=torch.int32) // 32)
+
+
 def test_gptq_v1_stores_every_zero_point_minus_one():
     weight = make_weight((16, 128), 3)
     v1, v2 = (

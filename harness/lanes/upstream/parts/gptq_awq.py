@@ -63,16 +63,16 @@ def unpack(words: torch.Tensor, extent: int, dim: int, order=None) -> torch.Tens
     return codes.T if dim == 0 else codes
 
 
-def input_groups(weight: torch.Tensor) -> torch.Tensor:
+def input_groups(cols: int) -> torch.Tensor:
     """g_idx: each input's group. Under act-order (desc_act) the producer quantizes the inputs in
-    decreasing order of importance (GPTQ: the Hessian's diagonal; here, with no calibration data,
-    the column's largest |w|), and groups are runs of that order."""
-    cols = weight.shape[1]
+    decreasing order of importance (GPTQ: the Hessian's diagonal, so Linears reading one input
+    share it; here, with no calibration data, a fixed hash of the input's index), and groups are
+    runs of that order."""
     if KNOBS["group_size"] == -1:
         return torch.zeros(cols, dtype=torch.int32)
     position = torch.arange(cols)
     if KNOBS["desc_act"]:
-        order = torch.argsort(weight.abs().amax(dim=0), descending=True, stable=True)
+        order = torch.argsort((torch.arange(cols, dtype=torch.int64) * 2654435761) % 2**32)
         position = torch.empty(cols, dtype=torch.int64)
         position[order] = torch.arange(cols)
     return (position // KNOBS["group_size"]).to(torch.int32)
@@ -110,7 +110,7 @@ def quantize_weight(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per group, the producer's qparams; codes = clamp(round(w / stored scale) + zero, 0, 2**b - 1)."""
     weight = weight.to(torch.float32)
     rows, cols = weight.shape
-    g_idx = torch.arange(cols, dtype=torch.int32) // group_size(cols) if AWQ else input_groups(weight)
+    g_idx = torch.arange(cols, dtype=torch.int32) // group_size(cols) if AWQ else input_groups(cols)
     groups = int(g_idx.max()) + 1
     qparams = awq_qparams if AWQ else gptq_qparams
     scales = torch.empty(groups, rows, dtype=SCALE_DTYPE)
