@@ -159,3 +159,18 @@ def test_audit_reads_packed_experts_one_by_one(tmp_path):
     (finding,) = audit_checkpoint(broken).findings
     assert finding.module == "model.layers.0.mlp.experts.0.gate_up_proj"
     assert "0xFF" in finding.reason
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "ct-fp8-channel"])
+def test_the_experts_naming_is_read_from_any_formats_first_tensor(tmp_path, fmt):
+    """Mixtral's experts stored as gate_proj/up_proj/down_proj (llm-compressor's naming) are read under
+    that naming whatever tensor the format stores first (weight, weight_packed, GPTQ/AWQ's qweight):
+    the model state the reference builds then holds every expert (none left as initialised)."""
+    from harness.checkpoints.model_layout import known_layout
+
+    recipe = Recipe(
+        format=fmt, arch="mixtral", config={"num_hidden_layers": 1}, layout={"expert_naming": "projections"}
+    )
+    generate(recipe, tmp_path)
+    checkpoint = Checkpoint(tmp_path)
+    assert known_layout(checkpoint.config, checkpoint.names()).moe.parts == ("gate_proj", "up_proj", "down_proj")

@@ -71,8 +71,8 @@ def with_expert_naming(arch: Architecture, settings: Mapping, names: Iterable[st
     return arch
 
 
-#: the suffixes an expert's first projection is stored under in some format (weight, packed, blocks)
-_SUFFIXES = ("weight", "weight_packed")
+#: the suffixes an expert's first projection is stored under in some format (weight, packed, GPTQ/AWQ's qweight)
+_SUFFIXES = ("weight", "weight_packed", "qweight")
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,9 @@ CONFIG_NAMES = (
 #: moe_intermediate_size); only for a registered mixture-of-experts architecture
 #: `isa`: this machine's instruction-set class (harness.core.machine.isa_class: amx-fp8, amx,
 #: avx512-bf16, avx512, avx2), for an engine whose kernel, and so whose bug, depends on it
-DERIVED_NAMES = ("dtype_bytes", "expert_width", "isa")
+#: `dynamic_exclusions`: how many modules a GPTQModel config leaves unquantized through `-:` rules of
+#: its quantization_config's `dynamic` (0 without any)
+DERIVED_NAMES = ("dtype_bytes", "expert_width", "isa", "dynamic_exclusions")
 #: read from the stored tensors, for any checkpoint: whether the parts a serving engine fuses into one
 #: Linear (q/k/v, gate/up) store different per-tensor global scales (NVFP4's weight_global_scale or
 #: weight_scale_2), which such an engine must requantize or refuse (stored_facts)
@@ -353,6 +355,9 @@ def derived_facts(config: Mapping[str, Any], dtype: str) -> dict[str, Any]:
     arch = architecture_for(str(config.get("model_type", "")))
     if arch is not None and arch.moe is not None and isinstance(config.get(arch.moe.intermediate_key), int):
         facts["expert_width"] = config[arch.moe.intermediate_key]
+    quantization = config.get("quantization_config")
+    dynamic = quantization.get("dynamic") if isinstance(quantization, dict) else None
+    facts["dynamic_exclusions"] = sum(str(key).startswith("-:") for key in dynamic) if isinstance(dynamic, dict) else 0
     return facts
 
 

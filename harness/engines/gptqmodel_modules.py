@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from harness.core.errors import FormatError
 from harness.core.naming import canonical_name
 
 #: the tensor that marks a GPTQ / AWQ Linear in a model (and in a checkpoint)
@@ -38,7 +39,10 @@ def held_convention(module, knobs: dict) -> dict:
 def placed_weights(model, fmt, knobs) -> dict[str, dict[str, torch.Tensor]]:
     """{module name: {canonical name: float32 tensor}} for every GPTQ / AWQ Linear of `model`, its
     held tensors decoded by the format's reference under the module's own convention. Call it
-    before the first forward (the kernels repack then)."""
+    before the first forward (the kernels repack then). A module whose held tensors the reference
+    refuses (buffers its loader never wrote: GPTQModel allocates them uninitialised, and a g_idx
+    of garbage names no group) places no weight: the judgement finds it missing, and the load
+    report says which tensors never arrived."""
     if fmt is None or fmt.marker != MARKER:
         return {}
     placed = {}
@@ -47,9 +51,12 @@ def placed_weights(model, fmt, knobs) -> dict[str, dict[str, torch.Tensor]]:
             continue
         own = dict(module.named_buffers(recurse=False)) | dict(module.named_parameters(recurse=False))
         tensors = {key: value for key, value in own.items() if key in fmt.suffixes}
-        weights = {
-            canonical_name(f"{name}.weight"): fmt.dequantize_held(tensors, held_convention(module, knobs)).float()
-        }
+        try:
+            weights = {
+                canonical_name(f"{name}.weight"): fmt.dequantize_held(tensors, held_convention(module, knobs)).float()
+            }
+        except FormatError:
+            weights = {}
         if isinstance(own.get("bias"), torch.Tensor):
             weights[canonical_name(f"{name}.bias")] = own["bias"].float()
         placed[name] = weights
