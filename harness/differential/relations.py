@@ -238,15 +238,14 @@ def _check_shards(relation: Relation, judgement: Judgement, engine: str) -> str:
     routed experts where that is another (DeepSeek-V3's dense first layers), whose experts are also
     placed at EP_SIZES; the smallest tensor-parallel size (else expert-parallel) at which a rank
     holds other values than its slice is one finding (the others in its metrics)."""
-    from harness.engines.vllm.tensor_parallel import FINDING, REFUSED, WORKER_SPEC, check_tensor_parallel
+    from harness.engines.vllm.tensor_parallel import FINDING, REFUSED, WORKER_SPEC, check_tensor_parallel, lane_judges
     from harness.engines.vllm.tensor_parallel.layout import EP, TP, first_sparse_layer
 
     why = relation.inapplicable(judgement.config)
     if why or judgement.hazards:
         return f"not checked: {why or 'a hostile layout'}"
-    if judgement.fmt is not None and not judgement.fmt.splits_by_rows(judgement.knobs or {}):
-        # GPTQ/AWQ hold outputs along dim 1, asymmetric zero points are packed across rows: the
-        # emulation slices row-major tensors only
+    if judgement.fmt is not None and not lane_judges(judgement.fmt, judgement.knobs or {}):
+        # asymmetric zero points packed across rows: the lane slices row-major tensors (and GPTQ/AWQ's)
         return f"not checked: {judgement.fmt.name} does not store each output row on its own (its slices are not rows)"
     layers = sorted({0, first_sparse_layer(judgement.config) or 0})
     try:

@@ -51,6 +51,8 @@ def judge_with_stand_in_kernels(judgement, engine: str, outcome) -> None:
         return
     why = relation.inapplicable(judgement.config) or ("a hostile layout" if judgement.hazards else "")
     if not why and judgement.fmt is not None and not judgement.fmt.splits_by_rows(judgement.knobs or {}):
+        # GPTQ/AWQ: the tensor-parallel relation reads their shards; their processing after loading
+        # has no decoder here (harness.engines.vllm.post_load)
         why = f"{judgement.fmt.name} does not store each output row on its own"
     if not why and judgement.expectation == "refuse":
         why = "the checkpoint must be refused (a full load judges that)"

@@ -72,6 +72,14 @@ class TpResult:
         }
 
 
+def lane_judges(fmt, knobs) -> bool:
+    """Whether the lane can judge this format's shards: tensors that hold each output row on its own
+    (sliced and compared byte for byte, and through the weight they decode to), or GPTQ/AWQ's
+    (outputs along dim 1, packed along both axes: judged through the weight each rank's tensors
+    decode to). Not compressed-tensors' asymmetric zero points (packed across rows)."""
+    return fmt.splits_by_rows(knobs) or fmt.marker == "qweight"
+
+
 def parse_tp_sizes(text: str, option: str = "--tp-sizes") -> list[int]:
     try:
         sizes = [int(part) for part in text.split(",") if part.strip()]

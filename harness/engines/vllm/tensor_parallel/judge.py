@@ -172,21 +172,26 @@ def judge_shard(shard: Shard, truth: Truth) -> RankVerdict:
             computed = dequantize_held(shard, truth) if slices[0].stop > slices[0].start else {}
         except (FormatError, ValueError, RuntimeError) as error:
             problems.append(f"the format's reference refuses the held tensors: {error}")
-            computed = {}
+            computed = None  # every part's weight is unreadable: each is held wrong
+        rounding = held_rounding(shard, truth)
         permuted = rotary_heads(shard, slices, truth)
         if permuted:  # what the rank computes, and the bytes it holds, in checkpoint row order
-            computed = {n: unpermute_rotary_rows(v, permuted[n]) if n in permuted else v for n, v in computed.items()}
+            if computed:
+                computed = {
+                    n: unpermute_rotary_rows(v, permuted[n]) if n in permuted else v for n, v in computed.items()
+                }
             shard = unpermuted(shard, permuted)
         for part, owned in zip(shard.linear.parts, slices, strict=True):
             module = shard.linear.part_module(truth.layer, part)
             before = len(problems)
-            if part.name in computed:
+            if computed and part.name in computed:
                 reference = truth.reference[shard.linear.reference_name(truth.layer, part)]
-                wrong = compare(computed[part.name], cut(reference, owned), owned)
+                wrong = compare(computed[part.name], cut(reference, owned), owned, rounding and rounding[0])
                 if wrong:
-                    problems.append(f"{part.name} weight {wrong}{block_trace(shard, part, owned, truth)}")
+                    note = f" ({rounding[1]})" if rounding else ""
+                    problems.append(f"{part.name} weight {wrong}{note}{block_trace(shard, part, owned, truth)}")
             problems += raw_problems(shard, part, owned, truth)
-            if len(problems) > before:
+            if len(problems) > before or computed is None:
                 verdict.wrong[module] = list(truth.reference[shard.linear.reference_name(truth.layer, part)].shape)
     if problems and shard.parallel == EP:
         problems.append(expert_held(shard, truth))
@@ -331,13 +336,37 @@ def with_shape(tensors: dict[str, torch.Tensor], rows: int, columns: int) -> dic
     return {**tensors, "weight_shape": torch.tensor([rows, columns], dtype=torch.int64)}
 
 
-def compare(held: torch.Tensor, expected: torch.Tensor, owned: Slice) -> str | None:
-    """None when bit-identical; else which checkpoint rows (or columns) differ and by how much."""
+def held_rounding(shard: Shard, truth: Truth) -> tuple[tuple[float, float], str] | None:
+    """Where a rank holds a floating-point scale in another dtype than the checkpoint stores it (vLLM
+    allocates GPTQ/AWQ scales in the model dtype: float16 scales held as bfloat16), what it computes
+    is the definition through that rounding: the weight tolerance of the model dtype
+    (cases/tolerances.toml: (rel, abs)) and why; None where every scale is held as stored (then the
+    comparison is bit for bit). A slice off by a group or a row moves weights far beyond it."""
+    from harness.core.tolerances import load_tolerances
+
+    module = shard.linear.part_module(truth.layer, shard.linear.parts[0])
+    for suffix, held in shard.held.items():
+        stored = truth.raw.get(f"{module}.{suffix}")
+        if suffix in truth.fmt.suffixes and stored is not None and stored.is_floating_point():
+            if held.dtype != stored.dtype and held.is_floating_point():
+                dtype = truth.config.get("dtype") or truth.config.get("torch_dtype") or "bfloat16"
+                tolerance = load_tolerances(truth.fmt.name, dtype)
+                why = f"{suffix} held as {str(held.dtype)[6:]}, stored {str(stored.dtype)[6:]}: compared within {dtype}'s weight tolerance"
+                return (tolerance.weight_rel, tolerance.weight_abs), why
+    return None
+
+
+def compare(held: torch.Tensor, expected: torch.Tensor, owned: Slice, tolerance=None) -> str | None:
+    """None when bit-identical (or, with `tolerance` (rel, abs), within it); else which checkpoint
+    rows (or columns) differ and by how much."""
     if held.dim() == 1 and expected.dim() == 1:  # one value a row (the sinks: a head each)
         held, expected = held.unsqueeze(1), expected.unsqueeze(1)
     if held.shape != expected.shape:
         return f"has shape {list(held.shape)} where the rank must hold {list(expected.shape)}"
-    bad = ~(held == expected)
+    if tolerance is None:
+        bad = ~(held == expected)
+    else:
+        bad = ~((held - expected).abs() <= tolerance[0] * expected.abs() + tolerance[1])
     if not bad.any():
         return None
     lines = bad.any(dim=1 - owned.axis).nonzero().flatten().tolist()
@@ -356,10 +385,14 @@ def raw_problems(shard: Shard, part: Part, owned: Slice, truth: Truth) -> list[s
     layout = {p.name: (start, rows) for p, start, rows in part_rows(shard, _held_rows(shard))}
     start, rows = layout[part.name]
     problems = []
+    # GPTQ/AWQ hold outputs along dim 1, packed along both axes: judged through the dequantized weight
+    by_rows = truth.fmt.splits_by_rows(truth.knobs)
     for suffix, held in shard.held.items():
         source = truth.raw.get(f"{module}.{suffix}")
         if source is None or held.dim() == 0 or (suffix != "bias" and held.dim() == 1):
             continue  # per-part scalars are judged through the dequantized weight
+        if not by_rows and suffix in truth.fmt.suffixes:
+            continue
         grid = shard.block and suffix not in ("bias", truth.fmt.suffixes[0]) and held.dim() == 2
         if grid or held.shape[0] != _held_rows(shard) or source.shape[0] != part.rows:
             continue  # a block grid (one grid row can look like one scale per row): traced in block_trace

@@ -56,6 +56,8 @@ MP_KERNEL_CHOOSERS = {
     "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16": (
         "choose_mp_linear_kernel",
     ),
+    "vllm.model_executor.layers.quantization.auto_gptq": ("choose_mp_linear_kernel",),
+    "vllm.model_executor.layers.quantization.auto_awq": ("choose_mp_linear_kernel",),
 }
 #: vLLM modules that imported an NVFP4 MoE backend chooser by name (it raises NotImplementedError
 #: where no backend runs here; the stand-in is EMULATION, the backend that computes from the
@@ -65,6 +67,10 @@ MOE_BACKEND_CHOOSERS = {
     "vllm.model_executor.layers.quantization.mxfp4": ("select_mxfp4_moe_backend",),
     "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
     "compressed_tensors_moe_w4a4_nvfp4": ("select_nvfp4_moe_backend",),
+    # GPTQ / AWQ experts (vLLM's WNA16 MoE oracle): no backend on CPU
+    "vllm.model_executor.layers.quantization.auto_gptq": ("select_wna16_moe_backend",),
+    "vllm.model_executor.layers.quantization.auto_awq": ("select_wna16_moe_backend",),
+    "vllm.model_executor.layers.quantization.moe_wna16": ("select_wna16_moe_backend",),
 }
 #: a gpt-oss expert parameter's suffix in vLLM (after w13_/w2_) -> the checkpoint's per-expert suffix
 GPT_OSS_SUFFIXES = {"weight": "weight_packed", "weight_scale": "weight_scale", "bias": "bias"}
@@ -163,6 +169,7 @@ class TensorParallelShards(Engine):
         through_model = (config.get("architectures") or ["?"])[0] in INTERLEAVED
         layer = job["layer"]
         with vllm_context(job["checkpoint"], config, report.kernel_notes) as (quant_config, dtype):
+            checkpoint = AsLoaded(checkpoint, quant_config)
             for tp in job["tp_sizes"]:
                 for rank in range(tp):
                     for linear in linears:
@@ -298,8 +305,11 @@ class TensorParallelShards(Engine):
                     "unwritten": never_written(passes[0][name][slot], mine),
                 }
                 self.held[f"{parallel}{tp}/rank{rank}/{linear.module(layer)}.{suffix}"] = mine.clone()
-            weight = next((entry["params"][w] for w in ("weight", "weight_packed") if w in entry["params"]), {})
-            rows = weight.get("shape", [0])[0]
+            weight = next((entry["params"][w] for w in ("weight", "weight_packed") if w in entry["params"]), None)
+            if weight is None and "scales" in entry["params"]:  # GPTQ/AWQ: outputs along the last dimension
+                rows = entry["params"]["scales"]["shape"][-1]
+            else:
+                rows = (weight or {}).get("shape", [0])[0]
             entry["partition_sizes"] = [rows // len(linear.parts)] * len(linear.parts)
             entry["block"] = [int(b) for b in block] if block else None
         return [entry for _, entry in owned]
@@ -648,7 +658,19 @@ def choose_or_stand_in(chooser, notes: list[str], answer=LoadOnlyKernel):
 
 
 def choose_class_or_stand_in(chooser, notes: list[str]):
-    return choose_or_stand_in(chooser, notes, load_only_kernel_class)
+    """A mixed-precision (int4) kernel class, or a stand-in where none runs here, except for a split
+    every vLLM WNA16 kernel refuses: inputs per rank that are not whole groups (Marlin's
+    "input_size_per_partition ... not divisible by group_size", CPUWNA16's multiples of 32), which
+    vLLM refuses on any host."""
+    stand_in = choose_or_stand_in(chooser, notes, load_only_kernel_class)
+
+    def choose(config, *args, **kwargs):
+        group, inputs = getattr(config, "group_size", -1), config.partition_weight_shape[0]
+        if group not in (-1, None) and inputs % group:
+            return chooser(config, *args, **kwargs)  # vLLM's own refusal, with its words
+        return stand_in(config, *args, **kwargs)
+
+    return choose
 
 
 def load_only_kernel_class(reason: str) -> type:
@@ -669,7 +691,11 @@ def moe_backend_or_emulation(chooser, notes: list[str]):
             return chooser(*args, **kwargs)
         except NotImplementedError as error:
             oracle = importlib.import_module(chooser.__module__)
-            backends = next(getattr(oracle, n) for n in ("NvFp4MoeBackend", "Mxfp4MoeBackend") if hasattr(oracle, n))
+            backends = next(
+                getattr(oracle, n)
+                for n in ("NvFp4MoeBackend", "Mxfp4MoeBackend", "WNA16MoEBackend")
+                if hasattr(oracle, n)
+            )
             notes.append(f"no vLLM MoE backend here, experts loaded as for EMULATION: {one_line(error)[:160]}")
             return backends.EMULATION, None
 
@@ -810,6 +836,24 @@ def feed(module, linear, layer: int, checkpoint, rotary=None) -> None:
                     loader(parameter, tensor, part.shard_id)
             except Exception as error:
                 raise LoadFailure(f"{suffix} of {part.name}: {one_line(error)}") from error
+
+
+class AsLoaded:
+    """The checkpoint as vLLM's model loader feeds it to the layers: without the tensors its
+    quantization config's checkpoint mapper discards (GPTQ's `g_idx` since vllm#54809: "activation-order
+    metadata unused by supported kernels"); every other name and tensor as stored."""
+
+    def __init__(self, checkpoint, quant_config):
+        self.checkpoint = checkpoint
+        mapper = getattr(quant_config, "get_checkpoint_weight_mapper", None)
+        mapper = mapper() if mapper is not None else None
+        self.kept = [n for n in checkpoint.names() if mapper is None or mapper.map_name(n) is not None]
+
+    def names(self) -> list[str]:
+        return self.kept
+
+    def __getattr__(self, name):
+        return getattr(self.checkpoint, name)
 
 
 class LoadFailure(Exception):
