@@ -514,6 +514,12 @@ FIXED_VARIANTS = {
         {"config": {"num_local_experts": 4}},
         "4 gpt-oss experts at ep 2 and 4: whole experts on each rank; every tp rank holds its share of each",
     ),
+    "tp-gptq-whole-groups": (
+        "vllm-tp-int4-rank-inputs-not-whole-groups-scales-dropped",
+        {"knobs": {"group_size": 32}, "config": {"intermediate_size": 128}},
+        "every row-parallel rank holds whole groups of 32 at tp 1, 2 and 4: each holds its slice "
+        "(its float16 scales rounded to bfloat16, within that rounding)",
+    ),
     "gptq-asym-act-order-bfloat16": (
         "transformers-gptqmodel-cpu-int4-float16-model-computed-in-bfloat16",
         {"layout": {"dtype": "bfloat16"}, "knobs": {"sym": False, "desc_act": True}},
@@ -652,6 +658,9 @@ WITHOUT_SCRIPT = {
     # sizes and a finite forward pass where the kernel runs, and a part scaled by 0.87 passes both
     "vllm-nvfp4-fused-parts-global-scale-max-without-requantizing",
     "vllm-fp8-tensor-requantization-flushes-subnormal-scales",
+    # Llama-4's q/k rotary permutation: the tensor-parallel script builds dense parallel Linears, and
+    # every Llama-4 layout the generator writes has routed experts (refused a script)
+    "vllm-llama4-gptq-awq-qk-rows-not-permuted-for-rotary",
 }
 
 

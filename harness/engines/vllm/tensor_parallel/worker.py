@@ -660,13 +660,15 @@ def choose_or_stand_in(chooser, notes: list[str], answer=LoadOnlyKernel):
 def choose_class_or_stand_in(chooser, notes: list[str]):
     """A mixed-precision (int4) kernel class, or a stand-in where none runs here, except for a split
     every vLLM WNA16 kernel refuses: inputs per rank that are not whole groups (Marlin's
-    "input_size_per_partition ... not divisible by group_size", CPUWNA16's multiples of 32), which
-    vLLM refuses on any host."""
+    "input_size_per_partition ... not divisible by group_size", CPUWNA16's multiples of 32), or
+    outputs per rank that are not whole int32 words of codes (Marlin's multiples of 64, CPUWNA16's
+    of 32), which vLLM refuses on any host."""
     stand_in = choose_or_stand_in(chooser, notes, load_only_kernel_class)
 
     def choose(config, *args, **kwargs):
-        group, inputs = getattr(config, "group_size", -1), config.partition_weight_shape[0]
-        if group not in (-1, None) and inputs % group:
+        group, (inputs, outputs) = getattr(config, "group_size", -1), config.partition_weight_shape
+        per_word = 32 // getattr(config.weight_type, "size_bits", 4)
+        if (group not in (-1, None) and inputs % group) or outputs % per_word:
             return chooser(config, *args, **kwargs)  # vLLM's own refusal, with its words
         return stand_in(config, *args, **kwargs)
 

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from harness.lanes.upstream.parts.checkpoint import rename
 from harness.lanes.upstream.parts.common import MODEL_DTYPE, ranges
 from harness.lanes.upstream.parts.fp8 import dequantize_definition  # or nvfp4, mxfp4: the format piece
-from harness.lanes.upstream.parts.parameters import CONFIG, TENSOR_PARALLEL
+from harness.lanes.upstream.parts.parameters import CONFIG, TENSOR_PARALLEL, WEIGHT_TOLERANCE
 
 # ---- reproduce.py ----
 
@@ -41,6 +41,11 @@ KERNEL_CHOOSERS = (
     ("vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4", "init_nvfp4_linear_kernel"),
     ("vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_mxfp4", "init_mxfp4_linear_kernel"),
 )  # fmt: skip
+#: vLLM modules that imported an int4 (WNA16) kernel chooser by name: it returns a kernel class
+MP_KERNEL_CHOOSERS = (
+    ("vllm.model_executor.layers.quantization.auto_gptq", "choose_mp_linear_kernel"),
+    ("vllm.model_executor.layers.quantization.auto_awq", "choose_mp_linear_kernel"),
+)
 
 
 class RankGroup:
@@ -85,10 +90,31 @@ def as_rank(rank, size, expert_parallel=False):
         parallel.enable_expert_parallel = was_enabled
 
 
+class NoKernelClass(NoKernel):
+    """An int4 kernel class vLLM lacks here: its instances stand in as NoKernel does."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+
+def whole_words_and_groups(config):
+    """Whether a rank's int4 layer has whole groups of inputs and whole int32 words of outputs, as
+    every vLLM WNA16 kernel requires (Marlin: input_size_per_partition divisible by group_size)."""
+    inputs, outputs = config.partition_weight_shape
+    group = config.group_size
+    return (group in (-1, None) or inputs % group == 0) and outputs % (32 // config.weight_type.size_bits) == 0
+
+
 @contextmanager
 def loading_without_kernels():
+    """vLLM's kernel choosers, answering a stand-in where no kernel fits this machine; an int4
+    chooser asked for a rank whose inputs are not whole groups keeps its own refusal (every vLLM
+    WNA16 kernel refuses that split)."""
     patched = []
-    for module_name, name in KERNEL_CHOOSERS:
+    for module_name, name, answer in [
+        *((m, n, NoKernel) for m, n in KERNEL_CHOOSERS),
+        *((m, n, NoKernelClass) for m, n in MP_KERNEL_CHOOSERS),
+    ]:
         try:
             module = importlib.import_module(module_name)
         except ImportError:
@@ -97,13 +123,15 @@ def loading_without_kernels():
             continue
         original = getattr(module, name)
 
-        def choose(*args, _original=original, **kwargs):
+        def choose(*args, _original=original, _answer=answer, **kwargs):
+            if _answer is NoKernelClass and not whole_words_and_groups(args[0]):
+                return _original(*args, **kwargs)
             try:
                 return _original(*args, **kwargs)
             except ValueError as error:
                 if "Failed to find a kernel" not in str(error):
                     raise
-                return NoKernel()
+                return _answer() if _answer is NoKernel else _answer
 
         patched.append((module, name, original))
         setattr(module, name, choose)
@@ -225,6 +253,8 @@ def rank_problems(linear, size, rank, config, read, expected):
         shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in held.items())
         return [f"{where}: what the rank holds cannot be read as the format defines ({shapes}): {error}"], None
     problems = []
+    stored = read(linear["parts"][0][0])
+    rounded = [n for n, t in held.items() if n in stored and t.is_floating_point() and t.dtype != stored[n].dtype]
     for part, value in enumerate(values):
         module = linear["parts"][part][0]
         axis, first, stop = owned(linear, part, size, rank)
@@ -235,12 +265,16 @@ def rank_problems(linear, size, rank, config, read, expected):
             problems.append(f"{where}: {module} held {list(value.shape)}, its slice is {list(want.shape)}")
             continue
         differ = value != want
+        note = ""
+        if rounded:  # vLLM holds a scale in the model dtype (GPTQ/AWQ's float16 scales): one rounding allowed
+            differ = ~((value - want).abs() <= WEIGHT_TOLERANCE["rel"] * want.abs() + WEIGHT_TOLERANCE["abs"])
+            note = f"; {', '.join(rounded)} held as {str(held[rounded[0]].dtype)[6:]}: compared within its rounding"
         if bool(differ.any()):
             lines = differ.any(dim=1 - axis).nonzero().flatten() + first
             side = "rows" if axis == 0 else "columns"
             problems.append(
                 f"{where}: {module.rpartition('.')[2]} differs from its slice at checkpoint {side} "
-                f"{ranges(lines.tolist())} (max |delta| {float((value - want).abs().max()):.3g})"
+                f"{ranges(lines.tolist())} (max |delta| {float((value - want).abs().max()):.3g}{note})"
             )
     return problems, None
 
@@ -286,6 +320,18 @@ def shard_problems(directory, expected):
 
     problems, refusals = [], []
     with quantization_config(directory) as config, loading_without_kernels():
+        mapper = config.get_checkpoint_weight_mapper() if hasattr(config, "get_checkpoint_weight_mapper") else None
+        if mapper is not None:  # what vLLM's model loader discards before any layer sees it (GPTQ's g_idx)
+            loaded = read
+
+            def read(module, _loaded=loaded):
+                kept = {
+                    suffix: t
+                    for suffix, t in _loaded(module).items()
+                    if mapper.map_name(f"{module}.{suffix}") is not None
+                }
+                return kept
+
         for size in TENSOR_PARALLEL["sizes"]:
             for rank in range(size):
                 for linear in TENSOR_PARALLEL["linears"]:
