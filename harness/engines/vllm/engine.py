@@ -33,6 +33,7 @@ from harness.core.errors import first_line
 from harness.core.naming import canonical_name
 from harness.engines.base import Engine, EngineRefuses, EngineUnsupported, LoadReport
 from harness.engines.environments import engine_python
+from harness.engines.gptqmodel_modules import MARKER as GPTQ_MARKER
 from harness.engines.hf_common import LEAD, captured_warnings, stored_names
 from harness.engines.vllm.capability import config_refusal, missing_kernel
 from harness.engines.vllm.capability import unsupported_reason as probed_unsupported_reason
@@ -333,7 +334,7 @@ class VllmEngine(Engine):
                 result |= {name: t.to(torch.float32) for name, t in self.expert_weights(module, tensors).items()}
                 continue
             # GPTQ / AWQ hold `qweight` (int32 codes) and no `weight` at all
-            packed = "weight_packed" in tensors or "qweight" in tensors
+            packed = "weight_packed" in tensors or GPTQ_MARKER in tensors
             if packed or ("weight" in tensors and tensors["weight"].dtype in PACKED_DTYPES):
                 weights = self.dequantized_fused(module, tensors, info)
             else:

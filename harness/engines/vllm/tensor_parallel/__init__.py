@@ -77,7 +77,9 @@ def lane_judges(fmt, knobs) -> bool:
     (sliced and compared byte for byte, and through the weight they decode to), or GPTQ/AWQ's
     (outputs along dim 1, packed along both axes: judged through the weight each rank's tensors
     decode to). Not compressed-tensors' asymmetric zero points (packed across rows)."""
-    return fmt.splits_by_rows(knobs) or fmt.marker == "qweight"
+    from harness.engines.gptqmodel_modules import MARKER
+
+    return fmt.splits_by_rows(knobs) or fmt.marker == MARKER
 
 
 def parse_tp_sizes(text: str, option: str = "--tp-sizes") -> list[int]:

@@ -15,6 +15,7 @@ rank of the group (`expert_coverage`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -336,21 +337,27 @@ def with_shape(tensors: dict[str, torch.Tensor], rows: int, columns: int) -> dic
     return {**tensors, "weight_shape": torch.tensor([rows, columns], dtype=torch.int64)}
 
 
+@functools.cache
+def weight_tolerance(format_name: str, dtype: str):
+    """cases/tolerances.toml's tolerances, read once per format and dtype (a check judges many shards)."""
+    from harness.core.tolerances import load_tolerances
+
+    return load_tolerances(format_name, dtype)
+
+
 def held_rounding(shard: Shard, truth: Truth) -> tuple[tuple[float, float], str] | None:
     """Where a rank holds a floating-point scale in another dtype than the checkpoint stores it (vLLM
     allocates GPTQ/AWQ scales in the model dtype: float16 scales held as bfloat16), what it computes
     is the definition through that rounding: the weight tolerance of the model dtype
     (cases/tolerances.toml: (rel, abs)) and why; None where every scale is held as stored (then the
     comparison is bit for bit). A slice off by a group or a row moves weights far beyond it."""
-    from harness.core.tolerances import load_tolerances
-
     module = shard.linear.part_module(truth.layer, shard.linear.parts[0])
     for suffix, held in shard.held.items():
         stored = truth.raw.get(f"{module}.{suffix}")
         if suffix in truth.fmt.suffixes and stored is not None and stored.is_floating_point():
             if held.dtype != stored.dtype and held.is_floating_point():
                 dtype = truth.config.get("dtype") or truth.config.get("torch_dtype") or "bfloat16"
-                tolerance = load_tolerances(truth.fmt.name, dtype)
+                tolerance = weight_tolerance(truth.fmt.name, dtype)
                 why = f"{suffix} held as {str(held.dtype)[6:]}, stored {str(stored.dtype)[6:]}: compared within {dtype}'s weight tolerance"
                 return (tolerance.weight_rel, tolerance.weight_abs), why
     return None
