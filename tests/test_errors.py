@@ -34,3 +34,18 @@ def test_a_validation_error_shows_its_innermost_cause():
         "ValidationError: 1 validation error for VllmConfig: weight_block_size must be a list of two integers, "
         "got [128]"
     )
+
+
+def test_an_error_met_while_compiling_says_which():
+    # vllm[enforce_eager=false] on a ct FP8-channel checkpoint with static input scales (the
+    # campaign, session 28): torch.compile wraps the known narrow() failure in its own words
+    text = (
+        "RuntimeError when making fake tensor call\n"
+        "  Explanation: Dynamo failed to run FX node with fake tensors: call_function <built-in method narrow of "
+        "type object at 0x7fa9428cea40>(*(Parameter(FakeTensor(..., size=())), 0, 0, s72), **{}): "
+        "got RuntimeError('narrow() cannot be applied to a 0-dim tensor.')\n"
+        "  Hint: Your code may result in an error when running in eager."
+    )
+    assert first_line(text) == (
+        "RuntimeError when making fake tensor call: RuntimeError: narrow() cannot be applied to a 0-dim tensor."
+    )

@@ -29,7 +29,15 @@ from harness.formats import FORMAT_NAMES, get_format
 DEFAULT_FILE = CASES_DIR / "coverage.toml"
 SECTIONS = ("knobs", "layout", "perturb", "sizes")
 #: layout fields a cell holds at their default unless its family forces them
-HELD_LAYOUT = ("split_scale", "key_prefix", "fused_scales", "quantize_lm_head", "quantize_embeddings", "kv_scales")
+HELD_LAYOUT = (
+    "split_scale",
+    "key_prefix",
+    "fused_scales",
+    "quantize_lm_head",
+    "quantize_embeddings",
+    "kv_scales",
+    "config_spelling",
+)
 ATTENTION_CHOICES = ("any", "untied")
 
 

@@ -289,6 +289,9 @@ def whole_blocks_loadable(name: str) -> bool:
 #: what real producers write that the architectures' releases do not (docs/producers.md): expert part
 #: names (llm-compressor's Mixtral), a config.json as transformers saves it, `re:` ignore entries
 PRODUCER_LAYOUTS = ("expert_naming", "config_style", "ignore_style")
+#: the layout fields drawn from their choices (each mostly at its default), refused values dropped
+DRAWN_LAYOUTS = ("fused_scales", "quantize_lm_head", "quantize_embeddings", "kv_scales", "config_spelling")
+DRAWN_LAYOUTS += PRODUCER_LAYOUTS
 
 
 @cache  # one strategy object per arguments: Hypothesis validates each new one
@@ -305,7 +308,7 @@ def layouts(draw, force: Force = ()) -> dict[str, Any]:
         "key_prefix": draw(st.sampled_from(forced.get("layout.key_prefix", LAYOUT_CHOICES["key_prefix"]))),
         "dtype": draw(st.sampled_from(forced.get("layout.dtype", LAYOUT_CHOICES["dtype"]))),
     }
-    for key in ("fused_scales", "quantize_lm_head", "quantize_embeddings", "kv_scales", *PRODUCER_LAYOUTS):
+    for key in DRAWN_LAYOUTS:
         layout[key] = draw(
             st.sampled_from(forced[f"layout.{key}"])
             if f"layout.{key}" in forced
@@ -371,7 +374,7 @@ def fit_recipe(recipe: Recipe) -> None:
     namings the format's producers do not write, and what experts packed on disk cannot vary."""
     fmt = get_format(recipe.format)
     arch = ARCHITECTURES[recipe.arch]
-    for key in ("fused_scales", "kv_scales", "quantize_lm_head", "quantize_embeddings", *PRODUCER_LAYOUTS):
+    for key in DRAWN_LAYOUTS:
         value = recipe.layout.get(key, LAYOUT_DEFAULTS[key])
         if layout_refusal(key, value, fmt, arch, recipe.knobs):
             recipe.layout[key] = LAYOUT_DEFAULTS[key]

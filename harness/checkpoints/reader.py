@@ -318,6 +318,17 @@ def _shown(value: Any) -> str:
     return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
+def read_config(path: Path) -> Any:
+    """config.json, its quantization_config's enum-valued fields in their producers' case (the
+    formats' own readers compare them without case: harness.formats.spelling)."""
+    from harness.formats.spelling import canonical
+
+    config = read_json(path, CONFIG_FILE)
+    if isinstance(config, dict) and isinstance(config.get("quantization_config"), dict):
+        config["quantization_config"] = canonical(config["quantization_config"])
+    return config
+
+
 class Checkpoint:
     """A checkpoint directory: config.json, and tensors in one file or shards behind an index."""
 
@@ -326,7 +337,7 @@ class Checkpoint:
         if not self.directory.is_dir():
             raise CheckpointError(self.directory, "not a directory" if self.directory.exists() else "not found")
         config_path = contained_file(self.directory, CONFIG_FILE, CONFIG_FILE, referrer=self.directory)
-        self.config: dict = read_json(config_path, CONFIG_FILE)
+        self.config: dict = read_config(config_path)
         if not isinstance(self.config, dict):
             raise CheckpointError(config_path, "config.json is not a JSON object")
         problems = config_problems(self.config)
@@ -520,7 +531,7 @@ def declared_format(directory: str | Path) -> tuple[Any, dict]:
     from harness.formats.base import FormatError
 
     config_path = contained_file(Path(directory), CONFIG_FILE, CONFIG_FILE, referrer=Path(directory))
-    config = read_json(config_path, CONFIG_FILE)
+    config = read_config(config_path)
     quant = config.get("quantization_config") if isinstance(config, dict) else None
     if not isinstance(quant, dict):
         raise CheckpointError(config_path, "config.json has no quantization_config object")

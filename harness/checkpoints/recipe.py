@@ -19,6 +19,8 @@ from harness.checkpoints.kv_scales import CHOICES as KV_SCALES
 from harness.core.errors import HarnessError
 from harness.core.naming import VLM_PREFIX
 from harness.formats import FORMAT_NAMES, get_format, require_formats
+from harness.formats.spelling import CHOICES as SPELLINGS
+from harness.formats.spelling import other_case
 
 LAYOUT_DEFAULTS: dict[str, Any] = {
     "shards": 2,  # 1 writes a single model.safetensors without an index
@@ -39,6 +41,9 @@ LAYOUT_DEFAULTS: dict[str, Any] = {
     #: the ignore list by full names ("names") or as llm-compressor recipes spell it ("patterns":
     #: `re:` entries, harness.checkpoints.ignore_patterns); compressed-tensors formats only
     "ignore_style": "names",
+    #: the quantization config's enum-valued fields that their readers compare without case, as
+    #: producers write them ("producer") or in the other letter case ("other-case": harness.formats.spelling)
+    "config_spelling": "producer",
 }
 LAYOUT_CHOICES: dict[str, tuple] = {
     "key_prefix": ("model.", VLM_PREFIX),
@@ -50,6 +55,7 @@ LAYOUT_CHOICES: dict[str, tuple] = {
     "expert_naming": ("architecture", "projections"),
     "config_style": ("release", "saved"),
     "ignore_style": ignore_patterns.CHOICES,
+    "config_spelling": SPELLINGS,
 }
 
 PERTURB_DEFAULTS: dict[str, Any] = {
@@ -113,7 +119,7 @@ class Recipe:
                 f"disagreement={perturb['disagreement']}: {self.arch} packs every expert of a projection "
                 "into one tensor, so no single module can disagree with the config"
             )
-        for key in (*_PACKED_FIXED, "expert_naming", "config_style", "ignore_style"):
+        for key in (*_PACKED_FIXED, "expert_naming", "config_style", "ignore_style", "config_spelling"):
             refusal = layout_refusal(key, layout[key], fmt, ARCHITECTURES[self.arch], knobs)
             if refusal:
                 raise HarnessError(refusal)
@@ -172,6 +178,10 @@ def layout_refusal(key: str, value: Any, fmt, arch, knobs: Mapping) -> str | Non
             return (
                 f"ignore_style={value!r}: `re:` ignore entries are compressed-tensors' spelling, not {quant_method}'s"
             )
+    if key == "config_spelling" and value != "producer":
+        config = fmt.quantization_config(fmt.resolve_knobs(knobs), [])
+        if not other_case(config)[1]:
+            return f"config_spelling={value!r}: {fmt.name}'s quantization config has no enum-valued field to respell"
     if key == "kv_scales":
         try:
             kv_scales.check(value, arch, fmt.quantization_config(fmt.resolve_knobs(knobs), []))

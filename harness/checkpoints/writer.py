@@ -24,7 +24,7 @@ from harness.checkpoints.recipe import VLM_PREFIX, Recipe, ResolvedRecipe
 from harness.checkpoints.tokenizer import write_tokenizer
 from harness.core.dtypes import MODEL_DTYPES as DTYPES
 from harness.core.errors import HarnessError
-from harness.formats import get_format
+from harness.formats import get_format, spelling
 from harness.formats.base import EXPECTATIONS, FormatError, QuantizedWeight
 
 MANIFEST_FILE = "harness_manifest.json"
@@ -358,6 +358,8 @@ def _write_config(out: Path, resolved: ResolvedRecipe, fmt, also_ignored: list[s
     if kind == "status-not-compressed":
         config["quantization_config"]["quantization_status"] = "frozen"
     kv_scales.declare(resolved.layout["kv_scales"], config["quantization_config"])
+    if resolved.layout["config_spelling"] == "other-case":
+        config["quantization_config"] = spelling.other_case(config["quantization_config"])[0]
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}, indent=2) + "\n"

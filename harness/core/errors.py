@@ -44,10 +44,19 @@ ERROR_LINE_LIMIT = 2000  # bounds a runaway message, never a real one: paths alo
 VALIDATION_ERROR = re.compile(r"\d+ validation errors? for \S+$")
 
 
+#: what torch.compile's "Dynamo failed to run FX node ..." explanation says the traced call raised
+TRACED_ERROR = re.compile(r"Dynamo failed to run FX node .*?: got (\w+)\((['\"])(.*?)\2\)", re.DOTALL)
+
+
 def first_line(text) -> str:
     """The gist of an error: its first line, and the next one too when the first only announces it;
-    for a pydantic validation error, its innermost cause (what vLLM's config refused, and why)."""
+    for a pydantic validation error, its innermost cause (what vLLM's config refused, and why); for
+    an error torch.compile met while tracing, the error it met ("RuntimeError when making fake tensor
+    call" says nothing of which)."""
     lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    traced = TRACED_ERROR.search(str(text))
+    if lines and traced:
+        return f"{lines[0]}: {traced.group(1)}: {traced.group(3)}"[:ERROR_LINE_LIMIT]
     if lines and VALIDATION_ERROR.search(lines[0]):
         cause = next((line for line in lines[1:] if " [type=" in line), None)
         if cause:

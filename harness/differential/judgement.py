@@ -21,7 +21,7 @@ from harness.checkpoints.reader import (
     contained_file,
     declared_format,
     hostile_layout,
-    read_json,
+    read_config,
 )
 from harness.checkpoints.writer import MANIFEST_FILE
 from harness.core.errors import CheckpointError, first_line
@@ -126,7 +126,7 @@ class Judgement:
             fmt, knobs = _format_despite(directory, error)
             if hostile:
                 refusal, hazards = f"the reference refuses it: {first_line(error)}", hostile_layout(directory)
-        config = read_json(contained_file(directory, CONFIG_FILE, CONFIG_FILE, referrer=directory), CONFIG_FILE)
+        config = read_config(contained_file(directory, CONFIG_FILE, CONFIG_FILE, referrer=directory))
         dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
         if refusal:  # --hostile: the harness refuses it; the engines load it all the same
             expectation, truth = "refuse", read_truth(directory, manifest) if manifest else {}

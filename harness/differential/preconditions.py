@@ -367,9 +367,11 @@ def observed_facts(directory: Path) -> dict[str, Any]:
     other convention (`global_scale_convention`), keys under the VLM prefix (`key_prefix`), experts
     under a naming other than the architecture's own (`expert_naming`), the KV scales' naming
     (`kv_scales`), a head or embeddings stored with scales (`quantize_lm_head`, `quantize_embeddings`),
-    a config.json as transformers saves it (`config_style`)."""
+    a config.json as transformers saves it (`config_style`), enum values in another letter case than
+    their producers' (`config_spelling`)."""
     from harness.checkpoints.reader import Checkpoint
     from harness.core.naming import VLM_PREFIX, canonical_name
+    from harness.formats.spelling import canonical
     from harness.oracle.audit import audit_checkpoint
 
     facts: dict[str, Any] = {}
@@ -390,8 +392,12 @@ def observed_facts(directory: Path) -> dict[str, Any]:
     naming = kv_naming(names)
     if naming:
         facts["kv_scales"] = naming
-    if _saved_by_transformers(audit_config(directory)):
+    config = audit_config(directory)
+    if _saved_by_transformers(config):
         facts["config_style"] = "saved"
+    quantization = config.get("quantization_config")
+    if isinstance(quantization, dict) and canonical(quantization) != quantization:
+        facts["config_spelling"] = "other-case"
     if any(canonical_name(name).startswith("lm_head.") and "scale" in name for name in names):
         facts["quantize_lm_head"] = True
     if any(canonical_name(name).startswith("model.embed_tokens.") and "scale" in name for name in names):

@@ -69,3 +69,56 @@ def flip_global_scale_convention(directory: Path, module: str, which: str = "wei
             _rewrite(directory, key, lambda t: 1.0 / t)
             return key
     raise HarnessError(f"{directory}: {module} has no {which} global scale")
+
+
+def swap_parts(directory: Path, first: str, second: str) -> list[str]:
+    """Two parts a loader fuses, stored in the other order (`[up; gate]` where the architecture
+    says `[gate; up]`): every tensor of `first` (weight, scales, bias) exchanged with `second`'s.
+    No loader can tell from the file; only the model's behaviour shows it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(directory) / FILE
+    tensors = load_file(str(path))
+    suffixes = [k.removeprefix(f"{first}.") for k in tensors if k.startswith(f"{first}.")]
+    if not suffixes:
+        raise HarnessError(f"{path}: no tensor of {first}")
+    for suffix in suffixes:
+        a, b = f"{first}.{suffix}", f"{second}.{suffix}"
+        if b not in tensors or tensors[a].shape != tensors[b].shape:
+            raise HarnessError(f"{path}: {a} and {b} cannot change places")
+        tensors[a], tensors[b] = tensors[b], torch.clone(tensors[a])
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return [f"{first}.{s}" for s in suffixes]
+
+
+def unpermute_rotary(directory: Path, module: str, head_dim: int) -> list[str]:
+    """q or k rows in Meta's original rotary order, as a converter that skips transformers' q/k
+    permutation writes them (convert_llama_weights_to_hf `permute` maps each head's interleaved
+    pairs to two halves; this is its inverse). Every tensor indexed by the module's output rows
+    (weight, bias, per-row scales) is permuted alike; a block grid is kept where each block of rows
+    holds whole heads, else refused."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(directory) / FILE
+    tensors = load_file(str(path))
+    weight = tensors.get(f"{module}.weight")
+    if weight is None:
+        raise HarnessError(f"{path}: no tensor {module}.weight")
+    rows = weight.shape[0]
+    if rows % head_dim or head_dim % 2:
+        raise HarnessError(f"{module}: {rows} rows are not whole heads of {head_dim}")
+    heads = rows // head_dim
+    # halves [x0, x2, ..., x1, x3, ...] back to pairs [x0, x1, x2, x3, ...]
+    order = torch.arange(rows).view(heads, 2, head_dim // 2).transpose(1, 2).reshape(rows)
+    changed = []
+    for key in [k for k in tensors if k.startswith(f"{module}.")]:
+        tensor = tensors[key]
+        if tensor.dim() >= 1 and tensor.shape[0] == rows:
+            tensors[key] = tensor[order].contiguous()
+            changed.append(key)
+        elif tensor.dim() >= 1 and tensor.shape[0] > 1 and (rows // tensor.shape[0]) % head_dim:
+            raise HarnessError(f"{key}: blocks of {rows // tensor.shape[0]} rows split heads of {head_dim}")
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return changed

@@ -38,6 +38,7 @@ from harness.checkpoints.reader import (
     SINGLE_FILE,
     config_problems,
     contained_file,
+    read_config,
     read_json,
     read_safetensors_header,
 )
@@ -162,7 +163,7 @@ def audit_checkpoint(directory: str | Path) -> AuditResult:
     if not directory.is_dir():
         raise CheckpointError(directory, "not a directory" if directory.exists() else "not found")
     config_path = contained_file(directory, CONFIG_FILE, CONFIG_FILE, referrer=directory)
-    config = read_json(config_path, CONFIG_FILE)
+    config = read_config(config_path)
     qconfig = config.get("quantization_config") if isinstance(config, dict) else None
     if not isinstance(qconfig, dict):
         problem = "is not a JSON object" if not isinstance(config, dict) else "has no quantization_config object"

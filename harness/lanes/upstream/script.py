@@ -336,6 +336,7 @@ SCRIPT_LAYOUT = (
     "kv_scales",
     "expert_naming",  # the tensor table and the packed experts' part names carry it
     "config_style",  # CONFIG is the generated config.json, as written
+    "config_spelling",  # the same
 )
 #: finding kinds a script judges from whether the engine loads at all (no weight read back)
 LOAD_ONLY_KINDS = {"accepted-invalid"}
