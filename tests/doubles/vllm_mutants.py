@@ -116,3 +116,106 @@ class ExpertDownGlobalScaleNotInvertedShards(TensorParallelShards):
 
         with replaced(scheme, "process_weights_after_loading", not_inverted):
             return super().load(directory)
+
+
+def _scaled_last_part(layer, name: str, dim: int, factor: float = 0.5) -> None:
+    """`layer.<name>`'s slice for a fused Linear's last part (along `dim`) times `factor` (the parts'
+    widths as the method records them, else the layer's own, one device)."""
+    names = ("logical_widths", "output_partition_sizes", "output_sizes")
+    widths = list(next((getattr(layer, n) for n in names if getattr(layer, n, None)), []))
+    if len(widths) > 1:
+        getattr(layer, name).data.narrow(dim, sum(widths[:-1]), widths[-1]).mul_(factor)  # BUG
+
+
+class MutatedStandInMethodsShards(TensorParallelShards):
+    """The tensor-parallel lane's worker with four of vLLM's methods that have no kernel here mutated
+    in their processing after loading, one mutation each (a checkpoint meets only its own method's):
+
+    - ModelOpt FP8 (per tensor): a fused Linear's part scales differ, the largest is kept and the
+      weights are not requantized under it (`requantize_with_max_scale` returns them unchanged);
+    - ModelOpt NVFP4: `alpha` from the weight global scale as a divisor (input x 1 / weight), the
+      other producer's convention;
+    - compressed-tensors MXFP4: every E8M0 scale byte lowered by 2 (an exponent bias applied twice:
+      weights 4x too small, compressed-tensors 0.13's MXFP4 bug);
+    - FineGrainedFP8 block (`Fp8LinearMethod`): the block scales rounded up to powers of two (UE8M0)
+      without requantizing the weights, as a DeepGEMM path may."""
+
+    name = "double-vllm-tp-mutated-stand-in-methods"
+
+    def load(self, directory):
+        from contextlib import ExitStack
+
+        import torch
+        from vllm.model_executor.layers.quantization import fp8, modelopt
+        from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+            compressed_tensors_w4a4_mxfp4,
+        )
+
+        def not_requantized(weight, weight_scale, logical_widths):
+            return weight_scale.max(), weight  # BUG: vLLM requantizes each part under the max
+
+        def alpha_as_divisor(layer):
+            if hasattr(layer, "weight_global_scale") and hasattr(layer, "input_global_scale"):
+                alpha = layer.input_global_scale / layer.weight_global_scale  # BUG: a multiplier, not a divisor
+                layer.alpha = torch.nn.Parameter(alpha, requires_grad=False)
+
+        mxfp4 = compressed_tensors_w4a4_mxfp4.CompressedTensorsW4A4Mxfp4
+        mxfp4_original = mxfp4.process_weights_after_loading
+
+        def bias_twice(self, layer):
+            layer.weight_scale.data -= 2  # BUG
+            return mxfp4_original(self, layer)
+
+        block_original = fp8.Fp8LinearMethod.process_weights_after_loading
+
+        def power_of_two(self, layer):
+            block_original(self, layer)
+            for name in ("weight_scale_inv", "weight_scale"):
+                scale = getattr(layer, name, None)
+                if scale is not None and scale.numel() > 1:
+                    scale.data.copy_(torch.exp2(torch.ceil(torch.log2(scale.data.float()))))  # BUG
+
+        with ExitStack() as stack:
+            stack.enter_context(replaced(modelopt, "requantize_with_max_scale", not_requantized))
+            stack.enter_context(replaced(modelopt, "maybe_fuse_global_scales", alpha_as_divisor))
+            stack.enter_context(replaced(mxfp4, "process_weights_after_loading", bias_twice))
+            stack.enter_context(replaced(fp8.Fp8LinearMethod, "process_weights_after_loading", power_of_two))
+            return super().load(directory)
+
+
+class MutatedKernelMethodsVllm(VllmEngine):
+    """vLLM with four of its methods that run a kernel here (int8 W8A8 through oneDNN, int4 through
+    CPU WNA16) mutated in their processing after loading, one mutation each (a checkpoint meets only
+    its own method's); the loaders' weights are untouched:
+
+    - compressed-tensors W8A8 int8 and W4A16 (WNA16): the last fused part's scales halved;
+    - GPTQ: the last fused part's scales halved (columns of `scales`);
+    - AWQ: its packing order left in place (`_REVERSE_AWQ_PACK_ORDER` the identity), so each word's
+      eight values reach the kernel in AWQ's order [0, 2, 4, 6, 1, 3, 5, 7]."""
+
+    name = "double-vllm-mutated-kernel-methods"
+
+    def construct(self, directory, config):
+        from contextlib import ExitStack
+
+        from vllm.model_executor.layers.quantization import auto_awq, auto_gptq
+        from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+            compressed_tensors_w8a8_int8,
+            compressed_tensors_wNa16,
+        )
+
+        def halving(owner, name: str, dim: int):
+            original = owner.process_weights_after_loading
+
+            def mutated(self, layer):
+                _scaled_last_part(layer, name, dim)
+                return original(self, layer)
+
+            return replaced(owner, "process_weights_after_loading", mutated)
+
+        with ExitStack() as stack:
+            stack.enter_context(halving(compressed_tensors_w8a8_int8.CompressedTensorsW8A8Int8, "weight_scale", 0))
+            stack.enter_context(halving(compressed_tensors_wNa16.CompressedTensorsWNA16, "weight_scale", 0))
+            stack.enter_context(halving(auto_gptq.AutoGPTQLinearMethod, "scales", 1))
+            stack.enter_context(replaced(auto_awq, "_REVERSE_AWQ_PACK_ORDER", list(range(8))))
+            return super().construct(directory, config)

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -239,6 +240,50 @@ def test_a_mutant_of_vllms_processing_after_loading_is_caught(tmp_path, monkeypa
     expected = [f"model.layers.{i}.{m}" for i in range(layers) for m in ("mlp.up_proj", "self_attn.v_proj")]
     assert sorted(post.metrics["modules"]) == expected
     assert post.metrics["worst"]["ratio"] == pytest.approx(0.5, rel=1e-2)
+
+
+PRODUCERS = Path(__file__).resolve().parents[2] / "cases" / "producers"
+#: what real producers wrote, by the method vLLM runs it with here (a kernel on every kind: oneDNN's
+#: int8; CPU WNA16's int4 where vLLM has it, the AVX-512 and AMX kinds)
+KERNEL_METHODS = {
+    "w8a8-int8": PRODUCERS / "llmcompressor" / "llama-w8a8",
+    "wna16": PRODUCERS / "llmcompressor" / "llama-w4a16",
+    "gptq": PRODUCERS / "gptqmodel" / "w4g128_sym_gptq",
+    "awq": PRODUCERS / "gptqmodel" / "w4g128_asym_awq_gemm",
+}
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("method", KERNEL_METHODS)
+def test_a_mutant_of_each_kernel_method_is_caught_and_vllm_is_clean(method, tmp_path, monkeypatch):
+    """vLLM with four methods that run a kernel here mutated in their processing after loading, one
+    mutation each (tests/doubles/vllm_mutants.py: MutatedKernelMethodsVllm), on what real producers
+    wrote: the loaders' weights are exact and the effective-weight probe names the mutated Linears
+    (the last fused parts, scales halved: ratio 0.5; AWQ's packing order left in place: every
+    Linear); unmutated vLLM on the same checkpoint has no post-load finding."""
+    from harness.differential.runner import EngineSession, evaluate
+    from harness.engines.environments import variable_for
+
+    spec = "tests.doubles.vllm_mutants:MutatedKernelMethodsVllm"
+    monkeypatch.setenv(variable_for(spec), VLLM_PYTHON)
+    session = EngineSession(["reference", "vllm", spec], tmp_path / "engines")
+    try:
+        result = evaluate(KERNEL_METHODS[method], session)
+    finally:
+        session.close()
+    if result.outcomes["vllm"].status == "unsupported":  # no WNA16 kernel on the AVX2 kind
+        pytest.skip(result.outcomes["vllm"].detail)
+    assert not [f for f in result.findings if f.engine == "vllm" and f.kind == "post-load"]
+    mine = [f for f in result.findings if f.engine == spec]
+    assert not [f for f in mine if f.kind.startswith("weight")]
+    (post,) = [f for f in mine if f.kind == "post-load"]
+    modules = {m.rpartition(".")[2] for m in post.metrics["modules"]}
+    if method == "awq":
+        assert modules == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    else:
+        assert modules == {"v_proj", "up_proj"}
+        assert post.metrics["worst"]["ratio"] == pytest.approx(0.5, rel=1e-2)
 
 
 @needs_vllm
