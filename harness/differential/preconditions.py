@@ -60,8 +60,9 @@ FUSED_PARTS = {
     "w1": ("w1", "w3"),  # Mixtral's experts: w13
 }
 GLOBAL_SCALES = ("weight_global_scale", "weight_scale_2")
-#: names of a finding about one module (weight-mismatch etc.)
-MODULE_NAMES = ("rows", "cols", "block_rows", "block_cols", "partial", "expert", "tp", "parallel")
+#: names of a finding about one module (weight-mismatch etc.); `stand_in`: found by running vLLM's
+#: loaders with stand-in kernels where it has none here (harness.differential.stand_in)
+MODULE_NAMES = ("rows", "cols", "block_rows", "block_cols", "partial", "expert", "tp", "parallel", "stand_in")
 
 BINARY: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
@@ -441,9 +442,12 @@ def module_context(finding: Finding) -> dict[str, Any]:
     """A finding about one weight: its shape (rows, cols) and scale block (block_rows,
     block_cols), `partial`: a dimension is not a multiple of the block, `expert`: the module
     is one of a mixture's experts, `tp`: the tensor-parallel size it was found at (or the
-    expert-parallel size), and `parallel`: which of the two ("tp" or "ep")."""
+    expert-parallel size), `parallel`: which of the two ("tp" or "ep"), `stand_in`: found with
+    stand-in kernels."""
     shape, block = finding.metrics.get("shape"), finding.metrics.get("block")
-    context: dict[str, Any] = {"expert": ".experts." in (finding.module or "")} if finding.module else {}
+    context: dict[str, Any] = {"stand_in": bool(finding.metrics.get("stand_in"))}
+    if finding.module:
+        context["expert"] = ".experts." in finding.module
     if isinstance(finding.metrics.get("tp"), int):  # the tensor-parallel size a relation finding is at
         context["tp"] = finding.metrics["tp"]
         context["parallel"] = finding.metrics.get("parallel", "tp")
