@@ -104,6 +104,9 @@ class Judgement:
     #: the bound an engine's logits must keep from `specified` ([activations] tolerance, at least
     #: twice the noise floor)
     specified_bound: float = 0.0
+    #: an engine loaded with an option that changes its forward (harness.oracle.specified
+    #: MODELLED_OPTIONS) -> its own (specified, bound, reason), the reference's model of the option
+    option_candidates: dict[str, tuple[list[torch.Tensor] | None, float, str]] = field(default_factory=dict)
     #: the relations checked on each engine that loads it (harness.differential.relations)
     relations: tuple[str, ...] = ()
     #: the reference's activation probe inputs (harness.differential.probe), or None
@@ -181,6 +184,11 @@ class Judgement:
         )
         self.result.findings.append(item)
         return item
+
+    def candidate(self, engine: str) -> tuple[list[torch.Tensor] | None, float, str]:
+        """The reference's specified forward `engine` is held to, its bound and what it specifies:
+        the checkpoint's own, or the model of the option the engine was loaded with."""
+        return self.option_candidates.get(engine, (self.specified, self.specified_bound, self.specified_reason))
 
     def scratch_file(self, engine: str, what: str) -> Path:
         return self.scratch / f"{engine.replace(':', '_')}-{what}.safetensors"

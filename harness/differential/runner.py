@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from harness.core.errors import first_line
+from harness.core.errors import HarnessError, first_line
 from harness.core.findings import WEIGHT_KINDS
 from harness.core.naming import canonical_name
 from harness.differential.compare import compare_logprobs, compare_weight, perplexity
@@ -180,6 +180,7 @@ def _activation_candidate(judgement: Judgement, worker: EngineProcess) -> None:
         }
     except EngineError as error:
         judgement.specified, judgement.specified_reason = None, first_line(error)
+        _option_candidates(judgement, worker)
         return
     tol, config = judgement.tol, judgement.config["quantization_config"]
     judgement.specified = forwards.pop("float64")
@@ -188,6 +189,36 @@ def _activation_candidate(judgement: Judgement, worker: EngineProcess) -> None:
     judgement.specified_noise = floor
     judgement.specified_bound = max(bound, 2 * floor)  # a checkpoint whose logits amplify rounding
     judgement.specified_reason = describe(config)
+    _option_candidates(judgement, worker)
+
+
+def _option_candidates(judgement: Judgement, worker: EngineProcess) -> None:
+    """For each engine of the session loaded with an option that changes its forward (an FP8 KV
+    cache the checkpoint does not declare), the reference's model of that forward."""
+    from harness.engines.options import split_engine
+    from harness.oracle.kv_cache import declares_fp8_kv_cache
+    from harness.oracle.specified import modelled_option
+
+    tol, sequences = judgement.tol, judgement.sequences
+    try:
+        if declares_fp8_kv_cache(judgement.config.get("quantization_config") or {}):
+            return  # the checkpoint's own cache: the option changes nothing
+    except HarnessError:  # a KV scheme not defined here: no model of the option either
+        return
+    for engine in judgement.session.engines:
+        option = modelled_option(split_engine(engine)[1])
+        if not option:
+            continue
+        try:
+            rows = worker.logprobs(
+                sequences, judgement.scratch_file(REFERENCE, f"specified-{option}"), f"float64|{option}"
+            )
+        except EngineError:  # the reference cannot model it here: the engine is judged as its plain self
+            continue
+        bound = max(tol.activation_kv_max_abs_delta, 2 * judgement.specified_noise)
+        specified = judgement.specified_reason if judgement.specified is not None else ""
+        reason = ", ".join(filter(None, (specified, f"FP8 KV cache at scale 1.0 ({option})")))
+        judgement.option_candidates[engine] = (rows, bound, reason)
 
 
 def _judge_hostile_load(judgement: Judgement, engine: str, worker: EngineProcess, report: dict) -> None:
@@ -261,7 +292,7 @@ def _judge_logits(judgement: Judgement, logprobs: dict[str, list[torch.Tensor]])
             )
             continue
         weights_exact = not any(f.engine == engine and f.kind in WEIGHT_KINDS for f in result.findings)
-        by_definition = judgement.specified is not None and weights_exact
+        by_definition = judgement.candidate(engine)[0] is not None and weights_exact
         if not by_definition and ill_conditioned(judgement, engine, weights_exact, diff, tol):
             result.outcomes[engine].detail = (
                 f"logits not judged: max |delta logprob| {diff.max_abs_delta:.3g} (top-1 misses {diff.topk_misses}) "
@@ -439,16 +470,16 @@ def _judge_activations(judgement: Judgement, engine: str, rows, weights_only, di
     that says which candidate the engine computed, when the candidates are far enough apart
     (more than twice the noise) to tell: "not applied" when it is the weight-only one. Returns the
     engine's LogprobDiff against the specified candidate."""
-    sequences, tol, bound = judgement.sequences, judgement.tol, judgement.specified_bound
-    specified = compare_logprobs(rows, judgement.specified, sequences, tol)
+    sequences, tol = judgement.sequences, judgement.tol
+    candidate, bound, scheme = judgement.candidate(engine)
+    specified = compare_logprobs(rows, candidate, sequences, tol)
     to_specified = specified.max_abs_delta
-    apart = compare_logprobs(judgement.specified, weights_only, sequences, tol).max_abs_delta
+    apart = compare_logprobs(candidate, weights_only, sequences, tol).max_abs_delta
     metrics.update(
         to_specified=to_specified, candidates_apart=apart, activation_bound=bound, noise_floor=judgement.specified_noise
     )
     if to_specified <= bound:
         return specified
-    scheme = judgement.specified_reason
     if apart > 2 * bound and diff.max_abs_delta <= bound:
         message = (
             f"activation quantization not applied ({scheme}): logits within {diff.max_abs_delta:.3g} of the "

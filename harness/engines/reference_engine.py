@@ -78,14 +78,19 @@ class ReferenceEngine(HFModelEngine):
     def activation_logprobs(self, sequences, variant: str = "float64"):
         """The checkpoint's full definition: weights as dequantized, each quantized Linear's input
         and the KV cache quantized as its config specifies (harness.oracle.specified); `variant`:
-        "float64" (the definition) or one of its rounding variants (harness.oracle.specified.VARIANTS)."""
+        "float64" (the definition) or one of its rounding variants (harness.oracle.specified.VARIANTS),
+        optionally `VARIANT|key=value`: the forward an engine loaded with that option computes
+        (harness.oracle.specified.modelled_option)."""
         from harness.core.errors import HarnessError
         from harness.engines.hf_common import model_logprobs
+        from harness.oracle import specified
 
-        if isinstance(self.activations, str):
-            raise EngineUnsupported(self.activations)
+        variant, _, option = variant.partition("|")
+        plan = specified.plan(self.checkpoint, option) if option else self.activations
+        if isinstance(plan, str):
+            raise EngineUnsupported(plan)
         try:
-            with self.activations.installed(self.model, variant):
+            with plan.installed(self.model, variant):
                 return model_logprobs(self.model, sequences)
         except HarnessError as error:  # e.g. experts packed in 3-D: not Linears to hook
             raise EngineUnsupported(f"activation candidate: {error}") from None

@@ -108,9 +108,21 @@ def describe(quantization_config: dict) -> str:
     return "; ".join(parts) or "weights only"
 
 
-def plan(checkpoint) -> Plan | str:
+#: engine options that change what the forward is (harness.engines.options), each as the
+#: reference models it: vLLM's `kv_cache_dtype=fp8` (E4M3) on a checkpoint that declares no FP8
+#: cache quantizes the cache with scale 1.0 for keys and values (its placeholder's initial value)
+MODELLED_OPTIONS = {"kv_cache_dtype": ("fp8", "fp8_e4m3")}
+
+
+def modelled_option(options: dict[str, str]) -> str:
+    """The one option in `options` whose forward the reference models, as `key=value`, or ''."""
+    return next((f"{k}={v}" for k, v in sorted(options.items()) if v in MODELLED_OPTIONS.get(k, ())), "")
+
+
+def plan(checkpoint, option: str = "") -> Plan | str:
     """The checkpoint's Plan, or why there is none: a weight-only config, a scheme the definitions
-    here do not cover, a static scale or a KV pair that is absent."""
+    here do not cover, a static scale or a KV pair that is absent. `option` (modelled_option): the
+    forward an engine loaded with that option computes."""
     from harness.oracle.reference import format_and_knobs, group_modules
 
     config = checkpoint.config.get("quantization_config")
@@ -122,7 +134,8 @@ def plan(checkpoint) -> Plan | str:
         fmt = format_and_knobs(checkpoint)[0]
     except HarnessError as error:
         return str(error)
-    if scheme is None and not kv:
+    unit_kv = option.startswith("kv_cache_dtype=") and not kv  # where declared, the option changes nothing
+    if scheme is None and not kv and not unit_kv:
         return "the config quantizes weights only"
     result = Plan(scheme)
     names = checkpoint.names()
@@ -142,6 +155,9 @@ def plan(checkpoint) -> Plan | str:
         except HarnessError as error:
             return str(error)
         result.kv = {canonical_name(m): (checkpoint.tensor(k), checkpoint.tensor(v)) for m, (k, v) in pairs.items()}
+    if unit_kv:
+        one = torch.tensor(1.0)
+        result.kv = {canonical_name(m): (one, one) for m in kv_cache.attention_modules(checkpoint.config, names)}
     return result
 
 

@@ -400,3 +400,39 @@ def test_transformers_and_compressed_tensors_quantize_every_probed_linear_as_spe
     for engine in ("transformers", "compressed-tensors"):
         assert result.outcomes[engine].activation_probe == "14/14 quantized Linear(s) as specified", engine
     assert not [f for f in result.findings if f.kind == "activations"]
+
+
+def test_an_fp8_kv_cache_option_is_modelled_with_unit_scales_where_none_is_declared(tmp_path):
+    """vLLM's `kv_cache_dtype=fp8` on a checkpoint that declares no FP8 cache quantizes it with
+    scale 1.0 (harness.oracle.specified.MODELLED_OPTIONS): the reference's model of that forward is
+    its own with every layer's cache quantized at unit scales; where the checkpoint declares the
+    cache, the option changes nothing."""
+    from harness.checkpoints.reader import Checkpoint
+    from harness.engines.reference_engine import ReferenceEngine
+    from harness.oracle.specified import modelled_option, plan
+
+    assert modelled_option({"kv_cache_dtype": "fp8", "enforce_eager": "false"}) == "kv_cache_dtype=fp8"
+    assert modelled_option({"kv_cache_dtype": "fp8_e5m2"}) == modelled_option({"enforce_eager": "false"}) == ""
+    for kv_scales in ("none", "self_attn"):
+        directory = tmp_path / kv_scales
+        layout = {"dtype": "float32", "kv_scales": kv_scales}
+        generate(Recipe(format="ct-int4", arch="llama", config={"num_hidden_layers": 2}, layout=layout), directory)
+        checkpoint = Checkpoint(directory)
+        own, option = plan(checkpoint), plan(checkpoint, "kv_cache_dtype=fp8")
+        assert sorted(option.kv) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+        if kv_scales == "none":  # weight-only W4A16: no forward of its own beyond the weights
+            assert own == "the config quantizes weights only"
+            assert all(float(k) == float(v) == 1.0 for k, v in option.kv.values())
+        else:
+            assert {m: (float(k), float(v)) for m, (k, v) in own.kv.items()} == {
+                m: (float(k), float(v)) for m, (k, v) in option.kv.items()
+            }
+    engine = ReferenceEngine()
+    engine.load(str(tmp_path / "none"))
+    sequences = [[1, 5, 9, 13, 17, 21, 25, 29]]
+    plain = engine.logprobs(sequences)[0]
+    cached = engine.activation_logprobs(sequences, "float64|kv_cache_dtype=fp8")[0]
+    assert not torch.equal(plain, cached)  # the cache's E4M3 rounding moves the logits...
+    assert (plain - cached).abs().max() < 0.5  # ...by rounding, not more
+    with pytest.raises(Exception, match="weights only"):
+        engine.activation_logprobs(sequences)

@@ -88,6 +88,8 @@ def test_vllm_with_an_fp8_kv_cache_is_judged_or_unsupported_in_vllms_words(tmp_p
     assert "loaded" in line
     if "unsupported" in line:
         assert "FP8 KV cache" in line
+    else:  # judged against the reference's model of the option: the cache quantized at scale 1.0
+        assert not [f for f in out.splitlines() if "vllm[kv_cache_dtype=fp8] activations" in f], out
 
 
 @needs_vllm
