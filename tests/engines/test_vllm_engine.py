@@ -288,7 +288,10 @@ def test_a_mutant_of_each_kernel_method_is_caught_and_vllm_is_clean(method, tmp_
     mutation each (tests/doubles/vllm_mutants.py: MutatedKernelMethodsVllm), on what real producers
     wrote: the loaders' weights are exact and the effective-weight probe names the mutated Linears
     (the last fused parts, scales halved: ratio 0.5; AWQ's packing order left in place: every
-    Linear); unmutated vLLM on the same checkpoint has no post-load finding."""
+    Linear); unmutated vLLM on the same checkpoint has no post-load finding. Where vLLM's own kernel
+    already applies other weights on this kind (a known issue: oneDNN's int8 path saturating without
+    VNNI), a mutant cannot be told from it: skipped with the issue's id."""
+    from harness.differential.known_issues import KnownIssues
     from harness.differential.runner import EngineSession, evaluate
     from harness.engines.environments import variable_for
 
@@ -296,12 +299,15 @@ def test_a_mutant_of_each_kernel_method_is_caught_and_vllm_is_clean(method, tmp_
     monkeypatch.setenv(variable_for(spec), VLLM_PYTHON)
     session = EngineSession(["reference", "vllm", spec], tmp_path / "engines")
     try:
-        result = evaluate(KERNEL_METHODS[method], session)
+        result = evaluate(KERNEL_METHODS[method], session, KnownIssues.load())
     finally:
         session.close()
     if result.outcomes["vllm"].status == "unsupported":  # no WNA16 kernel on the AVX2 kind
         pytest.skip(result.outcomes["vllm"].detail)
-    assert not [f for f in result.findings if f.engine == "vllm" and f.kind == "post-load"]
+    plain = [f for f in result.findings if f.engine == "vllm" and f.kind == "post-load"]
+    if plain and all(f.known_issue for f in plain):
+        pytest.skip(f"vLLM's own kernel applies other weights on this kind: known issue {plain[0].known_issue}")
+    assert not plain
     mine = [f for f in result.findings if f.engine == spec]
     assert not [f for f in mine if f.kind.startswith("weight")]
     (post,) = [f for f in mine if f.kind == "post-load"]
