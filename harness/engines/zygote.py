@@ -11,13 +11,13 @@ The zygote answers each request with the child's pid and reports each child's ex
 
 Forking is safe only where no thread pool the child would use has started: the zygote computes
 nothing (no OpenMP region, no CUDA), and it refuses to serve when preloading started more native
-threads than importing numpy alone does (numpy's OpenBLAS pool, which re-creates itself after a
-fork). Once no client is connected and no worker it forked runs, it waits LINGER_S seconds for
+threads than importing numpy (and, with vLLM, cv2) alone does: their OpenBLAS pools, which shut
+down at a fork and re-create themselves after it. Once no client is connected and no worker it forked runs, it waits LINGER_S seconds for
 another client (0 for a process's own zygotes, LINGER_S below for a shared directory) or until its
 socket file goes, then exits: it never leaves a worker for an init that reaps nothing.
 
-What a forked worker shares with the zygote and a fresh one would not: the modules in PRELOAD,
-already imported (the warnings they print at import appear once, in no worker's log), the hash
+What a forked worker shares with the zygote and a fresh one would not: the preloaded modules
+(PRELOAD, and vLLM's in its own environment), already imported (the warnings they print at import appear once, in no worker's log), the hash
 seed, and its initial environment block (/proc/PID/environ) for the VOLATILE variables (its
 os.environ is exactly what a fresh worker's would be). Python's `random` is reseeded in each
 child. `ps` shows a forked worker under the zygote's command line.
@@ -53,6 +53,27 @@ PRELOAD = (
     "harness.engines.worker",
     "harness.engines.base",
 )
+#: imported too where the interpreter has vLLM (its own environment): a forked vLLM worker would
+#: otherwise import these after the fork, 4-6 s a worker on a 2-core host. vLLM reads its variables
+#: lazily (vllm.envs.__getattr__, cached only once an engine core starts, which the zygote never
+#: does), so a worker's own settings made after the fork still count; what importing them writes
+#: into os.environ is replayed in each worker (ENVIRONMENT_WRITES)
+PRELOAD_WITH_VLLM = (
+    "cv2",  # vLLM's dependency; its bundled OpenBLAS starts a pool like numpy's (BLAS_POOLS)
+    "vllm",
+    "vllm.config",
+    "vllm.entrypoints.llm",
+    "vllm.model_executor.layers.linear",
+    "vllm.model_executor.model_loader",
+    "vllm.model_executor.models.llama",
+)
+#: modules whose OpenBLAS starts a thread pool at import that shuts down at a fork and re-creates
+#: itself after it (OpenBLAS's pthread_atfork handlers): their threads are allowed, no other
+BLAS_POOLS = ("numpy", "cv2")
+#: what importing PRELOAD wrote into os.environ (name -> value, None where it removed one): a
+#: forked worker's environment is replaced by its request's, then these writes are made again,
+#: as the same imports would have made them in a fresh worker
+ENVIRONMENT_WRITES: dict[str, str | None] = {}
 #: the most file descriptors a request carries
 CARRIED = 3
 #: variables that change from call to call and that no preloaded module reads: a zygote is keyed
@@ -68,22 +89,35 @@ def _thread_count() -> int:
         return threading.active_count()
 
 
+def preloaded_modules() -> tuple[str, ...]:
+    """What this interpreter's zygote imports: PRELOAD, and PRELOAD_WITH_VLLM where vLLM is installed."""
+    from importlib.util import find_spec
+
+    return PRELOAD + (PRELOAD_WITH_VLLM if find_spec("vllm") is not None else ())
+
+
 def _preload() -> dict:
-    """Import PRELOAD; the greeting: whether forking is safe here, and why not."""
+    """Import the preloaded modules; the greeting: whether forking is safe here, and why not."""
     failed, native = {}, None
-    for module in PRELOAD:
+    modules = preloaded_modules()
+    before = dict(os.environ)
+    for module in sorted(modules, key=lambda name: name not in BLAS_POOLS):  # pools first: counted
         try:
             __import__(module)
         except Exception as error:  # an engine that needs it will say so in its worker
             failed[module] = f"{type(error).__name__}: {error}"
-        if module == "numpy":
+        if module in BLAS_POOLS:
             native = _thread_count()
+    after = dict(os.environ)
+    ENVIRONMENT_WRITES.update(
+        {name: after.get(name) for name in before.keys() | after.keys() if before.get(name) != after.get(name)}
+    )
     threads = _thread_count()
     why = ""
     if threading.active_count() > 1:
         why = f"preloading started {threading.active_count() - 1} Python thread(s)"
     elif native is not None and threads > native:
-        why = f"preloading started {threads - native} native thread(s) beyond numpy's"
+        why = f"preloading started {threads - native} native thread(s) beyond those of {', '.join(BLAS_POOLS)}"
     return {"ready": not why, "why": why, "pid": os.getpid(), "threads": threads, "failed": failed}
 
 
@@ -176,6 +210,11 @@ def become_worker(request: dict, fds: list[int]) -> int:
     sys.argv = [sys.argv[0], request["spec"]]
     os.environ.clear()
     os.environ.update(request["env"])
+    for name, value in ENVIRONMENT_WRITES.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     random.seed()
     from harness.engines.worker import serve as serve_engine
 
@@ -353,8 +392,7 @@ _private: list[Path] = []
 
 def forked_worker(python: str, env: dict[str, str], spec: str, stderr: int, timeout_s: float) -> ForkedWorker | None:
     """A worker for `spec` forked from the zygote of (`python`, `env`, this directory), reached or
-    started on first use, in any interpreter (vLLM's imports vLLM after the fork, as a fresh worker
-    does); None where workers are not forked: $HARNESS_FORK_WORKERS=0, or a zygote that cannot
+    started on first use, in any interpreter (vLLM's with vLLM preloaded); None where workers are not forked: $HARNESS_FORK_WORKERS=0, or a zygote that cannot
     serve (its reason is kept, and it is not retried by this process)."""
     if os.environ.get("HARNESS_FORK_WORKERS", "1") == "0":
         return None

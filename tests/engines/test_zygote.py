@@ -4,6 +4,7 @@ cannot serve, workers start afresh."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -167,3 +168,36 @@ def test_an_interpreter_that_cannot_run_a_zygote_is_told_at_once(tmp_path):
     zygote = Zygote(str(failing), dict(os.environ), tmp_path / "z.sock", 0.0, timeout_s=600)
     assert zygote.why.startswith("the zygote exited with status 3 before listening"), zygote.why
     assert "no harness here" in (tmp_path / "z.log").read_text()
+
+
+def test_a_forked_worker_holds_the_environment_a_fresh_one_would_after_the_same_imports(tmp_path, monkeypatch):
+    """Importing the preloaded modules writes variables (torch's inductor cache directory, cv2's
+    LD_LIBRARY_PATH, vLLM's own): a forked worker must hold them as a fresh worker would, and
+    vLLM, imported before the fork, must still read a setting its worker makes after it. Run in
+    vLLM's interpreter where there is one (it preloads the most), else in this one."""
+    from harness.engines.vllm.engine import find_vllm_python
+
+    python = find_vllm_python() or sys.executable
+    for name in ("HARNESS_FORK_WORKERS", "VLLM_ENABLE_V1_MULTIPROCESSING"):  # the suite's own zygotes serve
+        monkeypatch.delenv(name, raising=False)
+    seen = {}
+    for mode in ("forked", "fresh"):
+        if mode == "fresh":
+            monkeypatch.setenv("HARNESS_FORK_WORKERS", "0")
+        spec = "tests.engines.environment_probe:EnvironmentProbe"
+        worker = EngineProcess(spec, python, tmp_path / f"{mode}.log", Limits(timeout_s=300))
+        worker.start()
+        try:
+            assert isinstance(worker.process, ForkedWorker) == (mode == "forked")
+            seen[mode] = json.loads(worker.info["version"])
+        finally:
+            worker.close()
+    forked, fresh = seen["forked"], seen["fresh"]
+    volatile = {"PYTEST_CURRENT_TEST", "HARNESS_FORK_WORKERS"}
+    assert {k: v for k, v in forked["environ"].items() if k not in volatile} == {
+        k: v for k, v in fresh["environ"].items() if k not in volatile
+    }
+    has_vllm = forked["vllm_multiprocessing"] is not None
+    assert forked["vllm_preloaded"] == has_vllm and not fresh["vllm_preloaded"]
+    if has_vllm:  # read lazily: the worker's setting after the fork counts
+        assert forked["vllm_multiprocessing"] is False is fresh["vllm_multiprocessing"]

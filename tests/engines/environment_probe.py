@@ -1,0 +1,27 @@
+"""A test double (not an engine): a worker's view of its own process, for tests/engines/test_zygote.py.
+Imported, it does what a vLLM worker does before its first vLLM import, then imports what a zygote
+preloads; its `version()` answers with the worker's environment and what vLLM read from it."""
+
+import json
+import os
+import sys
+
+from harness.engines.base import Engine
+from harness.engines.zygote import preloaded_modules
+
+VLLM_BEFORE = "vllm" in sys.modules
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as harness.engines.vllm.engine does
+for module in preloaded_modules():
+    __import__(module)
+
+
+class EnvironmentProbe(Engine):
+    def version(self):
+        vllm = sys.modules.get("vllm.envs")
+        return json.dumps(
+            {
+                "environ": dict(os.environ),
+                "vllm_preloaded": VLLM_BEFORE,
+                "vllm_multiprocessing": None if vllm is None else bool(vllm.VLLM_ENABLE_V1_MULTIPROCESSING),
+            }
+        )
