@@ -12,7 +12,7 @@ from pathlib import Path
 
 from harness.checkpoints.reader import Checkpoint
 from harness.core.naming import canonical_name
-from harness.engines.base import LoadReport
+from harness.engines.base import EngineUnsupported, LoadReport
 from harness.engines.hf_common import HFModelEngine, captured_warnings, unquantized_model
 
 
@@ -30,6 +30,9 @@ class CompressedTensorsEngine(HFModelEngine):
         from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
 
         raw = json.loads((Path(directory) / "config.json").read_text())
+        method = raw["quantization_config"].get("quant_method")
+        if method != "compressed-tensors":  # e.g. AutoRound's own config over compressed-tensors' tensors
+            raise EngineUnsupported(f"compressed-tensors reads its own configs only, not quant_method {method!r}")
         quantization_config = QuantizationConfig.model_validate(raw["quantization_config"])
         warned: list[str] = []
         with captured_warnings(warned):
@@ -47,8 +50,6 @@ class CompressedTensorsEngine(HFModelEngine):
         return report
 
     def save(self, directory):
-        from harness.engines.base import EngineUnsupported
-
         raise EngineUnsupported(
             "this engine drives compressed-tensors' decompression only; its save path (compress, then "
             "save_pretrained) is not driven, and the model it holds has no transformers quantizer to save with"
@@ -60,8 +61,6 @@ def homeless_experts(model, unexpected: list[str]) -> None:
     layer's experts in 3-D parameters, so per-expert tensors have no module to load into. That
     is this way of driving compressed-tensors that cannot load the model: say so (unsupported)
     rather than judge random experts."""
-    from harness.engines.base import EngineUnsupported
-
     packed = [name for name, _ in model.named_parameters() if name.endswith(".experts.gate_up_proj")]
     orphans = [key for key in unexpected if ".experts." in key]
     if packed and orphans:

@@ -27,6 +27,7 @@ import torch
 from harness.core.errors import UnsupportedFormat
 from harness.core.numerics import ceil_div
 from harness.formats import int_packing
+from harness.formats.auto_round import AUTO_ROUND
 from harness.formats.base import (
     FormatError,
     Knob,
@@ -39,7 +40,7 @@ from harness.formats.gptq import SCALE_STORAGES, packed_tensors
 from harness.formats.int_packing import AWQ_ORDER
 
 QUANT_METHOD = "awq"
-AUTO_ROUND, AUTO_ROUND_AWQ = "auto-round", "auto_round:auto_awq"
+AUTO_ROUND_AWQ = "auto_round:auto_awq"
 BITS = 4
 MAXQ = 2**BITS - 1
 PER_WORD = 32 // BITS

@@ -3,7 +3,8 @@
 Tensors: `weight_packed` uint8 [N, K/2] (E2M1 codes, even column in the low nibble),
 `weight_scale` float8_e4m3fn [N, K/16], `weight_global_scale` float32 [1], a DIVISOR
 (2688/amax): W = e2m1 * weight_scale / weight_global_scale. W4A4 adds `input_global_scale`
-float32 [1], the same divisor for activations. K must be a multiple of 16 (ct refuses
+float32 [1], the same divisor for activations. AutoRound's own config over these tensors
+(`packing_format: auto_round:llm_compressor`, harness.formats.auto_round) is read as the same. K must be a multiple of 16 (ct refuses
 otherwise, so does our quantizer). Scales follow llm-compressor's min-max observer feeding
 compressed-tensors' `generate_gparam` / `calculate_qparams`, in the model's dtype, then
 ct's compressor (see `quantize_ct`).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from harness.core.numerics import E2M1_MAX, E4M3_MAX, encode_e2m1, pack_e2m1
+from harness.formats import auto_round
 from harness.formats import nvfp4_common as nv
 from harness.formats.base import FormatError, Knob, QuantFormat, QuantizedWeight
 
@@ -88,6 +90,8 @@ class CtNvfp4(QuantFormat):
         )
 
     def _nvfp4_groups(self, quantization_config):
+        if quantization_config.get("quant_method") == auto_round.AUTO_ROUND:  # its own config, ct's tensors
+            return auto_round.compressed_tensors_groups(quantization_config)
         if quantization_config.get("quant_method") != "compressed-tensors":
             return None
         found = []

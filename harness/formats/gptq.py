@@ -40,6 +40,7 @@ import torch
 from harness.core.errors import UnsupportedFormat
 from harness.core.numerics import ceil_div
 from harness.formats import int_packing
+from harness.formats.auto_round import AUTO_ROUND
 from harness.formats.base import (
     FormatError,
     Knob,
@@ -52,7 +53,6 @@ from harness.formats.base import (
 )
 
 QUANT_METHOD = "gptq"
-AUTO_ROUND = "auto-round"
 #: AutoRound's packing formats in GPTQ's layout -> the checkpoint_format their zeros follow
 AUTO_ROUND_PACKING = {"auto_round:auto_gptq": "gptq", "auto_round": "gptq_v2", "auto_round:gptqmodel": "gptq_v2"}
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")

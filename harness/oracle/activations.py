@@ -32,6 +32,7 @@ import torch
 
 from harness.core.errors import HarnessError
 from harness.core.numerics import E2M1_MAX, E2M1_TABLE, E4M3_MAX, NVFP4_GROUP, encode_e2m1, encode_e4m3
+from harness.formats import auto_round
 
 #: compressed-tensors' symmetric int8 scale divisor: (127 - -128) / 2
 INT8_HALF_RANGE = 127.5
@@ -63,7 +64,9 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
         block = quantization_config.get("weight_block_size") or [128, 128]
         cols = block[-1] if isinstance(block, list) else block
         return ActivationScheme("fp8", "group", True, int(cols))
-    groups = [g for g in (quantization_config.get("config_groups") or {}).values() if isinstance(g, dict)]
+    groups = auto_round.compressed_tensors_groups(quantization_config) or [
+        g for g in (quantization_config.get("config_groups") or {}).values() if isinstance(g, dict)
+    ]
     inputs = [g.get("input_activations") for g in groups if g.get("input_activations")]
     if not inputs:
         return None

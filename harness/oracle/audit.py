@@ -364,7 +364,8 @@ def check_config(qconfig: dict, fmt: QuantFormat, result: AuditResult) -> dict |
             f"{'crashes on' if scalar else 'refuses'} it (known issue {SCALAR_BLOCK_ISSUE}); write [{size}, {size}]",
             module="",
         )
-    expected = fragment(fmt).get("quantization_status")
+    own = fragment(fmt)  # a status only where the config is the format's own (not AutoRound's over its tensors)
+    expected = own.get("quantization_status") if qconfig.get("quant_method") == own.get("quant_method") else None
     if expected is not None and qconfig.get("quantization_status") != expected:
         result.add(
             "config",
