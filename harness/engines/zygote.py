@@ -12,13 +12,13 @@ The zygote answers each request with the child's pid and reports each child's ex
 Forking is safe only where no thread pool the child would use has started: the zygote computes
 nothing (no OpenMP region, no CUDA), and it refuses to serve when preloading started more native
 threads than importing numpy (and, with vLLM, cv2) alone does: their OpenBLAS pools, which shut
-down at a fork and re-create themselves after it. Once no client is connected and no worker it forked runs, it waits LINGER_S seconds for
-another client (0 for a process's own zygotes, LINGER_S below for a shared directory) or until its
+down at a fork and re-create themselves after it. Once no client is connected and no worker it
+forked runs, it waits LINGER_S seconds for another client (0 for a process's own zygotes, LINGER_S below for a shared directory) or until its
 socket file goes, then exits: it never leaves a worker for an init that reaps nothing.
 
 What a forked worker shares with the zygote and a fresh one would not: the preloaded modules
-(PRELOAD, and vLLM's in its own environment), already imported (the warnings they print at import appear once, in no worker's log), the hash
-seed, and its initial environment block (/proc/PID/environ) for the VOLATILE variables (its
+(PRELOAD, and vLLM's in its own environment), already imported (the warnings they print at import
+appear once, in no worker's log), the hash seed, and its initial environment block (/proc/PID/environ) for the VOLATILE variables (its
 os.environ is exactly what a fresh worker's would be). Python's `random` is reseeded in each
 child. `ps` shows a forked worker under the zygote's command line.
 """
@@ -392,8 +392,8 @@ _private: list[Path] = []
 
 def forked_worker(python: str, env: dict[str, str], spec: str, stderr: int, timeout_s: float) -> ForkedWorker | None:
     """A worker for `spec` forked from the zygote of (`python`, `env`, this directory), reached or
-    started on first use, in any interpreter (vLLM's with vLLM preloaded); None where workers are not forked: $HARNESS_FORK_WORKERS=0, or a zygote that cannot
-    serve (its reason is kept, and it is not retried by this process)."""
+    started on first use, in any interpreter (vLLM's with vLLM preloaded); None where workers are
+    not forked: $HARNESS_FORK_WORKERS=0, or a zygote that cannot serve (its reason is kept, and it is not retried by this process)."""
     if os.environ.get("HARNESS_FORK_WORKERS", "1") == "0":
         return None
     key = (python, os.getcwd(), tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE)))
