@@ -13,14 +13,16 @@ Forking is safe only where no thread pool the child would use has started: the z
 nothing (no OpenMP region, no CUDA), and it refuses to serve when preloading started more native
 threads than importing numpy (and, with vLLM, cv2) alone does: their OpenBLAS pools, which shut
 down at a fork and re-create themselves after it. Once no client is connected and no worker it
-forked runs, it waits LINGER_S seconds for another client (0 for a process's own zygotes, LINGER_S below for a shared directory) or until its
-socket file goes, then exits: it never leaves a worker for an init that reaps nothing.
+forked runs, it waits LINGER_S seconds for another client (0 for a process's own zygotes, LINGER_S
+below for a shared directory) or until its socket file goes, then exits: it never leaves a worker
+for an init that reaps nothing.
 
 What a forked worker shares with the zygote and a fresh one would not: the preloaded modules
 (PRELOAD, and vLLM's in its own environment), already imported (the warnings they print at import
-appear once, in no worker's log), the hash seed, and its initial environment block (/proc/PID/environ) for the VOLATILE variables (its
-os.environ is exactly what a fresh worker's would be). Python's `random` is reseeded in each
-child. `ps` shows a forked worker under the zygote's command line.
+appear once, in no worker's log), the hash seed, and its initial environment block
+(/proc/PID/environ) for the VOLATILE variables (its os.environ is exactly what a fresh worker's
+would be). Python's `random` is reseeded in each child. `ps` shows a forked worker under the
+zygote's command line.
 """
 
 from __future__ import annotations
