@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from harness.core.errors import UnsupportedFormat
+from harness.core.errors import FormatError, UnsupportedFormat
 
 AUTO_ROUND = "auto-round"
 LLM_COMPRESSOR = "auto_round:llm_compressor"
@@ -46,14 +46,17 @@ def compressed_tensors_groups(config: Mapping) -> list[dict] | None:
     }
     inputs = None
     act_bits = config.get("act_bits", UNQUANTIZED_BITS)
-    if isinstance(act_bits, int) and act_bits < UNQUANTIZED_BITS:
+    extra = config.get("extra_config") or {}
+    if not isinstance(act_bits, int) or isinstance(act_bits, bool) or not isinstance(extra, Mapping):
+        raise FormatError(f"auto-round act_bits {act_bits!r} or extra_config {type(extra).__name__} is malformed")
+    if act_bits < UNQUANTIZED_BITS:
         if config.get("act_data_type") != STATIC_NVFP4_INPUTS or act_bits != 4:
             raise UnsupportedFormat(
                 f"auto-round NVFP4 with act_bits={act_bits!r}, act_data_type={config.get('act_data_type')!r} "
                 f"(defined here: 4 bits, {STATIC_NVFP4_INPUTS})"
             )
         inputs = dict(weights, group_size=config.get("act_group_size"), dynamic="local")
-    for module, settings in (config.get("extra_config") or {}).items():
+    for module, settings in extra.items():
         bits = settings.get("bits", UNQUANTIZED_BITS) if isinstance(settings, Mapping) else None
         if not (isinstance(bits, int) and bits >= UNQUANTIZED_BITS):
             raise UnsupportedFormat(f"auto-round extra_config for {module!r} with settings of its own: {settings!r}")

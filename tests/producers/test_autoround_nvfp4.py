@@ -61,3 +61,19 @@ def test_autoround_nvfp4_decodes_to_the_model_it_quantized(original):
         else:
             assert torch.equal(got, want), name
     assert quantized == 14
+
+
+def test_what_autoround_declares_beyond_the_definition_is_unsupported_or_malformed_not_misread():
+    from harness.core.errors import FormatError, UnsupportedFormat
+    from harness.formats import auto_round
+
+    config = json.loads((CASE / "config.json").read_text())["quantization_config"]
+    assert auto_round.compressed_tensors_groups(dict(config, act_bits=16))[0]["input_activations"] is None
+    assert auto_round.compressed_tensors_groups(dict(config, data_type="mx_fp")) is None
+    assert auto_round.compressed_tensors_groups(dict(config, extra_config={"lm_head": {"bits": 16}}))
+    for changed in ({"act_data_type": "nv_fp4"}, {"extra_config": {"model.layers.0.mlp.down_proj": {"bits": 8}}}):
+        with pytest.raises(UnsupportedFormat):
+            auto_round.compressed_tensors_groups(dict(config, **changed))
+    for changed in ({"act_bits": "4"}, {"extra_config": ["lm_head"]}):
+        with pytest.raises(FormatError):
+            auto_round.compressed_tensors_groups(dict(config, **changed))
