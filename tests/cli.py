@@ -52,15 +52,17 @@ def run_cli(
             stdin=subprocess.DEVNULL,
         )
     with tempfile.TemporaryDirectory(prefix="harness-cli-") as scratch:
-        out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
-        child = _forkserver().Process(target=_main, args=(argv, environment, cwd, str(out), str(err)))
+        out, err, status = Path(scratch) / "stdout", Path(scratch) / "stderr", Path(scratch) / "status"
+        child = _forkserver().Process(target=_main, args=(argv, environment, cwd, str(out), str(err), str(status)))
         child.start()
         child.join(timeout)
         if child.exitcode is None:
             child.kill()
             child.join()
             raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text())
-        return subprocess.CompletedProcess(command, child.exitcode, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(
+            command, _exit_status(child.exitcode, status), out.read_text(), err.read_text()
+        )
 
 
 def _forkserver():
@@ -71,7 +73,17 @@ def _forkserver():
     return _context
 
 
-def _main(argv: list[str], environment: dict[str, str], cwd: str, out: str, err: str) -> None:
+def _exit_status(exitcode: int, status: Path) -> int:
+    """The child's exit status. multiprocessing's forkserver answers 255 when it could not read the
+    status back (popen_forkserver.poll: the forkserver's report lost, seen once on a loaded 2-core
+    machine with the right one-line error printed): there the status the child recorded on leaving
+    `main` is its status. A child that died without recording one keeps multiprocessing's answer."""
+    if exitcode == 255 and status.is_file() and status.read_text().strip():
+        return int(status.read_text())
+    return exitcode
+
+
+def _main(argv: list[str], environment: dict[str, str], cwd: str, out: str, err: str, status: str) -> None:
     """In the forked child: the call's environment, directory and output files, then the CLI."""
     os.environ.clear()
     os.environ.update(environment)
@@ -87,6 +99,10 @@ def _main(argv: list[str], environment: dict[str, str], cwd: str, out: str, err:
 
     try:
         sys.exit(main(argv))  # multiprocessing turns SystemExit (argparse's too) into the exit status
+    except SystemExit as leaving:
+        code = leaving.code
+        Path(status).write_text(str(code if isinstance(code, int) else 0 if code is None else 1))
+        raise
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
