@@ -4,8 +4,8 @@ Tensors: `weight_packed` uint8 [N, K/2] (E2M1 codes, even column in the low nibb
 `weight_scale` float8_e4m3fn [N, K/16], `weight_global_scale` float32 [1], a DIVISOR
 (2688/amax): W = e2m1 * weight_scale / weight_global_scale. W4A4 adds `input_global_scale`
 float32 [1], the same divisor for activations. AutoRound's own config over these tensors
-(`packing_format: auto_round:llm_compressor`, harness.formats.auto_round) is read as the same. K must be a multiple of 16 (ct refuses
-otherwise, so does our quantizer). Scales follow llm-compressor's min-max observer feeding
+(`packing_format: auto_round:llm_compressor`, harness.formats.auto_round) is read as the same.
+K must be a multiple of 16 (ct refuses otherwise, so does our quantizer). Scales follow llm-compressor's min-max observer feeding
 compressed-tensors' `generate_gparam` / `calculate_qparams`, in the model's dtype, then
 ct's compressor (see `quantize_ct`).
 """
