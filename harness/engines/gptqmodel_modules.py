@@ -1,5 +1,6 @@
 """What transformers' GPTQ and AWQ Linears hold (GPTQModel's quantized Linears, which transformers
-builds for `quant_method: gptq` / `awq` through optimum and GPTQModel).
+builds for `quant_method: gptq` / `awq` through optimum and GPTQModel, and AutoRound's, which it
+builds for `quant_method: auto-round` through the auto-round package).
 
 Two states, judged at two depths:
 - placed: after `from_pretrained`, before any forward, each module holds `qweight`, `qzeros`,
@@ -25,8 +26,11 @@ MARKER = "qweight"
 
 
 def is_quantized_linear(module) -> bool:
-    """A GPTQ / AWQ Linear: holds packed codes, has in/out features, no float weight."""
-    return isinstance(getattr(module, MARKER, None), torch.Tensor) and hasattr(module, "in_features")
+    """A GPTQ / AWQ Linear: holds packed codes and says its input width (`in_features`, as
+    GPTQModel's say it, or `infeatures`, as AutoRound's `auto_round_extension` QuantLinears do)."""
+    return isinstance(getattr(module, MARKER, None), torch.Tensor) and (
+        hasattr(module, "in_features") or hasattr(module, "infeatures")
+    )
 
 
 def held_convention(module, knobs: dict) -> dict:

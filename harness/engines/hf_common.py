@@ -191,12 +191,16 @@ def run_linears(model, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 
 def linear_device(module) -> torch.device | None:
-    """Where a Linear's inputs go: its 2-D weight's device, or its packed codes' for a GPTQ / AWQ
-    Linear (no float weight); None for anything else."""
+    """Where a Linear's inputs go: its 2-D weight's device, or its packed codes' for a Linear that
+    holds no float weight (GPTQ / AWQ's `qweight`; `weight_packed`, as AutoRound's MXFP4 Linear
+    holds compressed-tensors' tensors); None for anything else."""
     weight = getattr(module, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         return weight.device
-    return getattr(module, MARKER).device if is_quantized_linear(module) else None
+    if is_quantized_linear(module):
+        return getattr(module, MARKER).device
+    packed = getattr(module, "weight_packed", None)
+    return packed.device if isinstance(packed, torch.Tensor) and hasattr(module, "in_features") else None
 
 
 @torch.no_grad()

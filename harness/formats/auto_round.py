@@ -3,14 +3,24 @@
 AutoRound 0.16 writes its config (`bits`, `group_size`, `sym`, `data_type`, `act_*`,
 `packing_format`) whatever the layout of the tensors: `auto_round:auto_gptq` and `auto_round` are
 GPTQ's (harness.formats.gptq), `auto_round:auto_awq` AWQ's (harness.formats.awq), and
-`auto_round:llm_compressor` compressed-tensors' names and encodings. Of the last, NVFP4
-(`data_type: nv_fp`, 4 bits, groups of 16, symmetric) is defined here: `weight_packed`,
-`weight_scale` (E4M3), `weight_global_scale` a divisor (2688/amax, as compressed-tensors stores it:
-measured on AutoRound's own output, cases/producers/autoround/nvfp4_autoround); with
-`act_bits: 4` and `act_data_type: nv_fp4_with_static_gs` the inputs are quantized as
-compressed-tensors' W4A4 (a stored `input_global_scale` divisor, local scales per 16). Its
-equivalent compressed-tensors config groups (`compressed_tensors_groups`) are what the NVFP4
-reader and the activation planner read, so both follow one definition.
+`auto_round:llm_compressor` compressed-tensors' names and encodings. Of the last, two are defined
+here, each as the compressed-tensors config it is equivalent to (`compressed_tensors_config`),
+which the compressed-tensors readers and the activation planner read, so that both follow one
+definition:
+
+- NVFP4 (`data_type: nv_fp`, 4 bits, groups of 16, symmetric): `weight_packed`, `weight_scale`
+  (E4M3), `weight_global_scale` a divisor (2688/amax, as compressed-tensors stores it: measured on
+  AutoRound's own output, cases/producers/autoround/nvfp4_autoround); with `act_bits: 4` and
+  `act_data_type: nv_fp4_with_static_gs` the inputs are quantized as compressed-tensors' W4A4 (a
+  stored `input_global_scale` divisor, local scales per 16).
+- MXFP4 (`data_type` of the `mx_fp` family, 4 bits, groups of 32, symmetric): `weight_packed`
+  (E2M1) and a uint8 E8M0 `weight_scale` per 32 columns, compressed-tensors'
+  `mxfp4-pack-quantized` (measured on AutoRound's own output,
+  cases/producers/autoround/mxfp4_autoround); `act_bits: 4` with `act_data_type` `mx_fp`, dynamic,
+  groups of 32, declares compressed-tensors' dynamic MXFP4 activations.
+
+Other data types under `auto_round:llm_compressor` (MXFP8, ...) are UnsupportedFormat, as are
+activation types beyond these and per-layer `extra_config` with quantized settings of its own.
 """
 
 from __future__ import annotations
@@ -22,20 +32,39 @@ from harness.core.errors import FormatError, UnsupportedFormat
 AUTO_ROUND = "auto-round"
 LLM_COMPRESSOR = "auto_round:llm_compressor"
 NVFP4_FORMAT = "nvfp4-pack-quantized"
-#: the one activation data type with a stored global scale: compressed-tensors' W4A4
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+#: the one NVFP4 activation data type with a stored global scale: compressed-tensors' W4A4
 STATIC_NVFP4_INPUTS = "nv_fp4_with_static_gs"
 #: bits at or above which AutoRound leaves a tensor unquantized
 UNQUANTIZED_BITS = 16
 
 
-def compressed_tensors_groups(config: Mapping) -> list[dict] | None:
-    """The compressed-tensors config groups an AutoRound `auto_round:llm_compressor` NVFP4 config
-    is equivalent to; None for any other config. What it declares beyond the definition above (other
-    activation types, per-layer `extra_config` with other quantized settings) is UnsupportedFormat."""
-    if config.get("quant_method") != AUTO_ROUND or config.get("packing_format") != LLM_COMPRESSOR:
-        return None
-    if config.get("data_type") != "nv_fp":
-        return None
+def _is_mx(data_type) -> bool:
+    """AutoRound's MX family (`mx_fp`, `mx_fp4`, `mx_fp4e2m1`, ...), matched by substring as its
+    own `is_mx_fp` does."""
+    return isinstance(data_type, str) and "mx_fp" in data_type
+
+
+def _act_bits(config: Mapping) -> int:
+    act_bits = config.get("act_bits", UNQUANTIZED_BITS)
+    extra = config.get("extra_config") or {}
+    if not isinstance(act_bits, int) or isinstance(act_bits, bool) or not isinstance(extra, Mapping):
+        raise FormatError(f"auto-round act_bits {act_bits!r} or extra_config {type(extra).__name__} is malformed")
+    for module, settings in extra.items():
+        bits = settings.get("bits", UNQUANTIZED_BITS) if isinstance(settings, Mapping) else None
+        if not (isinstance(bits, int) and bits >= UNQUANTIZED_BITS):
+            raise UnsupportedFormat(f"auto-round extra_config for {module!r} with settings of its own: {settings!r}")
+    return act_bits
+
+
+def _unsupported_inputs(config: Mapping, act_bits: int, defined: str) -> UnsupportedFormat:
+    return UnsupportedFormat(
+        f"auto-round {config.get('data_type')} with act_bits={act_bits!r}, "
+        f"act_data_type={config.get('act_data_type')!r} (defined here: {defined})"
+    )
+
+
+def _nvfp4_group(config: Mapping, act_bits: int) -> dict:
     weights = {
         "num_bits": config.get("bits"),
         "type": "float",
@@ -45,19 +74,50 @@ def compressed_tensors_groups(config: Mapping) -> list[dict] | None:
         "dynamic": False,
     }
     inputs = None
-    act_bits = config.get("act_bits", UNQUANTIZED_BITS)
-    extra = config.get("extra_config") or {}
-    if not isinstance(act_bits, int) or isinstance(act_bits, bool) or not isinstance(extra, Mapping):
-        raise FormatError(f"auto-round act_bits {act_bits!r} or extra_config {type(extra).__name__} is malformed")
     if act_bits < UNQUANTIZED_BITS:
         if config.get("act_data_type") != STATIC_NVFP4_INPUTS or act_bits != 4:
-            raise UnsupportedFormat(
-                f"auto-round NVFP4 with act_bits={act_bits!r}, act_data_type={config.get('act_data_type')!r} "
-                f"(defined here: 4 bits, {STATIC_NVFP4_INPUTS})"
-            )
+            raise _unsupported_inputs(config, act_bits, f"4 bits, {STATIC_NVFP4_INPUTS}")
         inputs = dict(weights, group_size=config.get("act_group_size"), dynamic="local")
-    for module, settings in extra.items():
-        bits = settings.get("bits", UNQUANTIZED_BITS) if isinstance(settings, Mapping) else None
-        if not (isinstance(bits, int) and bits >= UNQUANTIZED_BITS):
-            raise UnsupportedFormat(f"auto-round extra_config for {module!r} with settings of its own: {settings!r}")
-    return [{"format": NVFP4_FORMAT, "weights": weights, "input_activations": inputs, "targets": ["Linear"]}]
+    return {"format": NVFP4_FORMAT, "weights": weights, "input_activations": inputs, "targets": ["Linear"]}
+
+
+def _mxfp4_group(config: Mapping, act_bits: int) -> dict:
+    if config.get("bits") != 4:
+        raise UnsupportedFormat(f"auto-round {config.get('data_type')} with {config.get('bits')!r} bits (MXFP4 only)")
+    weights = {
+        "num_bits": 4,
+        "type": "float",
+        "group_size": config.get("group_size"),
+        "strategy": "group",
+        "symmetric": config.get("sym", True),
+        "dynamic": False,
+        "scale_dtype": "torch.uint8",
+    }
+    inputs = None
+    if act_bits < UNQUANTIZED_BITS:
+        if not (_is_mx(config.get("act_data_type")) and act_bits == 4 and config.get("act_dynamic", True) is True):
+            raise _unsupported_inputs(config, act_bits, "4 bits, mx_fp, dynamic")
+        inputs = dict(weights, group_size=config.get("act_group_size"), dynamic=True)
+    return {"format": MXFP4_FORMAT, "weights": weights, "input_activations": inputs, "targets": ["Linear"]}
+
+
+def compressed_tensors_config(config: Mapping) -> dict | None:
+    """The compressed-tensors quantization_config an AutoRound `auto_round:llm_compressor` config is
+    equivalent to (one config group for every quantized Linear); None for any other config. What it
+    declares beyond the definitions above is UnsupportedFormat, a malformed field FormatError."""
+    if config.get("quant_method") != AUTO_ROUND or config.get("packing_format") != LLM_COMPRESSOR:
+        return None
+    data_type = config.get("data_type")
+    if data_type == "nv_fp":
+        group = _nvfp4_group(config, _act_bits(config))
+    elif _is_mx(data_type):
+        group = _mxfp4_group(config, _act_bits(config))
+    else:
+        return None
+    return {
+        "quant_method": "compressed-tensors",
+        "format": group["format"],
+        "config_groups": {"group_0": group},
+        "ignore": [],
+        "quantization_status": "compressed",
+    }

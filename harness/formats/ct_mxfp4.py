@@ -7,7 +7,9 @@ NaN there and refused here). No global scale, no `weight_shape`: K is 2 x the pa
 odd K cannot be stored (the quantizer refuses it). Config: `quant_method: compressed-tensors`,
 `format: mxfp4-pack-quantized`, one group of float 4-bit `group` weights, group_size 32,
 `scale_dtype: torch.uint8`, as ct 0.20 writes its `MXFP4A16` preset (its `MXFP4` preset adds
-dynamic MXFP4 activations and writes the same tensors; both are read).
+dynamic MXFP4 activations and writes the same tensors; both are read). AutoRound's own config over
+these tensors (`packing_format: auto_round:llm_compressor`, `data_type: mx_fp`,
+harness.formats.auto_round) is read as the same.
 
 Scales follow llm-compressor's min-max observer and ct 0.20's `calculate_qparams` in the model
 dtype: the group amax is rounded to a power of two by its bits (`round_to_power_2`: up when its
@@ -32,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from harness.core.numerics import E2M1_MAX, encode_e2m1, pack_e2m1, unpack_e2m1
+from harness.formats import auto_round
 from harness.formats.base import (
     FormatError,
     Knob,
@@ -65,8 +68,9 @@ TYPED_STORAGE_NOTE = (
 
 
 def config_group(config) -> dict | None:
-    """The single config group of a compressed-tensors MXFP4 config, else None."""
-    return single_group(config, FORMAT_NAME)
+    """The single config group of a compressed-tensors MXFP4 config (or of AutoRound's own config
+    over these tensors, harness.formats.auto_round), else None."""
+    return single_group(auto_round.compressed_tensors_config(config) or config, FORMAT_NAME)
 
 
 def round_to_power_of_two(amax: torch.Tensor) -> torch.Tensor:

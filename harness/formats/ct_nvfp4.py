@@ -90,8 +90,8 @@ class CtNvfp4(QuantFormat):
         )
 
     def _nvfp4_groups(self, quantization_config):
-        if quantization_config.get("quant_method") == auto_round.AUTO_ROUND:  # its own config, ct's tensors
-            return auto_round.compressed_tensors_groups(quantization_config)
+        # AutoRound's own config over ct's tensors reads as the ct config it is equivalent to
+        quantization_config = auto_round.compressed_tensors_config(quantization_config) or quantization_config
         if quantization_config.get("quant_method") != "compressed-tensors":
             return None
         found = []
@@ -100,8 +100,9 @@ class CtNvfp4(QuantFormat):
                 continue
             fmt = group.get("format") or quantization_config.get("format")
             weights = group.get("weights") or {}
-            if fmt == FORMAT_NAME or (
-                weights.get("num_bits") == 4
+            if fmt == FORMAT_NAME or (  # a group that names no format, by its weights
+                fmt is None
+                and weights.get("num_bits") == 4
                 and weights.get("type") == "float"
                 and weights.get("group_size") == nv.GROUP
             ):

@@ -49,6 +49,9 @@ class CorpusCase:
     #: the bound between the producer's own dequantization and the reference's, in units in the last
     #: place of the model dtype (0: bit-exact), and why it is not 0
     truth_ulps: int = 0
+    #: engines that must load the case wherever they run (their optional packages installed: a
+    #: missing one makes the engine `unsupported`, which this turns into a failure)
+    loaded_by: tuple[str, ...] = ()
     reason: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -75,6 +78,7 @@ def corpus_cases(root: Path = CORPUS) -> list[CorpusCase]:
                 expect,
                 tuple(entry.get("audit_checks", ())),
                 int(entry.get("truth_ulps", 0)),
+                tuple(entry.get("loaded_by", ())),
                 entry.get("reason", ""),
             )
         )

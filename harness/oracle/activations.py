@@ -14,6 +14,11 @@ transformers' fp8 config; ModelOpt's `quant_algo`):
 - NVFP4 (FP4 E2M1, tensor_group, groups of 16): with G the global scale in the divisor convention
   (compressed-tensors' `input_global_scale`; ModelOpt's `input_scale` is 1 / G), each group's
   scale b = e4m3(amax / 6 * G) and x -> e2m1(x * G / b) * b / G.
+- MXFP4, dynamic, groups of 32 (OCP MX v1.0, as AutoRound declares and computes it: its
+  `quant_mx`): each group's scale 2**X with X = floor(log2(amax)) - 2 (2 the E2M1 maximum's
+  exponent) clamped to [-127, 127], x -> e2m1(clamp(x / 2**X, -6, 6)) * 2**X. compressed-tensors'
+  own MXFP4 activations round the amax to a power of two first (up from a mantissa of 1.75): a
+  different definition, not modelled here.
 
 A group (or row) whose amax is zero stays zero. Arithmetic is float64 and the result is cast back
 to the activation's dtype; `arithmetic="model"` computes the same definition in the activation's
@@ -33,14 +38,18 @@ import torch
 from harness.core.errors import HarnessError
 from harness.core.numerics import E2M1_MAX, E2M1_TABLE, E4M3_MAX, NVFP4_GROUP, encode_e2m1, encode_e4m3
 from harness.formats import auto_round
+from harness.formats.ct_mxfp4 import GROUP as MXFP4_GROUP
 
 #: compressed-tensors' symmetric int8 scale divisor: (127 - -128) / 2
 INT8_HALF_RANGE = 127.5
+#: OCP MX: floor(log2(6)), the E2M1 maximum's exponent, and the E8M0 scale's exponent range
+MX_ELEMENT_EXPONENT = 2
+MX_SCALE_EXPONENT = 127
 
 
 @dataclass(frozen=True)
 class ActivationScheme:
-    kind: str  # "fp8", "int8" or "nvfp4"
+    kind: str  # "fp8", "int8", "nvfp4" or "mxfp4"
     strategy: str  # "tensor", "token", "group", "tensor_group"
     dynamic: bool  # scales computed from the activation (NVFP4's group scales always are)
     group_size: int | None = None
@@ -64,9 +73,8 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
         block = quantization_config.get("weight_block_size") or [128, 128]
         cols = block[-1] if isinstance(block, list) else block
         return ActivationScheme("fp8", "group", True, int(cols))
-    groups = auto_round.compressed_tensors_groups(quantization_config) or [
-        g for g in (quantization_config.get("config_groups") or {}).values() if isinstance(g, dict)
-    ]
+    quantization_config = auto_round.compressed_tensors_config(quantization_config) or quantization_config
+    groups = [g for g in (quantization_config.get("config_groups") or {}).values() if isinstance(g, dict)]
     inputs = [g.get("input_activations") for g in groups if g.get("input_activations")]
     if not inputs:
         return None
@@ -83,11 +91,18 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
                 f"INT8 activations with strategy {strategy!r} are defined here dynamic, symmetric, per token only"
             )
         return ActivationScheme("int8", "token", True)
+    if bits == 4 and args.get("type") == "float" and strategy == "group" and method == auto_round.AUTO_ROUND:
+        if args.get("dynamic") is not True or args.get("group_size") != MXFP4_GROUP:
+            raise HarnessError(f"MXFP4 activations are defined here dynamic, in groups of {MXFP4_GROUP}, only")
+        return ActivationScheme("mxfp4", "group", True, MXFP4_GROUP)
     if bits == 4 and args.get("type") == "float" and strategy in ("tensor_group", "tensor"):
         if method == "modelopt":
             return ActivationScheme("nvfp4", "tensor_group", True, NVFP4_GROUP, "input_scale", multiplier=True)
         return ActivationScheme("nvfp4", "tensor_group", True, NVFP4_GROUP, "input_global_scale")
-    raise HarnessError(f"activations of {bits} bits, type {args.get('type')!r}, are not defined here")
+    raise HarnessError(
+        f"activations of {bits} bits, type {args.get('type')!r}, strategy {strategy!r} are not defined here"
+        f" (quant_method {method!r})"
+    )
 
 
 def declared_ignored(quantization_config: Mapping, module: str) -> bool:
@@ -142,6 +157,8 @@ def quantize_activations(x: torch.Tensor, scheme: ActivationScheme, stored: torc
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         result = torch.round((x64 / safe).clamp(-128, 127)) * safe
         return torch.where(scale > 0, result, torch.zeros_like(result)).to(x.dtype)
+    if scheme.kind == "mxfp4":
+        return _mxfp4(x64, scheme.group_size, work).to(x.dtype)
     value = float(stored.to(torch.float64).reshape(()))
     global_scale = 1.0 / value if scheme.multiplier else value
     groups, columns = _grouped(x64, NVFP4_GROUP)
@@ -151,6 +168,20 @@ def quantize_activations(x: torch.Tensor, scheme: ActivationScheme, stored: torc
     values = E2M1_TABLE.to(work)[codes] * safe / global_scale
     values = torch.where(block > 0, values, torch.zeros_like(values))
     return values.flatten(-2)[..., :columns].to(x.dtype)
+
+
+def _mxfp4(x: torch.Tensor, size: int, work: torch.dtype) -> torch.Tensor:
+    """OCP MX FP4 of `x` in groups of `size`: the scale exponent from frexp (floor(log2) exactly,
+    in any dtype), powers of two and E2M1 values exact in `work`."""
+    groups, columns = _grouped(x, size)
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    _, exponent = torch.frexp(amax.to(torch.float64))  # amax = m * 2**e, m in [0.5, 1): floor(log2) = e - 1
+    shared = (exponent - 1 - MX_ELEMENT_EXPONENT).clamp(-MX_SCALE_EXPONENT, MX_SCALE_EXPONENT)
+    scale = torch.ldexp(torch.ones_like(amax, dtype=torch.float64), shared).to(work)
+    codes = encode_e2m1((groups / scale).clamp(-E2M1_MAX, E2M1_MAX))
+    values = E2M1_TABLE.to(work)[codes] * scale
+    values = torch.where(amax > 0, values, torch.zeros_like(values))
+    return values.flatten(-2)[..., :columns]
 
 
 def install(model: torch.nn.Module, modules: Mapping[str, torch.Tensor | None], scheme: ActivationScheme) -> list:

@@ -7,7 +7,8 @@ c is chosen per activation scheme so that its quantization is exact wherever the
 allows it: unquantized inputs take 1; dynamic FP8 takes 448 * 2**-8 (the scale amax / 448 is then
 2**-8, a power of two: exact in every dtype); dynamic int8 takes 127 * 2**-6; a static FP8 scale s
 takes s itself as the model dtype holds it (quantized to 1 * s); NVFP4 takes 6 / G (its group
-scale then rounds to exactly 1 on the E4M3 grid and the value to the E2M1 maximum). A one-hot row
+scale then rounds to exactly 1 on the E4M3 grid and the value to the E2M1 maximum); MXFP4 takes 6
+(its group scale 2**(floor(log2 6) - 2) = 1, the value the E2M1 maximum). A one-hot row
 is quantized in the grid's top code, so conventions that differ only in where the amax lands
 (compressed-tensors' int8 scale amax / 127.5 against vLLM's amax / 127) give different d: each
 candidate d is returned, and the judge accepts the one the engine's output fits."""
@@ -45,6 +46,8 @@ def basis_value(scheme: ActivationScheme | None, stored: torch.Tensor | None, dt
         value = E4M3_MAX * 2.0**-8
     elif scheme.kind == "int8":
         value = 127 * 2.0**-6
+    elif scheme.kind == "mxfp4":
+        value = E2M1_MAX
     else:  # NVFP4: the global scale G in the divisor convention
         stored_value = float(stored.to(torch.float64).reshape(()))
         global_scale = 1.0 / stored_value if scheme.multiplier else stored_value

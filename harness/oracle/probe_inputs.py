@@ -6,7 +6,8 @@ rounding noise, even in bfloat16 where whole-model logits cannot (docs/findings.
 Every element sits a fixed fraction of a grid step above a grid point (1/4 to 7/16 of the step:
 never at the tie at 1/2, so no rounding order moves it across), and each group that computes a
 dynamic scale holds one element at exactly the scale's amax: for FP8 the scale is a power of two
-(amax / 448 exact in any float dtype), for NVFP4 a block scale on the E4M3 grid. Quantization then
+(amax / 448 exact in any float dtype), for NVFP4 a block scale on the E4M3 grid, for MXFP4 a
+power of two (6 * 2**k, whose OCP scale is 2**k). Quantization then
 moves every element by 1/4 to 7/16 of a step (2 to 5% of its value for FP8), while bfloat16
 rounds at 2**-9 to 2**-8: no bfloat16 rounding moves a quantized value across a grid point.
 """
@@ -41,7 +42,11 @@ def probe_input(
     static scale `stored`, where the scheme has one) is decided far from any rounding boundary."""
     generator = torch.Generator().manual_seed(seed)
     if scheme.kind == "nvfp4":
-        return _nvfp4(scheme, stored, in_features, rows, dtype, generator)
+        value = float(stored.to(torch.float64).reshape(()))
+        global_scale = 1.0 / value if scheme.multiplier else value
+        return _fp4(NVFP4_GROUP, True, global_scale, in_features, rows, generator).to(dtype)
+    if scheme.kind == "mxfp4":
+        return _fp4(scheme.group_size, False, 1.0, in_features, rows, generator).to(dtype)
     static = scheme.static and stored is not None
     groups = _scale_groups(scheme, in_features)
     scale = torch.full((rows, in_features), DYNAMIC_SCALES[0], dtype=torch.float64)
@@ -74,25 +79,23 @@ def _scale_groups(scheme: ActivationScheme, in_features: int) -> list[range]:
     return [range(start, min(start + size, in_features)) for start in range(0, in_features, size)]
 
 
-def _nvfp4(scheme, stored, in_features, rows, dtype, generator) -> torch.Tensor:
-    """E2M1 values (plus an offset) times a block scale b on the E4M3 grid over the global scale G;
-    each group of 16 holds 6 b / G, its amax, so that its scale rounds back to b."""
-    value = float(stored.to(torch.float64).reshape(()))
-    global_scale = 1.0 / value if scheme.multiplier else value
-    groups = -(-in_features // NVFP4_GROUP)
+def _fp4(size: int, mantissas: bool, global_scale: float, in_features: int, rows: int, generator) -> torch.Tensor:
+    """E2M1 values (plus an offset) times a group scale b over the global scale G, in groups of
+    `size`: b on the E4M3 grid (NVFP4, `mantissas`) or a power of two (MXFP4, G = 1); each group
+    holds 6 b / G, its amax, so that its scale comes back to b."""
+    groups = -(-in_features // size)
     block = torch.exp2(torch.randint(-2, 5, (rows, groups, 1), generator=generator).to(torch.float64))
-    block = block * (1 + torch.randint(0, 8, (rows, groups, 1), generator=generator).to(torch.float64) / 8)
+    if mantissas:
+        block = block * (1 + torch.randint(0, 8, (rows, groups, 1), generator=generator).to(torch.float64) / 8)
     table = torch.tensor(_E2M1_STEPS, dtype=torch.float64)
-    picked = table[torch.randint(0, len(_E2M1_STEPS), (rows, groups, NVFP4_GROUP), generator=generator)]
-    offset = torch.tensor(OFFSETS, dtype=torch.float64)[
-        torch.randint(0, 2, (rows, groups, NVFP4_GROUP), generator=generator)
-    ]
+    picked = table[torch.randint(0, len(_E2M1_STEPS), (rows, groups, size), generator=generator)]
+    offset = torch.tensor(OFFSETS, dtype=torch.float64)[torch.randint(0, 2, (rows, groups, size), generator=generator)]
     codes = picked[..., 0] + offset * picked[..., 1]
-    position = torch.randint(0, NVFP4_GROUP, (rows, groups, 1), generator=generator)
+    position = torch.randint(0, size, (rows, groups, 1), generator=generator)
     codes.scatter_(-1, position, E2M1_MAX)
-    sign = torch.where(torch.rand(rows, groups, NVFP4_GROUP, generator=generator) < 0.5, -1.0, 1.0)
-    x = (sign * codes * block / global_scale).reshape(rows, groups * NVFP4_GROUP)[:, :in_features]
-    if in_features % NVFP4_GROUP:  # the last, partial group: its amax must be among its columns
-        last = (groups - 1) * NVFP4_GROUP
+    sign = torch.where(torch.rand(rows, groups, size, generator=generator) < 0.5, -1.0, 1.0)
+    x = (sign * codes * block / global_scale).reshape(rows, groups * size)[:, :in_features]
+    if in_features % size:  # the last, partial group: its amax must be among its columns
+        last = (groups - 1) * size
         x[:, last] = block[:, -1, 0] * E2M1_MAX / global_scale
-    return x.to(dtype)
+    return x

@@ -49,6 +49,29 @@ def test_nvfp4_activations_are_e2m1_times_an_e4m3_group_scale():
     assert torch.allclose(quantize_activations(x, multiplier, inverse), quantized.float(), rtol=1e-6, atol=0)
 
 
+def test_mxfp4_activations_are_ocp_mx_as_autoround_computes_them():
+    """The OCP MX definition (a power-of-two scale 2**(floor(log2 amax) - 2) per 32, E2M1 values,
+    saturating at 6) equals AutoRound's own `quant_mx`, which its CPU Linear applies to its inputs,
+    bit for bit: on random groups, groups whose amax sits just below and at a power of two (where
+    compressed-tensors' rounding of the amax differs), a zero group and a partial last group."""
+    quant_mx = pytest.importorskip("auto_round.data_type.mxfp").quant_mx
+    scheme = ActivationScheme("mxfp4", "group", True, 32)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 96, generator=generator, dtype=torch.float64) * torch.exp2(
+        torch.randint(-20, 20, (6, 1), generator=generator).double()
+    )
+    x[0, :32] = 0.0
+    x[1, :32] = torch.linspace(-1.9, 1.99, 32) * 2.0**-5  # amax mantissa 1.99: OCP clamps, ct would round up
+    x[2, 32:64] = torch.linspace(-1.0, 0.5, 32) * 2.0**4  # amax exactly a power of two
+    for dtype in (torch.float32, torch.bfloat16):
+        for columns in (96, 80):
+            data = x[:, :columns].to(dtype)
+            theirs = quant_mx(data, bits=4, group_size=32, data_type="mx_fp")[0]
+            ours = quantize_activations(data, scheme)
+            assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), (dtype, columns)
+    assert torch.equal(quantize_activations(x[:1, :32], scheme), torch.zeros(1, 32, dtype=torch.float64))
+
+
 def test_the_schemes_the_formats_declare_are_read():
     from harness.formats import get_format
 
@@ -265,6 +288,7 @@ def test_an_ill_conditioned_checkpoint_is_not_an_activation_finding(real_session
         (ActivationScheme("fp8", "tensor", False, static="input_scale"), torch.tensor([0.0123])),
         (ActivationScheme("nvfp4", "tensor_group", True, 16, "input_global_scale"), torch.tensor([311.7])),
         (ActivationScheme("nvfp4", "tensor_group", True, 16, "input_scale", multiplier=True), torch.tensor([1 / 97.3])),
+        (ActivationScheme("mxfp4", "group", True, 32), None),
     ],
 )
 def test_probe_inputs_quantize_the_same_in_every_arithmetic_and_far_from_their_grid(scheme, stored, dtype):

@@ -16,6 +16,7 @@ FP8_GROUP = ActivationScheme("fp8", "group", dynamic=True, group_size=128)
 FP8_STATIC = ActivationScheme("fp8", "tensor", dynamic=False, static="input_scale")
 INT8_TOKEN = ActivationScheme("int8", "token", dynamic=True)
 NVFP4 = ActivationScheme("nvfp4", "tensor_group", dynamic=True, group_size=16, static="input_global_scale")
+MXFP4 = ActivationScheme("mxfp4", "group", dynamic=True, group_size=32)
 
 
 def test_columns_cover_small_inputs_and_spread_over_large_ones():
@@ -35,6 +36,7 @@ def test_columns_cover_small_inputs_and_spread_over_large_ones():
         (FP8_GROUP, None),
         (FP8_STATIC, torch.tensor(0.0123)),
         (NVFP4, torch.tensor(37.5)),
+        (MXFP4, None),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -82,5 +82,7 @@ def test_compare_on_every_engine_makes_no_false_finding(case, session):
     else:
         assert new == [], new
         assert result.outcomes["reference"].status == "loaded", result.outcomes["reference"]
+    for engine in set(case.loaded_by) - set(session.unavailable):
+        assert result.outcomes[engine].status == "loaded", (engine, result.outcomes[engine])
     ran = {engine for engine, outcome in result.outcomes.items() if outcome.status != "unavailable"}
     assert ran == set(ENGINES) - set(session.unavailable), session.unavailable
