@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from harness.core.errors import first_line
+from harness.engines.auto_round_modules import applied_weights
 from harness.engines.base import EngineUnsupported, LoadReport
 from harness.engines.gptqmodel_modules import placed_weights
 from harness.engines.hf_common import HFModelEngine, captured_warnings, input_device, stored_names
@@ -90,8 +91,9 @@ class TransformersEngine(HFModelEngine):
         )
         report.missing, report.unexpected = names.missing, names.unexpected
         report.mismatched = sorted(str(k) for k in info.get("mismatched_keys", []))
-        # GPTQ / AWQ kernels repack at the first forward: read what their loader placed before it
-        self.placed = placed_weights(self.model, self.fmt, self.knobs)
+        # GPTQ / AWQ kernels repack at the first forward: read what their loader placed before it;
+        # AutoRound's Linears hold codes they dequantize at each forward: read what that computes
+        self.placed = placed_weights(self.model, self.fmt, self.knobs) | applied_weights(self.model)
         # compressed-tensors decompresses on the first forward: run one so weights are what it computes
         with torch.no_grad():
             self.model(input_ids=torch.tensor([[1, 3, 4, 5]], device=input_device(self.model)))

@@ -70,7 +70,7 @@ def cast_first_reading(
     codes = tensors["weight"].to(torch.float64)  # every e4m3 value is exact in float64
     rows, cols = codes.shape
     scale = tensors["weight_scale"].to(dtype).to(torch.float64)
-    grid = scale.reshape(1, 1) if scale.numel() == 1 else scale
+    grid = scale.reshape(1, 1) if scale.numel() == 1 else scale.reshape(rows, 1) if scale.dim() == 1 else scale
     return codes * expand_block_grid(grid, rows, cols, source.fmt.scale_block(source.knobs, (rows, cols)))
 
 

@@ -19,6 +19,13 @@ definition:
   cases/producers/autoround/mxfp4_autoround); `act_bits: 4` with `act_data_type` `mx_fp`, dynamic,
   groups of 32, declares compressed-tensors' dynamic MXFP4 activations.
 
+One more of its packings keeps compressed-tensors' tensor names under another config:
+`auto_round:fp8_static` (`data_type: fp`, 8 bits, `fmt: e4m3`, `group_size: -1`) is FP8 weights
+`weight` (e4m3) with one float32 `weight_scale` per output row, stored 1-D [N] (compressed-tensors
+stores [N, 1]: `ROW_SCALES_1D`), and a static per-tensor float32 `input_scale` [1] (`act_bits: 8`,
+`act_dynamic: false`): compressed-tensors' float-quantized channel strategy with static inputs
+(measured on AutoRound's own output, cases/producers/autoround/fp8_static_autoround).
+
 Other data types under `auto_round:llm_compressor` (MXFP8, ...) are UnsupportedFormat, as are
 activation types beyond these and per-layer `extra_config` with quantized settings of its own.
 """
@@ -33,6 +40,10 @@ AUTO_ROUND = "auto-round"
 LLM_COMPRESSOR = "auto_round:llm_compressor"
 NVFP4_FORMAT = "nvfp4-pack-quantized"
 MXFP4_FORMAT = "mxfp4-pack-quantized"
+FP8_STATIC = "auto_round:fp8_static"
+FLOAT_FORMAT = "float-quantized"
+#: the reading knob that says a channel strategy's weight_scale is stored [N], not [N, 1]
+ROW_SCALES_1D = "row_scales_1d"
 #: the one NVFP4 activation data type with a stored global scale: compressed-tensors' W4A4
 STATIC_NVFP4_INPUTS = "nv_fp4_with_static_gs"
 #: bits at or above which AutoRound leaves a tensor unquantized
@@ -101,19 +112,38 @@ def _mxfp4_group(config: Mapping, act_bits: int) -> dict:
     return {"format": MXFP4_FORMAT, "weights": weights, "input_activations": inputs, "targets": ["Linear"]}
 
 
+def _fp8_static_group(config: Mapping, act_bits: int) -> dict:
+    declared = {key: config.get(key) for key in ("data_type", "bits", "fmt", "group_size")}
+    if declared != {"data_type": "fp", "bits": 8, "fmt": "e4m3", "group_size": -1}:
+        raise UnsupportedFormat(f"auto-round {FP8_STATIC} with {declared} (defined here: fp, 8 bits, e4m3, per row)")
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "channel"}
+    inputs = None
+    if act_bits < UNQUANTIZED_BITS:
+        if (act_bits, config.get("act_data_type"), config.get("act_dynamic")) != (8, "fp", False):
+            raise _unsupported_inputs(config, act_bits, "8 bits, fp, static per tensor")
+        inputs = dict(weights, strategy="tensor", dynamic=False)
+    return {"format": FLOAT_FORMAT, "weights": dict(weights, dynamic=False), "input_activations": inputs}
+
+
 def compressed_tensors_config(config: Mapping) -> dict | None:
-    """The compressed-tensors quantization_config an AutoRound `auto_round:llm_compressor` config is
-    equivalent to (one config group for every quantized Linear); None for any other config. What it
-    declares beyond the definitions above is UnsupportedFormat, a malformed field FormatError."""
-    if config.get("quant_method") != AUTO_ROUND or config.get("packing_format") != LLM_COMPRESSOR:
+    """The compressed-tensors quantization_config an AutoRound `auto_round:llm_compressor` or
+    `auto_round:fp8_static` config is equivalent to (one config group for every quantized Linear);
+    None for any other config. What it declares beyond the definitions above is UnsupportedFormat, a
+    malformed field FormatError."""
+    if config.get("quant_method") != AUTO_ROUND:
         return None
     data_type = config.get("data_type")
-    if data_type == "nv_fp":
+    if config.get("packing_format") == FP8_STATIC:
+        group = _fp8_static_group(config, _act_bits(config))
+    elif config.get("packing_format") != LLM_COMPRESSOR:
+        return None
+    elif data_type == "nv_fp":
         group = _nvfp4_group(config, _act_bits(config))
     elif _is_mx(data_type):
         group = _mxfp4_group(config, _act_bits(config))
     else:
         return None
+    group["targets"] = ["Linear"]
     return {
         "quant_method": "compressed-tensors",
         "format": group["format"],

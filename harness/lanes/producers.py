@@ -52,6 +52,10 @@ class CorpusCase:
     #: engines that must load the case wherever they run (their optional packages installed: a
     #: missing one makes the engine `unsupported`, which this turns into a failure)
     loaded_by: tuple[str, ...] = ()
+    #: findings a correct judgement makes that no known issue covers (`engine kind: message`
+    #: regexes, each matched by exactly one finding): an engine's misbehaviour seen only on this
+    #: producer's output, which the generator cannot write yet (so it has no known-issue reproducer)
+    findings: tuple[str, ...] = ()
     reason: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -79,6 +83,7 @@ def corpus_cases(root: Path = CORPUS) -> list[CorpusCase]:
                 tuple(entry.get("audit_checks", ())),
                 int(entry.get("truth_ulps", 0)),
                 tuple(entry.get("loaded_by", ())),
+                tuple(entry.get("findings", ())),
                 entry.get("reason", ""),
             )
         )

@@ -1,10 +1,11 @@
-"""AutoRound's `auto_round:llm_compressor` exports (`quant_method: auto-round` over compressed-tensors'
-tensors: NVFP4 and MXFP4) carry no producer truth (their packers were not captured, provenance.json
-says so): the reference's reading of each is checked against the model AutoRound quantized instead,
-rebuilt from the seed and sizes its provenance records. Read by compressed-tensors' definition of
-the format, every quantized weight is within the format's rounding of the original and every other
-tensor is the original; a misread convention (a global scale taken as a multiplier, swapped nibbles,
-an E8M0 bias applied twice) is several times off."""
+"""AutoRound's exports over compressed-tensors' tensors (`quant_method: auto-round` with
+`auto_round:llm_compressor`: NVFP4 and MXFP4; `auto_round:fp8_static`) carry no producer truth
+(their packers were not captured, provenance.json says so): the reference's reading of each is
+checked against the model AutoRound quantized instead, rebuilt from the seed and sizes its
+provenance records. Read by compressed-tensors' definition of the format, every quantized weight is
+within the format's rounding of the original and every other tensor is the original; a misread
+convention (a global scale taken as a multiplier, swapped nibbles, an E8M0 bias applied twice, a
+row scale broadcast along the columns) is several times off."""
 
 from __future__ import annotations
 
@@ -25,13 +26,15 @@ pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[2]
 CASES = REPO / "cases" / "producers" / "autoround"
 #: case -> (format, knobs, group size, relative error bound). The measured relative errors are
-#: 0.094 (NVFP4, e4m3 group scales) and 0.112 (MXFP4, power-of-two scales); a misreading is > 0.5
+#: 0.094 (NVFP4, e4m3 group scales), 0.112 (MXFP4, power-of-two scales) and 0.026 (FP8 per row);
+#: a misreading is > 0.5
 READINGS = {
     "nvfp4_autoround": ("ct-nvfp4", {"global_scale_convention": "divisor"}, 16, 0.15),
     "mxfp4_autoround": ("ct-mxfp4", {}, 32, 0.15),
+    "fp8_static_autoround": ("ct-fp8-channel", {"input_scale": True, "row_scales_1d": True}, 128, 0.05),
 }
 #: no element further from the original than half its group's largest magnitude (measured: 0.26
-#: for NVFP4, 0.23 for MXFP4; E2M1's widest step is a third of its largest value)
+#: for NVFP4, 0.23 for MXFP4, 0.058 for FP8; E2M1's widest step is a third of its largest value)
 GROUP_ERROR = 0.5
 
 
@@ -76,8 +79,15 @@ def test_autoround_mxfp4_is_read_as_compressed_tensors_mxfp4_with_ocp_mx_activat
         scheme_of(ct_own)
 
 
+def test_autoround_fp8_static_is_read_as_compressed_tensors_fp8_per_row_with_static_inputs():
+    fmt, knobs = format_and_knobs(CASES / "fp8_static_autoround")
+    assert (fmt.name, knobs) == READINGS["fp8_static_autoround"][:2]
+    scheme = scheme_of(config_of("fp8_static_autoround"))
+    assert (scheme.kind, scheme.strategy, scheme.dynamic, scheme.static) == ("fp8", "tensor", False, "input_scale")
+
+
 @pytest.mark.parametrize("case", sorted(READINGS))
-def test_autoround_llm_compressor_export_decodes_to_the_model_it_quantized(case, original):
+def test_autoround_exports_export_decodes_to_the_model_it_quantized(case, original):
     group, bound = READINGS[case][2:]
     quantized = 0
     for name, weight in dequantize_checkpoint(CASES / case):
@@ -94,13 +104,14 @@ def test_autoround_llm_compressor_export_decodes_to_the_model_it_quantized(case,
 
 
 def test_what_autoround_declares_beyond_the_definition_is_unsupported_or_malformed_not_misread():
-    nvfp4, mxfp4 = config_of("nvfp4_autoround"), config_of("mxfp4_autoround")
+    nvfp4, mxfp4, fp8 = config_of("nvfp4_autoround"), config_of("mxfp4_autoround"), config_of("fp8_static_autoround")
 
     def group(config):
         return auto_round.compressed_tensors_config(config)["config_groups"]["group_0"]
 
     assert group(dict(nvfp4, act_bits=16))["input_activations"] is None
     assert group(dict(mxfp4, act_bits=16))["input_activations"] is None
+    assert group(dict(fp8, act_bits=16))["input_activations"] is None
     assert group(dict(nvfp4, data_type="mx_fp", group_size=32, act_bits=16))["format"] == "mxfp4-pack-quantized"
     assert auto_round.compressed_tensors_config(dict(nvfp4, data_type="int")) is None
     assert auto_round.compressed_tensors_config(dict(nvfp4, packing_format="auto_round:auto_gptq")) is None
@@ -112,6 +123,9 @@ def test_what_autoround_declares_beyond_the_definition_is_unsupported_or_malform
         (mxfp4, {"act_dynamic": False}),
         (mxfp4, {"act_bits": 8}),
         (mxfp4, {"act_data_type": "fp"}),
+        (fp8, {"group_size": 128}),  # per group: not defined here
+        (fp8, {"fmt": "e5m2"}),
+        (fp8, {"act_dynamic": True}),
     ):
         with pytest.raises(UnsupportedFormat):
             auto_round.compressed_tensors_config(dict(config, **changed))
