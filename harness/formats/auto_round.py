@@ -4,7 +4,7 @@ AutoRound 0.16 writes its config (`bits`, `group_size`, `sym`, `data_type`, `act
 `packing_format`) whatever the layout of the tensors: `auto_round:auto_gptq` and `auto_round` are
 GPTQ's (harness.formats.gptq), `auto_round:auto_awq` AWQ's (harness.formats.awq), and
 `auto_round:llm_compressor` compressed-tensors' names and encodings. Of the last, two are defined
-here, each as the compressed-tensors config it is equivalent to (`compressed_tensors_config`),
+here, each as the compressed-tensors config it is equivalent to (`equivalent_config`),
 which the compressed-tensors readers and the activation planner read, so that both follow one
 definition:
 
@@ -16,8 +16,15 @@ definition:
 - MXFP4 (`data_type` of the `mx_fp` family, 4 bits, groups of 32, symmetric): `weight_packed`
   (E2M1) and a uint8 E8M0 `weight_scale` per 32 columns, compressed-tensors'
   `mxfp4-pack-quantized` (measured on AutoRound's own output,
-  cases/producers/autoround/mxfp4_autoround); `act_bits: 4` with `act_data_type` `mx_fp`, dynamic,
-  groups of 32, declares compressed-tensors' dynamic MXFP4 activations.
+  cases/producers/autoround/mxfp4_autoround); `act_bits: 4` with `act_data_type` `mx_fp` (or
+  `mx_fp4`, `mx_fp4e2m1`), dynamic, groups of 32, declares OCP MX FP4 activations as AutoRound's
+  `quant_mx` computes them (harness.oracle.activations); its `_rceil` types round the scale up
+  instead and are not defined here.
+
+`auto_round:fp8` (`data_type: fp`, 8 bits, `fmt: e4m3`, `group_size` [bn, bk], dynamic FP8 inputs
+in groups of bk) is transformers' FineGrainedFP8 layout, DeepSeek's: `weight` (e4m3) and a float32
+`weight_scale_inv` block grid, a multiplier despite its name (measured on AutoRound's own output,
+cases/producers/autoround/fp8_block_autoround); its equivalent is that config (`quant_method: fp8`).
 
 One more of its packings keeps compressed-tensors' tensor names under another config:
 `auto_round:fp8_static` (`data_type: fp`, 8 bits, `fmt: e4m3`, `group_size: -1`) is FP8 weights
@@ -41,11 +48,15 @@ LLM_COMPRESSOR = "auto_round:llm_compressor"
 NVFP4_FORMAT = "nvfp4-pack-quantized"
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 FP8_STATIC = "auto_round:fp8_static"
+FP8_BLOCK = "auto_round:fp8"
 FLOAT_FORMAT = "float-quantized"
 #: the reading knob that says a channel strategy's weight_scale is stored [N], not [N, 1]
 ROW_SCALES_1D = "row_scales_1d"
 #: the one NVFP4 activation data type with a stored global scale: compressed-tensors' W4A4
 STATIC_NVFP4_INPUTS = "nv_fp4_with_static_gs"
+#: AutoRound's activation data types quantized by its `quant_mx` (OCP MX: a floor of log2 of the amax);
+#: the `_rceil` ones round the scale up instead, a different definition (UnsupportedFormat here)
+OCP_MXFP4_INPUTS = ("mx_fp", "mx_fp4", "mx_fp4e2m1")
 #: bits at or above which AutoRound leaves a tensor unquantized
 UNQUANTIZED_BITS = 16
 
@@ -106,8 +117,9 @@ def _mxfp4_group(config: Mapping, act_bits: int) -> dict:
     }
     inputs = None
     if act_bits < UNQUANTIZED_BITS:
-        if not (_is_mx(config.get("act_data_type")) and act_bits == 4 and config.get("act_dynamic", True) is True):
-            raise _unsupported_inputs(config, act_bits, "4 bits, mx_fp, dynamic")
+        dynamic = config.get("act_dynamic", True) is True
+        if not (config.get("act_data_type") in OCP_MXFP4_INPUTS and act_bits == 4 and dynamic):
+            raise _unsupported_inputs(config, act_bits, f"4 bits, one of {', '.join(OCP_MXFP4_INPUTS)}, dynamic")
         inputs = dict(weights, group_size=config.get("act_group_size"), dynamic=True)
     return {"format": MXFP4_FORMAT, "weights": weights, "input_activations": inputs, "targets": ["Linear"]}
 
@@ -125,14 +137,29 @@ def _fp8_static_group(config: Mapping, act_bits: int) -> dict:
     return {"format": FLOAT_FORMAT, "weights": dict(weights, dynamic=False), "input_activations": inputs}
 
 
-def compressed_tensors_config(config: Mapping) -> dict | None:
-    """The compressed-tensors quantization_config an AutoRound `auto_round:llm_compressor` or
-    `auto_round:fp8_static` config is equivalent to (one config group for every quantized Linear);
-    None for any other config. What it declares beyond the definitions above is UnsupportedFormat, a
-    malformed field FormatError."""
+def _fine_grained_fp8(config: Mapping, act_bits: int) -> dict:
+    declared = {key: config.get(key) for key in ("data_type", "bits", "fmt")}
+    block = config.get("group_size")
+    if declared != {"data_type": "fp", "bits": 8, "fmt": "e4m3"} or not (isinstance(block, list) and len(block) == 2):
+        raise UnsupportedFormat(
+            f"auto-round {FP8_BLOCK} with {declared}, group_size {block!r} (defined here: e4m3 blocks)"
+        )
+    inputs = (act_bits, config.get("act_data_type"), config.get("act_dynamic"), config.get("act_group_size"))
+    if inputs != (8, "fp", True, block[1]):
+        raise _unsupported_inputs(config, act_bits, f"8 bits, fp, dynamic, groups of {block[1]}")
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
+
+
+def equivalent_config(config: Mapping) -> dict | None:
+    """The quantization_config an AutoRound config is equivalent to: compressed-tensors' for
+    `auto_round:llm_compressor` and `auto_round:fp8_static` (one config group for every quantized
+    Linear), transformers' FineGrainedFP8 for `auto_round:fp8`; None for any other config. What it
+    declares beyond the definitions above is UnsupportedFormat, a malformed field FormatError."""
     if config.get("quant_method") != AUTO_ROUND:
         return None
     data_type = config.get("data_type")
+    if config.get("packing_format") == FP8_BLOCK:
+        return _fine_grained_fp8(config, _act_bits(config))
     if config.get("packing_format") == FP8_STATIC:
         group = _fp8_static_group(config, _act_bits(config))
     elif config.get("packing_format") != LLM_COMPRESSOR:

@@ -91,7 +91,7 @@ def ct_scale(amax: torch.Tensor) -> torch.Tensor:
 def config_group(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The single config group of a compressed-tensors float-quantized FP8 config (or of AutoRound's
     own `auto_round:fp8_static` config over these tensors, harness.formats.auto_round), else None."""
-    config = auto_round.compressed_tensors_config(config) or config
+    config = auto_round.equivalent_config(config) or config
     if config.get("quant_method") != "compressed-tensors":
         return None
     groups = config.get("config_groups")

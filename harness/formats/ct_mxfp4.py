@@ -70,7 +70,7 @@ TYPED_STORAGE_NOTE = (
 def config_group(config) -> dict | None:
     """The single config group of a compressed-tensors MXFP4 config (or of AutoRound's own config
     over these tensors, harness.formats.auto_round), else None."""
-    return single_group(auto_round.compressed_tensors_config(config) or config, FORMAT_NAME)
+    return single_group(auto_round.equivalent_config(config) or config, FORMAT_NAME)
 
 
 def round_to_power_of_two(amax: torch.Tensor) -> torch.Tensor:

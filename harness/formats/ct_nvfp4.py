@@ -91,7 +91,7 @@ class CtNvfp4(QuantFormat):
 
     def _nvfp4_groups(self, quantization_config):
         # AutoRound's own config over ct's tensors reads as the ct config it is equivalent to
-        quantization_config = auto_round.compressed_tensors_config(quantization_config) or quantization_config
+        quantization_config = auto_round.equivalent_config(quantization_config) or quantization_config
         if quantization_config.get("quant_method") != "compressed-tensors":
             return None
         found = []

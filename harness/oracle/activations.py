@@ -67,13 +67,13 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
     """The activation scheme a quantization_config declares, or None (weight-only). A scheme
     outside the definitions above is a one-line HarnessError."""
     method = quantization_config.get("quant_method")
-    if method == "fp8":  # transformers' FineGrainedFP8 (DeepSeek): dynamic 1 x block_cols groups
+    quantization_config = auto_round.equivalent_config(quantization_config) or quantization_config
+    if quantization_config.get("quant_method") == "fp8":  # FineGrainedFP8 (DeepSeek): dynamic 1 x block_cols groups
         if quantization_config.get("activation_scheme", "dynamic") != "dynamic":
             return ActivationScheme("fp8", "tensor", False, static="input_scale")
         block = quantization_config.get("weight_block_size") or [128, 128]
         cols = block[-1] if isinstance(block, list) else block
         return ActivationScheme("fp8", "group", True, int(cols))
-    quantization_config = auto_round.compressed_tensors_config(quantization_config) or quantization_config
     groups = [g for g in (quantization_config.get("config_groups") or {}).values() if isinstance(g, dict)]
     inputs = [g.get("input_activations") for g in groups if g.get("input_activations")]
     if not inputs:

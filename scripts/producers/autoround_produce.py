@@ -84,6 +84,12 @@ CASES: dict[str, tuple[str, str, dict]] = {
         "auto_round",
         {"iters": 0, "scheme": "FP8_STATIC"},
     ),
+    "mxfp4_rceil_autoround": ("mxfp4 (scheme MXFP4_RCEIL), RTN", "auto_round", {"iters": 0, "scheme": "MXFP4_RCEIL"}),
+    "fp8_block_autoround": (
+        "fp8 128x128 blocks (scheme FP8_BLOCK), RTN",
+        "auto_round",
+        {"iters": 0, "scheme": "FP8_BLOCK"},
+    ),
 }
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.core.errors import FormatError, HarnessError, UnsupportedFormat
+from harness.core.errors import FormatError, HarnessError, Unsupported, UnsupportedFormat
 from harness.formats import auto_round
 from harness.oracle.activations import scheme_of
 from harness.oracle.reference import dequantize_checkpoint, format_and_knobs
@@ -26,15 +26,16 @@ pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[2]
 CASES = REPO / "cases" / "producers" / "autoround"
 #: case -> (format, knobs, group size, relative error bound). The measured relative errors are
-#: 0.094 (NVFP4, e4m3 group scales), 0.112 (MXFP4, power-of-two scales) and 0.026 (FP8 per row);
-#: a misreading is > 0.5
+#: 0.094 (NVFP4, e4m3 group scales), 0.112 (MXFP4, power-of-two scales), 0.026 (FP8 per row) and
+#: 0.027 (FP8 blocks); a misreading is > 0.5
 READINGS = {
     "nvfp4_autoround": ("ct-nvfp4", {"global_scale_convention": "divisor"}, 16, 0.15),
     "mxfp4_autoround": ("ct-mxfp4", {}, 32, 0.15),
     "fp8_static_autoround": ("ct-fp8-channel", {"input_scale": True, "row_scales_1d": True}, 128, 0.05),
+    "fp8_block_autoround": ("fp8-block", {"block_rows": 128, "block_cols": 128, "scale_fmt": "float"}, 128, 0.05),
 }
 #: no element further from the original than half its group's largest magnitude (measured: 0.26
-#: for NVFP4, 0.23 for MXFP4, 0.058 for FP8; E2M1's widest step is a third of its largest value)
+#: for NVFP4, 0.23 for MXFP4, 0.058 for both FP8; E2M1's widest step is a third of its largest value)
 GROUP_ERROR = 0.5
 
 
@@ -74,7 +75,7 @@ def test_autoround_mxfp4_is_read_as_compressed_tensors_mxfp4_with_ocp_mx_activat
     scheme = scheme_of(config_of("mxfp4_autoround"))
     assert (scheme.kind, scheme.strategy, scheme.group_size, scheme.dynamic) == ("mxfp4", "group", 32, True)
     # compressed-tensors' own MXFP4 activations round their amax differently: not this definition
-    ct_own = dict(auto_round.compressed_tensors_config(config_of("mxfp4_autoround")), version="0.20.0")
+    ct_own = dict(auto_round.equivalent_config(config_of("mxfp4_autoround")), version="0.20.0")
     with pytest.raises(HarnessError, match="not defined here"):
         scheme_of(ct_own)
 
@@ -84,6 +85,15 @@ def test_autoround_fp8_static_is_read_as_compressed_tensors_fp8_per_row_with_sta
     assert (fmt.name, knobs) == READINGS["fp8_static_autoround"][:2]
     scheme = scheme_of(config_of("fp8_static_autoround"))
     assert (scheme.kind, scheme.strategy, scheme.dynamic, scheme.static) == ("fp8", "tensor", False, "input_scale")
+
+
+def test_autoround_fp8_block_is_read_as_fine_grained_fp8_and_rceil_activations_are_not_defined():
+    fmt, knobs = format_and_knobs(CASES / "fp8_block_autoround")
+    assert (fmt.name, knobs) == READINGS["fp8_block_autoround"][:2]
+    scheme = scheme_of(config_of("fp8_block_autoround"))
+    assert (scheme.kind, scheme.strategy, scheme.group_size, scheme.dynamic) == ("fp8", "group", 128, True)
+    with pytest.raises(Unsupported, match="mx_fp_rceil"):  # its scales round up: another definition
+        format_and_knobs(CASES / "mxfp4_rceil_autoround")
 
 
 @pytest.mark.parametrize("case", sorted(READINGS))
@@ -107,14 +117,14 @@ def test_what_autoround_declares_beyond_the_definition_is_unsupported_or_malform
     nvfp4, mxfp4, fp8 = config_of("nvfp4_autoround"), config_of("mxfp4_autoround"), config_of("fp8_static_autoround")
 
     def group(config):
-        return auto_round.compressed_tensors_config(config)["config_groups"]["group_0"]
+        return auto_round.equivalent_config(config)["config_groups"]["group_0"]
 
     assert group(dict(nvfp4, act_bits=16))["input_activations"] is None
     assert group(dict(mxfp4, act_bits=16))["input_activations"] is None
     assert group(dict(fp8, act_bits=16))["input_activations"] is None
     assert group(dict(nvfp4, data_type="mx_fp", group_size=32, act_bits=16))["format"] == "mxfp4-pack-quantized"
-    assert auto_round.compressed_tensors_config(dict(nvfp4, data_type="int")) is None
-    assert auto_round.compressed_tensors_config(dict(nvfp4, packing_format="auto_round:auto_gptq")) is None
+    assert auto_round.equivalent_config(dict(nvfp4, data_type="int")) is None
+    assert auto_round.equivalent_config(dict(nvfp4, packing_format="auto_round:auto_gptq")) is None
     assert group(dict(nvfp4, extra_config={"lm_head": {"bits": 16}}))
     for config, changed in (
         (nvfp4, {"act_data_type": "nv_fp4"}),
@@ -123,15 +133,18 @@ def test_what_autoround_declares_beyond_the_definition_is_unsupported_or_malform
         (mxfp4, {"act_dynamic": False}),
         (mxfp4, {"act_bits": 8}),
         (mxfp4, {"act_data_type": "fp"}),
+        (mxfp4, {"act_data_type": "mx_fp_rceil"}),  # AutoRound's MXFP4_RCEIL: its scales round up
         (fp8, {"group_size": 128}),  # per group: not defined here
         (fp8, {"fmt": "e5m2"}),
         (fp8, {"act_dynamic": True}),
+        (config_of("fp8_block_autoround"), {"act_group_size": 64}),
+        (config_of("fp8_block_autoround"), {"group_size": 128}),
     ):
         with pytest.raises(UnsupportedFormat):
-            auto_round.compressed_tensors_config(dict(config, **changed))
+            auto_round.equivalent_config(dict(config, **changed))
     for changed in ({"act_bits": "4"}, {"extra_config": ["lm_head"]}):
         with pytest.raises(FormatError):
-            auto_round.compressed_tensors_config(dict(nvfp4, **changed))
+            auto_round.equivalent_config(dict(nvfp4, **changed))
     # a group size other than compressed-tensors' 32 is refused by the MXFP4 reader, not misread
     with pytest.raises(FormatError, match="group_size"):
         format_and_knobs_from(dict(mxfp4, group_size=16))
