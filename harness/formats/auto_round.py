@@ -29,7 +29,7 @@ cases/producers/autoround/fp8_block_autoround); its equivalent is that config (`
 One more of its packings keeps compressed-tensors' tensor names under another config:
 `auto_round:fp8_static` (`data_type: fp`, 8 bits, `fmt: e4m3`, `group_size: -1`) is FP8 weights
 `weight` (e4m3) with one float32 `weight_scale` per output row, stored 1-D [N] (compressed-tensors
-stores [N, 1]: `ROW_SCALES_1D`), and a static per-tensor float32 `input_scale` [1] (`act_bits: 8`,
+stores [N, 1]: harness.formats.equivalents.ROW_SCALES_1D), and a static per-tensor float32 `input_scale` [1] (`act_bits: 8`,
 `act_dynamic: false`): compressed-tensors' float-quantized channel strategy with static inputs
 (measured on AutoRound's own output, cases/producers/autoround/fp8_static_autoround).
 
@@ -50,8 +50,6 @@ MXFP4_FORMAT = "mxfp4-pack-quantized"
 FP8_STATIC = "auto_round:fp8_static"
 FP8_BLOCK = "auto_round:fp8"
 FLOAT_FORMAT = "float-quantized"
-#: the reading knob that says a channel strategy's weight_scale is stored [N], not [N, 1]
-ROW_SCALES_1D = "row_scales_1d"
 #: the one NVFP4 activation data type with a stored global scale: compressed-tensors' W4A4
 STATIC_NVFP4_INPUTS = "nv_fp4_with_static_gs"
 #: AutoRound's activation data types quantized by its `quant_mx` (OCP MX: a floor of log2 of the amax);

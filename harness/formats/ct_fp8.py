@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from harness.core.numerics import E4M3_MAX, encode_e4m3
-from harness.formats import auto_round
+from harness.formats import equivalents
 from harness.formats.base import (
     FormatError,
     Knob,
@@ -89,9 +89,9 @@ def ct_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def config_group(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The single config group of a compressed-tensors float-quantized FP8 config (or of AutoRound's
-    own `auto_round:fp8_static` config over these tensors, harness.formats.auto_round), else None."""
-    config = auto_round.equivalent_config(config) or config
+    """The single config group of a compressed-tensors float-quantized FP8 config (or of a foreign
+    config over these tensors, harness.formats.equivalents), else None."""
+    config = equivalents.read_as(config)
     if config.get("quant_method") != "compressed-tensors":
         return None
     groups = config.get("config_groups")
@@ -181,8 +181,8 @@ class CtFp8(QuantFormat):
             raise FormatError(f"quantization_config is not compressed-tensors float-quantized {self.strategy} FP8")
         inputs = group.get("input_activations") or {}
         knobs = {"input_scale": inputs.get("dynamic") is False}
-        if quantization_config.get("quant_method") == auto_round.AUTO_ROUND:  # its [N] row scales
-            knobs[auto_round.ROW_SCALES_1D] = True
+        if self.strategy == "channel" and equivalents.equivalent_config(quantization_config):
+            knobs[equivalents.ROW_SCALES_1D] = True  # AutoRound's and ModelOpt's [N] row scales
         if self.strategy == "block":
             structure = group["weights"].get("block_structure")
             if not (
@@ -228,8 +228,8 @@ class CtFp8(QuantFormat):
         if self.strategy == "tensor":
             require_shape("weight_scale", scale, (1,), "per-tensor scale")
             scale = scale.reshape(1, 1)
-        elif self.strategy == "channel" and knobs.get(auto_round.ROW_SCALES_1D):
-            require_shape("weight_scale", scale, (rows,), "one scale per output row, stored 1-D (AutoRound)")
+        elif self.strategy == "channel" and knobs.get(equivalents.ROW_SCALES_1D):
+            require_shape("weight_scale", scale, (rows,), "one scale per output row, stored 1-D (AutoRound, ModelOpt)")
             scale = scale.reshape(rows, 1)
         elif self.strategy == "channel":
             require_shape("weight_scale", scale, (rows, 1), "one scale per output row")

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from harness.core.numerics import E2M1_MAX, encode_e2m1, pack_e2m1, unpack_e2m1
-from harness.formats import auto_round
+from harness.formats import equivalents
 from harness.formats.base import (
     FormatError,
     Knob,
@@ -70,7 +70,7 @@ TYPED_STORAGE_NOTE = (
 def config_group(config) -> dict | None:
     """The single config group of a compressed-tensors MXFP4 config (or of AutoRound's own config
     over these tensors, harness.formats.auto_round), else None."""
-    return single_group(auto_round.equivalent_config(config) or config, FORMAT_NAME)
+    return single_group(equivalents.read_as(config), FORMAT_NAME)
 
 
 def round_to_power_of_two(amax: torch.Tensor) -> torch.Tensor:

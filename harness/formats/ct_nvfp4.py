@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from harness.core.numerics import E2M1_MAX, E4M3_MAX, encode_e2m1, pack_e2m1
-from harness.formats import auto_round
+from harness.formats import equivalents
 from harness.formats import nvfp4_common as nv
 from harness.formats.base import FormatError, Knob, QuantFormat, QuantizedWeight
 
@@ -90,8 +90,8 @@ class CtNvfp4(QuantFormat):
         )
 
     def _nvfp4_groups(self, quantization_config):
-        # AutoRound's own config over ct's tensors reads as the ct config it is equivalent to
-        quantization_config = auto_round.equivalent_config(quantization_config) or quantization_config
+        # a foreign config over ct's tensors (AutoRound's) reads as the ct config it is equivalent to
+        quantization_config = equivalents.read_as(quantization_config)
         if quantization_config.get("quant_method") != "compressed-tensors":
             return None
         found = []

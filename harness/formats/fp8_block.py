@@ -20,7 +20,7 @@ import torch
 
 from harness.core.errors import HarnessError, UnsupportedFormat
 from harness.core.numerics import E4M3_MAX, ceil_div, decode_e4m3, encode_e4m3
-from harness.formats import auto_round
+from harness.formats import equivalents
 from harness.formats.base import (
     FormatError,
     Knob,
@@ -181,7 +181,7 @@ class Fp8Block(QuantFormat):
         return values
 
     def matches(self, quantization_config):
-        quantization_config = auto_round.equivalent_config(quantization_config) or quantization_config
+        quantization_config = equivalents.read_as(quantization_config)
         return quantization_config.get("quant_method") == "fp8" and "weight_block_size" in quantization_config
 
     def quantization_config(self, knobs, ignore):
@@ -200,7 +200,7 @@ class Fp8Block(QuantFormat):
 
     def knobs_from_config(self, quantization_config):
         # AutoRound's own auto_round:fp8 config over these tensors (harness.formats.auto_round)
-        quantization_config = auto_round.equivalent_config(quantization_config) or quantization_config
+        quantization_config = equivalents.read_as(quantization_config)
         rows, cols = parse_block_size(quantization_config.get("weight_block_size"))
         scale_fmt = quantization_config.get("scale_fmt", "float")
         if scale_fmt not in ("float", "ue8m0"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from harness.core.numerics import E4M3_MAX, encode_e4m3
+from harness.formats import equivalents
 from harness.formats.base import (
     FormatError,
     Knob,
@@ -66,11 +67,7 @@ class ModeloptFp8(QuantFormat):
     knobs = {"producer_version": Knob("0.39.0", help="ModelOpt version named in quantization_config.producer")}
 
     def matches(self, quantization_config):
-        producer = quantization_config.get("producer")
-        from_modelopt = quantization_config.get("quant_method") == "modelopt" or (
-            isinstance(producer, dict) and producer.get("name") == "modelopt"
-        )
-        return from_modelopt and quant_algo(quantization_config) == QUANT_ALGO
+        return equivalents.from_modelopt(quantization_config) and quant_algo(quantization_config) == QUANT_ALGO
 
     def quantization_config(self, knobs, ignore):
         """What ModelOpt's `convert_hf_quant_config_format` writes into config.json for FP8 without

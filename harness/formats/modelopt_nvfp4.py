@@ -1,4 +1,6 @@
 """`modelopt-nvfp4`: NVIDIA ModelOpt NVFP4 (`quant_method: modelopt`, `quant_algo: NVFP4`).
+Its weight-only export (`quant_algo: W4A16_NVFP4`: the same tensors without `input_scale`, measured
+on ModelOpt 0.47's, cases/producers/modelopt/w4a16_nvfp4) is read too, not generated.
 
 Tensors: `weight` uint8 [N, K/2] (E2M1 codes, even column in the low nibble),
 `weight_scale` float8_e4m3fn [N, K/16], `weight_scale_2` float32 scalar [], a MULTIPLIER
@@ -13,10 +15,15 @@ from __future__ import annotations
 import torch
 
 from harness.core.numerics import E2M1_MAX, E4M3_MAX, encode_e2m1, pack_e2m1
+from harness.formats import equivalents
 from harness.formats import nvfp4_common as nv
 from harness.formats.base import FormatError, Knob, QuantFormat, QuantizedWeight
 
 QUANT_ALGO = "NVFP4"
+#: its weight-only variant: the same tensors without `input_scale`, inputs unquantized (read, not generated)
+WEIGHT_ONLY_ALGO = "W4A16_NVFP4"
+#: the reading knob a W4A16_NVFP4 config sets
+WEIGHT_ONLY = "weight_only"
 
 
 def quantize_modelopt(observed: torch.Tensor):
@@ -35,12 +42,8 @@ def quantize_modelopt(observed: torch.Tensor):
     return encode_e2m1(scaled.reshape(observed.shape)), block_scale, scale_2
 
 
-def quant_algo(quantization_config) -> str | None:
-    """quant_algo from config.json's flat form or hf_quant_config.json's nested `quantization`."""
-    nested = quantization_config.get("quantization")
-    source = nested if isinstance(nested, dict) else quantization_config
-    algo = source.get("quant_algo")
-    return str(algo).upper() if algo is not None else None
+#: quant_algo from config.json's flat form or hf_quant_config.json's nested `quantization`
+quant_algo = equivalents.modelopt_quant_algo
 
 
 class ModeloptNvfp4(QuantFormat):
@@ -58,11 +61,8 @@ class ModeloptNvfp4(QuantFormat):
     }
 
     def matches(self, quantization_config):
-        producer = quantization_config.get("producer")
-        from_modelopt = quantization_config.get("quant_method") == "modelopt" or (
-            isinstance(producer, dict) and producer.get("name") == "modelopt"
-        )
-        return from_modelopt and quant_algo(quantization_config) == QUANT_ALGO
+        algo = quant_algo(quantization_config)
+        return equivalents.from_modelopt(quantization_config) and algo in (QUANT_ALGO, WEIGHT_ONLY_ALGO)
 
     def quantization_config(self, knobs, ignore):
         """What ModelOpt's `convert_hf_quant_config_format` writes into config.json; vLLM reads
@@ -78,8 +78,9 @@ class ModeloptNvfp4(QuantFormat):
         }
 
     def knobs_from_config(self, quantization_config):
-        if quant_algo(quantization_config) != QUANT_ALGO:
-            raise FormatError(f"quant_algo {quant_algo(quantization_config)!r} is not {QUANT_ALGO}")
+        algo = quant_algo(quantization_config)
+        if algo not in (QUANT_ALGO, WEIGHT_ONLY_ALGO):
+            raise FormatError(f"quant_algo {algo!r} is not {QUANT_ALGO} or {WEIGHT_ONLY_ALGO}")
         nested = quantization_config.get("quantization")
         sizes = {nested.get("group_size")} if isinstance(nested, dict) else {quantization_config.get("group_size")}
         for group in (quantization_config.get("config_groups") or {}).values():
@@ -89,7 +90,8 @@ class ModeloptNvfp4(QuantFormat):
         if sizes - {nv.GROUP}:
             raise FormatError(f"NVFP4 group_size must be {nv.GROUP}, config has {sorted(sizes)}")
         # the config names the convention: ModelOpt's per-tensor scales are multipliers
-        return {"global_scale_convention": "multiplier"}
+        knobs = {"global_scale_convention": "multiplier"}
+        return knobs | {WEIGHT_ONLY: True} if algo == WEIGHT_ONLY_ALGO else knobs
 
     def quantize(self, weight, knobs, *, model_dtype, activation_amax):
         observed = nv.observe(weight, model_dtype)
@@ -106,10 +108,13 @@ class ModeloptNvfp4(QuantFormat):
         result = QuantizedWeight(tensors, truth=nv.truth_from_codes(codes, block_scale, scale_2, nv.MULTIPLY))
         if knobs["global_scale_convention"] == "swapped":
             nv.swap_per_tensor(result, "weight_scale_2", "input_scale", "compressed-tensors' 2688/amax")
+        if knobs.get(WEIGHT_ONLY):  # W4A16_NVFP4 (read, not generated): what its export leaves out
+            del result.tensors["input_scale"]
         return result
 
     def dequantize(self, tensors, knobs):
-        return nv.dequantize_nvfp4(tensors, "weight", "weight_scale", "weight_scale_2", nv.MULTIPLY, "input_scale")
+        inputs = None if knobs.get(WEIGHT_ONLY) else "input_scale"
+        return nv.dequantize_nvfp4(tensors, "weight", "weight_scale", "weight_scale_2", nv.MULTIPLY, inputs)
 
     def scale_block(self, knobs, shape):
         return 1, nv.GROUP

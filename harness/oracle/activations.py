@@ -37,7 +37,7 @@ import torch
 
 from harness.core.errors import HarnessError
 from harness.core.numerics import E2M1_MAX, E2M1_TABLE, E4M3_MAX, NVFP4_GROUP, encode_e2m1, encode_e4m3
-from harness.formats import auto_round
+from harness.formats import auto_round, equivalents
 from harness.formats.ct_mxfp4 import GROUP as MXFP4_GROUP
 
 #: compressed-tensors' symmetric int8 scale divisor: (127 - -128) / 2
@@ -67,7 +67,7 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
     """The activation scheme a quantization_config declares, or None (weight-only). A scheme
     outside the definitions above is a one-line HarnessError."""
     method = quantization_config.get("quant_method")
-    quantization_config = auto_round.equivalent_config(quantization_config) or quantization_config
+    quantization_config = equivalents.read_as(quantization_config)
     if quantization_config.get("quant_method") == "fp8":  # FineGrainedFP8 (DeepSeek): dynamic 1 x block_cols groups
         if quantization_config.get("activation_scheme", "dynamic") != "dynamic":
             return ActivationScheme("fp8", "tensor", False, static="input_scale")

@@ -445,10 +445,13 @@ class ModuleView:
 
 def format_tensors(fmt: QuantFormat, knobs: Mapping | None) -> dict[str, torch.dtype]:
     """Suffix -> dtype of what the format's quantizer writes for one module: the knobs with a fixed
-    set of choices (static input scales, the convention) taken from the config, sizes left default."""
+    set of choices (static input scales, the convention) taken from the config, sizes left default,
+    and the reading knobs only a foreign config sets (a weight-only variant: no input scale)."""
     chosen = {k: v for k, v in (knobs or {}).items() if k in fmt.knobs and fmt.knobs[k].choices}
+    reading = {k: v for k, v in (knobs or {}).items() if k not in fmt.knobs}
     sample = torch.linspace(-1.0, 1.0, math.prod(SAMPLE_SHAPE)).reshape(SAMPLE_SHAPE)
-    written = fmt.quantize(sample, fmt.resolve_knobs(chosen), model_dtype=torch.bfloat16, activation_amax=4.0)
+    resolved = fmt.resolve_knobs(chosen) | reading
+    written = fmt.quantize(sample, resolved, model_dtype=torch.bfloat16, activation_amax=4.0)
     return {suffix: tensor.dtype for suffix, tensor in written.tensors.items()}
 
 

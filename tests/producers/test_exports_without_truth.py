@@ -1,11 +1,12 @@
-"""AutoRound's exports over compressed-tensors' tensors (`quant_method: auto-round` with
-`auto_round:llm_compressor`: NVFP4 and MXFP4; `auto_round:fp8_static`) carry no producer truth
-(their packers were not captured, provenance.json says so): the reference's reading of each is
-checked against the model AutoRound quantized instead, rebuilt from the seed and sizes its
-provenance records. Read by compressed-tensors' definition of the format, every quantized weight is
-within the format's rounding of the original and every other tensor is the original; a misread
-convention (a global scale taken as a multiplier, swapped nibbles, an E8M0 bias applied twice, a
-row scale broadcast along the columns) is several times off."""
+"""Foreign exports read through a config of their own (harness.formats.equivalents) that carry no
+producer truth (their packers were not captured, provenance.json says so): AutoRound's over
+compressed-tensors' and FineGrainedFP8's tensors (NVFP4, MXFP4, FP8_STATIC, FP8_BLOCK) and
+ModelOpt's FP8_PER_CHANNEL_PER_TOKEN and W4A16_NVFP4. The reference's reading of each is checked
+against the model the producer quantized instead, rebuilt from the seed and sizes its provenance
+records (every case shares it). Read by the format's definition, every quantized weight is within
+the format's rounding of the original and every other tensor is the original; a misread convention
+(a global scale taken as a multiplier, swapped nibbles, an E8M0 bias applied twice, a row scale
+broadcast along the columns) is several times off."""
 
 from __future__ import annotations
 
@@ -24,18 +25,26 @@ from harness.oracle.reference import dequantize_checkpoint, format_and_knobs
 
 pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[2]
-CASES = REPO / "cases" / "producers" / "autoround"
+CORPUS = REPO / "cases" / "producers"
+CASES = CORPUS / "autoround"
 #: case -> (format, knobs, group size, relative error bound). The measured relative errors are
-#: 0.094 (NVFP4, e4m3 group scales), 0.112 (MXFP4, power-of-two scales), 0.026 (FP8 per row) and
-#: 0.027 (FP8 blocks); a misreading is > 0.5
+#: 0.094 (AutoRound NVFP4, e4m3 group scales), 0.112 (MXFP4, power-of-two scales), 0.026 (FP8 per
+#: row, both producers), 0.027 (FP8 blocks) and 0.096 (ModelOpt NVFP4); a misreading is > 0.5
 READINGS = {
     "nvfp4_autoround": ("ct-nvfp4", {"global_scale_convention": "divisor"}, 16, 0.15),
     "mxfp4_autoround": ("ct-mxfp4", {}, 32, 0.15),
     "fp8_static_autoround": ("ct-fp8-channel", {"input_scale": True, "row_scales_1d": True}, 128, 0.05),
     "fp8_block_autoround": ("fp8-block", {"block_rows": 128, "block_cols": 128, "scale_fmt": "float"}, 128, 0.05),
+    "../modelopt/fp8_pc_pt": ("ct-fp8-channel", {"input_scale": False, "row_scales_1d": True}, 128, 0.05),
+    "../modelopt/w4a16_nvfp4": (
+        "modelopt-nvfp4",
+        {"global_scale_convention": "multiplier", "weight_only": True},
+        16,
+        0.15,
+    ),
 }
 #: no element further from the original than half its group's largest magnitude (measured: 0.26
-#: for NVFP4, 0.23 for MXFP4, 0.058 for both FP8; E2M1's widest step is a third of its largest value)
+#: and 0.18 for NVFP4, 0.23 for MXFP4, 0.058 for FP8; E2M1's widest step is a third of its largest value)
 GROUP_ERROR = 0.5
 
 
@@ -96,8 +105,17 @@ def test_autoround_fp8_block_is_read_as_fine_grained_fp8_and_rceil_activations_a
         format_and_knobs(CASES / "mxfp4_rceil_autoround")
 
 
+def test_modelopt_per_channel_fp8_and_weight_only_nvfp4_are_read():
+    for case in ("../modelopt/fp8_pc_pt", "../modelopt/w4a16_nvfp4"):
+        fmt, knobs = format_and_knobs(CASES / case)
+        assert (fmt.name, knobs) == READINGS[case][:2]
+    scheme = scheme_of(config_of("../modelopt/fp8_pc_pt"))
+    assert (scheme.kind, scheme.strategy, scheme.dynamic, scheme.static) == ("fp8", "token", True, "")
+    assert scheme_of(config_of("../modelopt/w4a16_nvfp4")) is None
+
+
 @pytest.mark.parametrize("case", sorted(READINGS))
-def test_autoround_exports_export_decodes_to_the_model_it_quantized(case, original):
+def test_exports_without_truth_export_decodes_to_the_model_it_quantized(case, original):
     group, bound = READINGS[case][2:]
     quantized = 0
     for name, weight in dequantize_checkpoint(CASES / case):
