@@ -28,10 +28,12 @@ cases/producers/autoround/fp8_block_autoround); its equivalent is that config (`
 
 One more of its packings keeps compressed-tensors' tensor names under another config:
 `auto_round:fp8_static` (`data_type: fp`, 8 bits, `fmt: e4m3`, `group_size: -1`) is FP8 weights
-`weight` (e4m3) with one float32 `weight_scale` per output row, stored 1-D [N] (compressed-tensors
-stores [N, 1]: harness.formats.equivalents.ROW_SCALES_1D), and a static per-tensor float32 `input_scale` [1] (`act_bits: 8`,
-`act_dynamic: false`): compressed-tensors' float-quantized channel strategy with static inputs
-(measured on AutoRound's own output, cases/producers/autoround/fp8_static_autoround).
+`weight` (e4m3) with one float32 `weight_scale` per output row, stored 1-D [N]
+(compressed-tensors stores [N, 1]: harness.formats.equivalents.ROW_SCALES_1D), and a static
+per-tensor float32 `input_scale` [1] (`act_bits: 8`, `act_dynamic: false`): compressed-tensors'
+float-quantized channel strategy with static inputs (measured on AutoRound's own output,
+cases/producers/autoround/fp8_static_autoround). Every reader reaches these translations through
+harness.formats.equivalents.
 
 Other data types under `auto_round:llm_compressor` (MXFP8, ...) are UnsupportedFormat, as are
 activation types beyond these and per-layer `extra_config` with quantized settings of its own.
