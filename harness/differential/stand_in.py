@@ -35,6 +35,8 @@ CRASH = re.compile(r"in weight_loader: \w+ of \w+: RuntimeError: ")
 #: the lane's own approximations of a model (its vocabulary modules, the names it feeds): what it
 #: cannot place there is not said to be vLLM's (docs/tensor-parallel.md)
 VOCABULARY = ("lm_head", "embed_tokens")
+#: the tensor-parallel judge's words for a parameter no loader wrote (its name, group 1)
+UNWRITTEN = re.compile(r"\d+ element\(s\) of (\w+) never written")
 
 
 def judge_with_stand_in_kernels(judgement, engine: str, outcome) -> None:
@@ -108,8 +110,15 @@ def _findings(judgement, engine: str, results: dict) -> str:
     counts = {"exact": 0, FINDING: 0, REFUSED: 0}
     seen: set[str] = set()  # one finding per cause: every expert refused alike is one refusal
     unjudged: list[str] = []
+    unwritten: set[str] = set()  # parameters a loader never wrote, its weights otherwise exact
     for layer, result in results.items():
         for verdict in result.verdicts:
+            if verdict.status == FINDING and not verdict.wrong and all(map(UNWRITTEN.fullmatch, verdict.details)):
+                # only parameters never written (vLLM registers placeholders it drops or folds after
+                # loading, e.g. a W4A16 NVFP4 Linear's input_scale): said in the tally, not judged
+                unwritten |= {UNWRITTEN.sub(r"\1", detail) for detail in verdict.details}
+                counts["exact"] += 1
+                continue
             counts[verdict.status] = counts.get(verdict.status, 0) + 1
             if verdict.status == "exact":
                 continue
@@ -149,6 +158,8 @@ def _findings(judgement, engine: str, results: dict) -> str:
         tally = f"{counts['exact']}/{total} Linear(s) placed exactly, {counts[REFUSED]} refused, {counts[FINDING]} placed wrong"
     if unjudged:  # said, not judged
         tally += f" (refusals not judged: {'; '.join(unjudged[:3])}{'; ...' if len(unjudged) > 3 else ''})"
+    if unwritten:
+        tally += f" (parameters never written, not judged: {', '.join(sorted(unwritten))})"
     return tally + _post_load(judgement, engine, results)
 
 
