@@ -18,8 +18,9 @@ definition:
   `mxfp4-pack-quantized` (measured on AutoRound's own output,
   cases/producers/autoround/mxfp4_autoround); `act_bits: 4` with `act_data_type` `mx_fp` (or
   `mx_fp4`, `mx_fp4e2m1`), dynamic, groups of 32, declares OCP MX FP4 activations as AutoRound's
-  `quant_mx` computes them (harness.oracle.activations); its `_rceil` types round the scale up
-  instead and are not defined here.
+  `quant_mx` computes them (harness.oracle.activations); its `_rceil` types (MXFP4_RCEIL) round
+  the scale exponent up instead, as its `quant_mx_rceil` does (measured on its own output,
+  cases/producers/autoround/mxfp4_rceil_autoround).
 
 `auto_round:fp8` (`data_type: fp`, 8 bits, `fmt: e4m3`, `group_size` [bn, bk], dynamic FP8 inputs
 in groups of bk) is transformers' FineGrainedFP8 layout, DeepSeek's: `weight` (e4m3) and a float32
@@ -54,9 +55,11 @@ FP8_BLOCK = "auto_round:fp8"
 FLOAT_FORMAT = "float-quantized"
 #: the one NVFP4 activation data type with a stored global scale: compressed-tensors' W4A4
 STATIC_NVFP4_INPUTS = "nv_fp4_with_static_gs"
-#: AutoRound's activation data types quantized by its `quant_mx` (OCP MX: a floor of log2 of the amax);
-#: the `_rceil` ones round the scale up instead, a different definition (UnsupportedFormat here)
+#: AutoRound's activation data types quantized by its `quant_mx` (OCP MX: a floor of log2 of the amax)
 OCP_MXFP4_INPUTS = ("mx_fp", "mx_fp4", "mx_fp4e2m1")
+#: the suffix of its RCEIL variants (`quant_mx_rceil`: the scale exponent ceil(log2(amax / 6)))
+RCEIL = "_rceil"
+MXFP4_INPUTS = OCP_MXFP4_INPUTS + tuple(name + RCEIL for name in OCP_MXFP4_INPUTS)
 #: bits at or above which AutoRound leaves a tensor unquantized
 UNQUANTIZED_BITS = 16
 
@@ -118,8 +121,8 @@ def _mxfp4_group(config: Mapping, act_bits: int) -> dict:
     inputs = None
     if act_bits < UNQUANTIZED_BITS:
         dynamic = config.get("act_dynamic", True) is True
-        if not (config.get("act_data_type") in OCP_MXFP4_INPUTS and act_bits == 4 and dynamic):
-            raise _unsupported_inputs(config, act_bits, f"4 bits, one of {', '.join(OCP_MXFP4_INPUTS)}, dynamic")
+        if not (config.get("act_data_type") in MXFP4_INPUTS and act_bits == 4 and dynamic):
+            raise _unsupported_inputs(config, act_bits, f"4 bits, one of {', '.join(MXFP4_INPUTS)}, dynamic")
         inputs = dict(weights, group_size=config.get("act_group_size"), dynamic=True)
     return {"format": MXFP4_FORMAT, "weights": weights, "input_activations": inputs, "targets": ["Linear"]}
 

@@ -16,9 +16,11 @@ transformers' fp8 config; ModelOpt's `quant_algo`):
   scale b = e4m3(amax / 6 * G) and x -> e2m1(x * G / b) * b / G.
 - MXFP4, dynamic, groups of 32 (OCP MX v1.0, as AutoRound declares and computes it: its
   `quant_mx`): each group's scale 2**X with X = floor(log2(amax)) - 2 (2 the E2M1 maximum's
-  exponent) clamped to [-127, 127], x -> e2m1(clamp(x / 2**X, -6, 6)) * 2**X. compressed-tensors'
-  own MXFP4 activations round the amax to a power of two first (up from a mantissa of 1.75): a
-  different definition, not modelled here.
+  exponent) clamped to [-127, 127], x -> e2m1(clamp(x / 2**X, -6, 6)) * 2**X. AutoRound's RCEIL
+  variant (`act_data_type: mx_fp_rceil`, its `quant_mx_rceil`) takes X = ceil(log2(amax / 6)),
+  computed in float32 as it computes it (`exponent="ceil"`): no element then saturates.
+  compressed-tensors' own MXFP4 activations round the amax to a power of two first (up from a
+  mantissa of 1.75): a different definition, not modelled here.
 
 A group (or row) whose amax is zero stays zero. Arithmetic is float64 and the result is cast back
 to the activation's dtype; `arithmetic="model"` computes the same definition in the activation's
@@ -56,6 +58,7 @@ class ActivationScheme:
     static: str = ""  # the stored tensor suffix of a static scale ("input_scale", "input_global_scale")
     multiplier: bool = False  # NVFP4: the stored global is 1 / G (ModelOpt)
     arithmetic: str = "float64"  # or "model": the activation's own dtype
+    exponent: str = "floor"  # MXFP4's scale exponent: "floor" (OCP MX) or "ceil" (AutoRound's RCEIL)
 
     def describe(self) -> str:
         how = "dynamic" if self.dynamic and not self.static else f"static {self.static}"
@@ -66,7 +69,7 @@ class ActivationScheme:
 def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
     """The activation scheme a quantization_config declares, or None (weight-only). A scheme
     outside the definitions above is a one-line HarnessError."""
-    method = quantization_config.get("quant_method")
+    method, original = quantization_config.get("quant_method"), quantization_config
     quantization_config = equivalents.read_as(quantization_config)
     if quantization_config.get("quant_method") == "fp8":  # FineGrainedFP8 (DeepSeek): dynamic 1 x block_cols groups
         if quantization_config.get("activation_scheme", "dynamic") != "dynamic":
@@ -94,7 +97,8 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
     if bits == 4 and args.get("type") == "float" and strategy == "group" and method == auto_round.AUTO_ROUND:
         if args.get("dynamic") is not True or args.get("group_size") != MXFP4_GROUP:
             raise HarnessError(f"MXFP4 activations are defined here dynamic, in groups of {MXFP4_GROUP}, only")
-        return ActivationScheme("mxfp4", "group", True, MXFP4_GROUP)
+        rceil = str(original.get("act_data_type", "")).endswith(auto_round.RCEIL)
+        return ActivationScheme("mxfp4", "group", True, MXFP4_GROUP, exponent="ceil" if rceil else "floor")
     if bits == 4 and args.get("type") == "float" and strategy in ("tensor_group", "tensor"):
         if method == "modelopt":
             return ActivationScheme("nvfp4", "tensor_group", True, NVFP4_GROUP, "input_scale", multiplier=True)
@@ -158,7 +162,7 @@ def quantize_activations(x: torch.Tensor, scheme: ActivationScheme, stored: torc
         result = torch.round((x64 / safe).clamp(-128, 127)) * safe
         return torch.where(scale > 0, result, torch.zeros_like(result)).to(x.dtype)
     if scheme.kind == "mxfp4":
-        return _mxfp4(x64, scheme.group_size, work).to(x.dtype)
+        return _mxfp4(x64, scheme.group_size, work, scheme.exponent).to(x.dtype)
     value = float(stored.to(torch.float64).reshape(()))
     global_scale = 1.0 / value if scheme.multiplier else value
     groups, columns = _grouped(x64, NVFP4_GROUP)
@@ -170,13 +174,19 @@ def quantize_activations(x: torch.Tensor, scheme: ActivationScheme, stored: torc
     return values.flatten(-2)[..., :columns].to(x.dtype)
 
 
-def _mxfp4(x: torch.Tensor, size: int, work: torch.dtype) -> torch.Tensor:
-    """OCP MX FP4 of `x` in groups of `size`: the scale exponent from frexp (floor(log2) exactly,
-    in any dtype), powers of two and E2M1 values exact in `work`."""
+def _mxfp4(x: torch.Tensor, size: int, work: torch.dtype, rule: str = "floor") -> torch.Tensor:
+    """MX FP4 of `x` in groups of `size`. OCP's floor rule: the scale exponent from frexp
+    (floor(log2) exactly, in any dtype); the ceil rule as AutoRound computes it, in float32. Powers
+    of two and E2M1 values are exact in `work`."""
     groups, columns = _grouped(x, size)
     amax = groups.abs().amax(dim=-1, keepdim=True)
-    _, exponent = torch.frexp(amax.to(torch.float64))  # amax = m * 2**e, m in [0.5, 1): floor(log2) = e - 1
-    shared = (exponent - 1 - MX_ELEMENT_EXPONENT).clamp(-MX_SCALE_EXPONENT, MX_SCALE_EXPONENT)
+    if rule == "ceil":  # ceil(log2(amax / 6)), float32 as quant_mx_rceil (a zero amax: its values stay 0)
+        shared = torch.ceil(torch.log2(amax.to(torch.float32) / E2M1_MAX)).to(torch.int64)
+        shared = torch.where(amax > 0, shared, 0)
+    else:
+        _, exponent = torch.frexp(amax.to(torch.float64))  # amax = m * 2**e, m in [0.5, 1): floor(log2) = e - 1
+        shared = exponent - 1 - MX_ELEMENT_EXPONENT
+    shared = shared.clamp(-MX_SCALE_EXPONENT, MX_SCALE_EXPONENT)
     scale = torch.ldexp(torch.ones_like(amax, dtype=torch.float64), shared).to(work)
     codes = encode_e2m1((groups / scale).clamp(-E2M1_MAX, E2M1_MAX))
     values = E2M1_TABLE.to(work)[codes] * scale

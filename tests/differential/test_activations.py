@@ -52,8 +52,9 @@ def test_nvfp4_activations_are_e2m1_times_an_e4m3_group_scale():
 def test_mxfp4_activations_are_ocp_mx_as_autoround_computes_them():
     """The OCP MX definition (a power-of-two scale 2**(floor(log2 amax) - 2) per 32, E2M1 values,
     saturating at 6) equals AutoRound's own `quant_mx`, which its CPU Linear applies to its inputs,
-    bit for bit: on random groups, groups whose amax sits just below and at a power of two (where
-    compressed-tensors' rounding of the amax differs), a zero group and a partial last group."""
+    and the RCEIL rule (2**ceil(log2(amax / 6))) its `quant_mx_rceil`, bit for bit: on random
+    groups, groups whose amax sits just below and at a power of two (where compressed-tensors'
+    rounding of the amax differs), a zero group and a partial last group."""
     quant_mx = pytest.importorskip("auto_round.data_type.mxfp").quant_mx
     scheme = ActivationScheme("mxfp4", "group", True, 32)
     generator = torch.Generator().manual_seed(0)
@@ -63,12 +64,19 @@ def test_mxfp4_activations_are_ocp_mx_as_autoround_computes_them():
     x[0, :32] = 0.0
     x[1, :32] = torch.linspace(-1.9, 1.99, 32) * 2.0**-5  # amax mantissa 1.99: OCP clamps, ct would round up
     x[2, 32:64] = torch.linspace(-1.0, 0.5, 32) * 2.0**4  # amax exactly a power of two
+    quant_mx_rceil = pytest.importorskip("auto_round.data_type.mxfp").quant_mx_rceil
+    rceil = ActivationScheme("mxfp4", "group", True, 32, exponent="ceil")
     for dtype in (torch.float32, torch.bfloat16):
         for columns in (96, 80):
             data = x[:, :columns].to(dtype)
-            theirs = quant_mx(data, bits=4, group_size=32, data_type="mx_fp")[0]
-            ours = quantize_activations(data, scheme)
-            assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), (dtype, columns)
+            for theirs, ours in (
+                (quant_mx(data, bits=4, group_size=32, data_type="mx_fp")[0], quantize_activations(data, scheme)),
+                (quant_mx_rceil(data, bits=4, group_size=32, data_type="mx_fp")[0], quantize_activations(data, rceil)),
+            ):
+                assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), (dtype, columns)
+    # the two rules differ where the amax's mantissa is above 1.5 (6 = 1.5 x 4): OCP saturates at 6
+    data = x[1:2, :32]
+    assert not torch.equal(quantize_activations(data, scheme), quantize_activations(data, rceil))
     assert torch.equal(quantize_activations(x[:1, :32], scheme), torch.zeros(1, 32, dtype=torch.float64))
 
 

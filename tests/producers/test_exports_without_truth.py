@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.core.errors import FormatError, HarnessError, Unsupported, UnsupportedFormat
+from harness.core.errors import FormatError, HarnessError, UnsupportedFormat
 from harness.formats import auto_round
 from harness.oracle.activations import scheme_of
 from harness.oracle.reference import dequantize_checkpoint, format_and_knobs
@@ -33,6 +33,7 @@ CASES = CORPUS / "autoround"
 READINGS = {
     "nvfp4_autoround": ("ct-nvfp4", {"global_scale_convention": "divisor"}, 16, 0.15),
     "mxfp4_autoround": ("ct-mxfp4", {}, 32, 0.15),
+    "mxfp4_rceil_autoround": ("ct-mxfp4", {}, 32, 0.15),
     "fp8_static_autoround": ("ct-fp8-channel", {"input_scale": True, "row_scales_1d": True}, 128, 0.05),
     "fp8_block_autoround": ("fp8-block", {"block_rows": 128, "block_cols": 128, "scale_fmt": "float"}, 128, 0.05),
     "../modelopt/fp8_pc_pt": ("ct-fp8-channel", {"input_scale": False, "row_scales_1d": True}, 128, 0.05),
@@ -96,13 +97,14 @@ def test_autoround_fp8_static_is_read_as_compressed_tensors_fp8_per_row_with_sta
     assert (scheme.kind, scheme.strategy, scheme.dynamic, scheme.static) == ("fp8", "tensor", False, "input_scale")
 
 
-def test_autoround_fp8_block_is_read_as_fine_grained_fp8_and_rceil_activations_are_not_defined():
+def test_autoround_fp8_block_is_read_as_fine_grained_fp8_and_rceil_activations_round_their_scale_up():
     fmt, knobs = format_and_knobs(CASES / "fp8_block_autoround")
     assert (fmt.name, knobs) == READINGS["fp8_block_autoround"][:2]
     scheme = scheme_of(config_of("fp8_block_autoround"))
     assert (scheme.kind, scheme.strategy, scheme.group_size, scheme.dynamic) == ("fp8", "group", 128, True)
-    with pytest.raises(Unsupported, match="mx_fp_rceil"):  # its scales round up: another definition
-        format_and_knobs(CASES / "mxfp4_rceil_autoround")
+    assert format_and_knobs(CASES / "mxfp4_rceil_autoround")[0].name == "ct-mxfp4"
+    assert scheme_of(config_of("mxfp4_rceil_autoround")).exponent == "ceil"
+    assert scheme_of(config_of("mxfp4_autoround")).exponent == "floor"
 
 
 def test_modelopt_per_channel_fp8_and_weight_only_nvfp4_are_read():
@@ -151,7 +153,7 @@ def test_what_autoround_declares_beyond_the_definition_is_unsupported_or_malform
         (mxfp4, {"act_dynamic": False}),
         (mxfp4, {"act_bits": 8}),
         (mxfp4, {"act_data_type": "fp"}),
-        (mxfp4, {"act_data_type": "mx_fp_rceil"}),  # AutoRound's MXFP4_RCEIL: its scales round up
+        (mxfp4, {"act_data_type": "mx_fp4_rceil_v2"}),  # another rounding again: not defined
         (fp8, {"group_size": 128}),  # per group: not defined here
         (fp8, {"fmt": "e5m2"}),
         (fp8, {"act_dynamic": True}),
