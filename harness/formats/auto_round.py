@@ -103,7 +103,7 @@ def _nvfp4_group(config: Mapping, act_bits: int) -> dict:
         if config.get("act_data_type") != STATIC_NVFP4_INPUTS or act_bits != 4:
             raise _unsupported_inputs(config, act_bits, f"4 bits, {STATIC_NVFP4_INPUTS}")
         inputs = dict(weights, group_size=config.get("act_group_size"), dynamic="local")
-    return {"format": NVFP4_FORMAT, "weights": weights, "input_activations": inputs, "targets": ["Linear"]}
+    return {"format": NVFP4_FORMAT, "weights": weights, "input_activations": inputs}
 
 
 def _mxfp4_group(config: Mapping, act_bits: int) -> dict:
@@ -124,7 +124,7 @@ def _mxfp4_group(config: Mapping, act_bits: int) -> dict:
         if not (config.get("act_data_type") in MXFP4_INPUTS and act_bits == 4 and dynamic):
             raise _unsupported_inputs(config, act_bits, f"4 bits, one of {', '.join(MXFP4_INPUTS)}, dynamic")
         inputs = dict(weights, group_size=config.get("act_group_size"), dynamic=True)
-    return {"format": MXFP4_FORMAT, "weights": weights, "input_activations": inputs, "targets": ["Linear"]}
+    return {"format": MXFP4_FORMAT, "weights": weights, "input_activations": inputs}
 
 
 def _fp8_static_group(config: Mapping, act_bits: int) -> dict:

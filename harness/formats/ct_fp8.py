@@ -176,12 +176,13 @@ class CtFp8(QuantFormat):
         }
 
     def knobs_from_config(self, quantization_config):
-        group = config_group(quantization_config)
+        translated = equivalents.equivalent_config(quantization_config)  # a foreign config, read once
+        group = config_group(translated or quantization_config)
         if group is None or group["weights"].get("strategy") != self.strategy:
             raise FormatError(f"quantization_config is not compressed-tensors float-quantized {self.strategy} FP8")
         inputs = group.get("input_activations") or {}
         knobs = {"input_scale": inputs.get("dynamic") is False}
-        if self.strategy == "channel" and equivalents.equivalent_config(quantization_config):
+        if self.strategy == "channel" and translated:
             knobs[equivalents.ROW_SCALES_1D] = True  # AutoRound's and ModelOpt's [N] row scales
         if self.strategy == "block":
             structure = group["weights"].get("block_structure")
