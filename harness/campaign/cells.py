@@ -37,6 +37,7 @@ HELD_LAYOUT = (
     "quantize_embeddings",
     "kv_scales",
     "config_spelling",
+    "producer_config",
 )
 ATTENTION_CHOICES = ("any", "untied")
 

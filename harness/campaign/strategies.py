@@ -18,7 +18,7 @@ import torch
 from hypothesis import event
 from hypothesis import strategies as st
 
-from harness.checkpoints import disagreements
+from harness.checkpoints import disagreements, foreign_configs
 from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.recipe import (
     LAYOUT_CHOICES,
@@ -287,8 +287,9 @@ def whole_blocks_loadable(name: str) -> bool:
 
 
 #: what real producers write that the architectures' releases do not (docs/producers.md): expert part
-#: names (llm-compressor's Mixtral), a config.json as transformers saves it, `re:` ignore entries
-PRODUCER_LAYOUTS = ("expert_naming", "config_style", "ignore_style")
+#: names (llm-compressor's Mixtral), a config.json as transformers saves it, `re:` ignore entries, a
+#: producer's own quantization config over a format's tensors (AutoRound's, ModelOpt's)
+PRODUCER_LAYOUTS = ("expert_naming", "config_style", "ignore_style", "producer_config")
 #: the layout fields drawn from their choices (each mostly at its default), refused values dropped
 DRAWN_LAYOUTS = ("fused_scales", "quantize_lm_head", "quantize_embeddings", "kv_scales", "config_spelling")
 DRAWN_LAYOUTS += PRODUCER_LAYOUTS
@@ -378,6 +379,13 @@ def fit_recipe(recipe: Recipe) -> None:
         value = recipe.layout.get(key, LAYOUT_DEFAULTS[key])
         if layout_refusal(key, value, fmt, arch, recipe.knobs):
             recipe.layout[key] = LAYOUT_DEFAULTS[key]
+    producer = recipe.layout.get("producer_config", foreign_configs.NATIVE)
+    if producer != foreign_configs.NATIVE:  # the knobs that producer writes; no edit of a config it does not write
+        resolved = fmt.resolve_knobs(recipe.knobs)
+        fixed = foreign_configs.producer_knobs(producer, recipe.format, resolved)
+        recipe.knobs |= {key: value for key, value in fixed.items() if resolved[key] != value}
+        recipe.layout |= {key: LAYOUT_DEFAULTS[key] for key in foreign_configs.NATIVE_ONLY_LAYOUT}
+        recipe.perturb |= {key: PERTURB_DEFAULTS[key] for key in foreign_configs.NATIVE_ONLY_PERTURB}
     kind = recipe.perturb.get("disagreement", "none")
     if kind != "none" and arch.packs_experts:
         recipe.perturb["disagreement"] = kind = "none"

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness.checkpoints import ignore_patterns, kv_scales
+from harness.checkpoints import foreign_configs, ignore_patterns, kv_scales
 from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.disagreements import CHOICES as DISAGREEMENT_CHOICES
 from harness.checkpoints.fusion import CHOICES as FUSED_SCALES
@@ -44,6 +44,9 @@ LAYOUT_DEFAULTS: dict[str, Any] = {
     #: the quantization config's enum-valued fields that their readers compare without case, as
     #: producers write them ("producer") or in the other letter case ("other-case": harness.formats.spelling)
     "config_spelling": "producer",
+    #: the quantization config of the format ("native") or of a producer that writes its own over
+    #: the same tensors ("auto-round", "modelopt": harness.checkpoints.foreign_configs)
+    "producer_config": "native",
 }
 LAYOUT_CHOICES: dict[str, tuple] = {
     "key_prefix": ("model.", VLM_PREFIX),
@@ -56,6 +59,7 @@ LAYOUT_CHOICES: dict[str, tuple] = {
     "config_style": ("release", "saved"),
     "ignore_style": ignore_patterns.CHOICES,
     "config_spelling": SPELLINGS,
+    "producer_config": foreign_configs.CHOICES,
 }
 
 PERTURB_DEFAULTS: dict[str, Any] = {
@@ -123,6 +127,13 @@ class Recipe:
             refusal = layout_refusal(key, layout[key], fmt, ARCHITECTURES[self.arch], knobs)
             if refusal:
                 raise HarnessError(refusal)
+        refusal = layout_refusal("producer_config", layout["producer_config"], fmt, ARCHITECTURES[self.arch], knobs)
+        refusal = refusal or foreign_configs.knob_refusal(layout["producer_config"], fmt.name, knobs)
+        refusal = refusal or foreign_configs.conflict(
+            layout, perturb, {"layout": LAYOUT_DEFAULTS, "perturb": PERTURB_DEFAULTS}
+        )
+        if refusal:
+            raise HarnessError(refusal)
         return ResolvedRecipe(self, settings, knobs, layout, perturb)
 
 
@@ -182,6 +193,8 @@ def layout_refusal(key: str, value: Any, fmt, arch, knobs: Mapping) -> str | Non
         config = fmt.quantization_config(fmt.resolve_knobs(knobs), [])
         if not other_case(config)[1]:
             return f"config_spelling={value!r}: {fmt.name}'s quantization config has no enum-valued field to respell"
+    if key == "producer_config":
+        return foreign_configs.refusal(value, fmt, arch)
     if key == "kv_scales":
         try:
             kv_scales.check(value, arch, fmt.quantization_config(fmt.resolve_knobs(knobs), []))

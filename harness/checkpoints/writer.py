@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from harness import __version__
-from harness.checkpoints import disagreements, fusion, ignore_patterns, kv_scales, packed_experts
+from harness.checkpoints import disagreements, foreign_configs, fusion, ignore_patterns, kv_scales, packed_experts
 from harness.checkpoints.disagreements import DISAGREEMENTS
 from harness.checkpoints.reader import INDEX_FILE, SINGLE_FILE
 from harness.checkpoints.recipe import VLM_PREFIX, Recipe, ResolvedRecipe
@@ -287,6 +287,7 @@ def _quantize_modules(
         else:
             amax = fusion.input_amax(module, groups, resolved.layout["activation_amax"])
             quantized = quantize_module(name, weight, resolved, fmt, not modules, amax)
+        quantized.tensors = foreign_configs.stored(resolved.layout["producer_config"], fmt.name, quantized.tensors)
         originals[name] = quantized.source
         for suffix, tensor in quantized.tensors.items():
             tensors[f"{module}.{suffix}"] = tensor
@@ -354,7 +355,13 @@ def _write_config(out: Path, resolved: ResolvedRecipe, fmt, also_ignored: list[s
     ignore = ignore_patterns.spell(
         ignored, resolved.layout["ignore_style"], resolved.settings["num_hidden_layers"], resolved.layout["key_prefix"]
     )
-    config["quantization_config"] = fmt.quantization_config(resolved.knobs, ignore)
+    producer = resolved.layout["producer_config"]
+    if producer == foreign_configs.NATIVE:
+        config["quantization_config"] = fmt.quantization_config(resolved.knobs, ignore)
+    else:
+        config["quantization_config"] = foreign_configs.quantization_config(
+            producer, fmt.name, resolved.knobs, ignore, resolved.layout["key_prefix"]
+        )
     if kind == "status-not-compressed":
         config["quantization_config"]["quantization_status"] = "frozen"
     kv_scales.declare(resolved.layout["kv_scales"], config["quantization_config"])

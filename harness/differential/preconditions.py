@@ -371,7 +371,9 @@ def observed_facts(directory: Path) -> dict[str, Any]:
     under a naming other than the architecture's own (`expert_naming`), the KV scales' naming
     (`kv_scales`), a head or embeddings stored with scales (`quantize_lm_head`, `quantize_embeddings`),
     a config.json as transformers saves it (`config_style`), enum values in another letter case than
-    their producers' (`config_spelling`)."""
+    their producers' (`config_spelling`), a producer's own config over a defined format's tensors
+    (`producer_config`)."""
+    from harness.checkpoints.foreign_configs import producer_config_of
     from harness.checkpoints.reader import Checkpoint
     from harness.core.naming import VLM_PREFIX, canonical_name
     from harness.formats.spelling import canonical
@@ -401,6 +403,8 @@ def observed_facts(directory: Path) -> dict[str, Any]:
     quantization = config.get("quantization_config")
     if isinstance(quantization, dict) and canonical(quantization) != quantization:
         facts["config_spelling"] = "other-case"
+    if isinstance(quantization, dict):
+        facts["producer_config"] = producer_config_of(quantization)
     if any(canonical_name(name).startswith("lm_head.") and "scale" in name for name in names):
         facts["quantize_lm_head"] = True
     if any(canonical_name(name).startswith("model.embed_tokens.") and "scale" in name for name in names):

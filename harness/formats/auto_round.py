@@ -37,11 +37,14 @@ cases/producers/autoround/fp8_static_autoround). Every reader reaches these tran
 harness.formats.equivalents.
 
 Other data types under `auto_round:llm_compressor` (MXFP8, ...) are UnsupportedFormat, as are
-activation types beyond these and per-layer `extra_config` with quantized settings of its own.
+activation types beyond these and per-layer `extra_config` with quantized settings of its own. The
+modules `extra_config` leaves in 16 bits (a mixture's routers, a Linear whose width its groups do
+not divide) and the routers it never quantizes are the equivalent config's ignore list.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from harness.core.errors import FormatError, UnsupportedFormat
@@ -80,6 +83,34 @@ def _act_bits(config: Mapping) -> int:
         if not (isinstance(bits, int) and bits >= UNQUANTIZED_BITS):
             raise UnsupportedFormat(f"auto-round extra_config for {module!r} with settings of its own: {settings!r}")
     return act_bits
+
+
+#: MoE routers AutoRound 0.16 never quantizes, whatever extra_config says: its special_model_handler
+#: keeps every `.gate` and `.shared_expert_gate` module of a MoE model in 16 bits (and transformers 5's
+#: routers are not Linear layers); its export names them in extra_config only where its own list of
+#: them matched (for a Mixtral, a `mlp.gate` the model lacks, measured on its own export,
+#: cases/producers/autoround/mixtral_mxfp4_autoround)
+ROUTERS = ("re:.*\\.gate$", "re:.*\\.shared_expert_gate$")
+
+
+def _sixteen_bits(config: Mapping) -> list[str]:
+    """What AutoRound leaves in 16 bits, as the equivalent config's ignore list: whatever lies outside
+    the blocks it quantizes, each module `extra_config` names (after _act_bits, which refuses any entry with quantized settings of its
+    own; a regular-expression key, as its export writes `.*model\\.layers\\.0\\.mlp\\.gate.*`,
+    as a `re:` entry) and the routers."""
+    named = [f"re:{key}" if any(c in key for c in "\\*[(") else key for key in config.get("extra_config") or {}]
+    return _outside_blocks(config) + named + list(ROUTERS)
+
+
+def _outside_blocks(config: Mapping) -> list[str]:
+    """Every module outside `block_name_to_quantize` (a name, a comma-separated string of them or a
+    list; the head and the embeddings of a decoder) as one `re:` entry; `lm_head` without it."""
+    blocks = config.get("block_name_to_quantize")
+    names = blocks.split(",") if isinstance(blocks, str) else blocks if isinstance(blocks, list) else []
+    names = [name.strip() for name in names if isinstance(name, str) and name.strip()]
+    if not names:
+        return ["lm_head"]
+    return ["re:^(?!" + "|".join(re.escape(name) + "\\." for name in names) + ")"]
 
 
 def _unsupported_inputs(config: Mapping, act_bits: int, defined: str) -> UnsupportedFormat:
@@ -162,7 +193,7 @@ def equivalent_config(config: Mapping) -> dict | None:
         return None
     data_type = config.get("data_type")
     if config.get("packing_format") == FP8_BLOCK:
-        return _fine_grained_fp8(config, _act_bits(config))
+        return _fine_grained_fp8(config, _act_bits(config)) | {"modules_to_not_convert": _sixteen_bits(config)}
     if config.get("packing_format") == FP8_STATIC:
         group = _fp8_static_group(config, _act_bits(config))
     elif config.get("packing_format") != LLM_COMPRESSOR:
@@ -178,6 +209,6 @@ def equivalent_config(config: Mapping) -> dict | None:
         "quant_method": "compressed-tensors",
         "format": group["format"],
         "config_groups": {"group_0": group},
-        "ignore": [],
+        "ignore": _sixteen_bits(config),
         "quantization_status": "compressed",
     }

@@ -70,6 +70,18 @@ DYNAMIC_GROUP_INPUT = {
 }
 
 
+def _grid_from_4d(scale: torch.Tensor, block: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
+    """ModelOpt's block grid [N/bn, 1, K/bk, 1] (its one-block dimensions squeezed: [] for a single
+    block, [N/bn, 1, 1, 1] for one column of blocks) as the [N/bn, K/bk] grid."""
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    if scale.dim() > 4 or [d for d in scale.shape if d != 1] != [d for d in grid if d != 1]:
+        raise FormatError(
+            f"weight_scale has shape {list(scale.shape)}; weight [{rows}, {cols}] in blocks {list(block)} needs the "
+            f"grid {list(grid)}, stored as ModelOpt stores it ([{grid[0]}, 1, {grid[1]}, 1], one-block dimensions squeezed)"
+        )
+    return scale.reshape(grid)
+
+
 def scale_dtype_for(knobs: Mapping[str, Any], model_dtype: torch.dtype) -> torch.dtype:
     """ct stores qparams in the dtype of the observed weight (float16 for non-float models)."""
     if knobs["scale_dtype"] == "float32":
@@ -184,6 +196,8 @@ class CtFp8(QuantFormat):
         knobs = {"input_scale": inputs.get("dynamic") is False}
         if self.strategy == "channel" and translated:
             knobs[equivalents.ROW_SCALES_1D] = True  # AutoRound's and ModelOpt's [N] row scales
+        if self.strategy == "block" and translated:
+            knobs[equivalents.BLOCK_GRID_4D] = True  # ModelOpt's [N/bn, 1, K/bk, 1], squeezed
         if self.strategy == "block":
             structure = group["weights"].get("block_structure")
             if not (
@@ -234,6 +248,8 @@ class CtFp8(QuantFormat):
             scale = scale.reshape(rows, 1)
         elif self.strategy == "channel":
             require_shape("weight_scale", scale, (rows, 1), "one scale per output row")
+        elif self.strategy == "block" and knobs.get(equivalents.BLOCK_GRID_4D):
+            scale = _grid_from_4d(scale, self.scale_block(knobs, (rows, cols)), rows, cols)
         if knobs.get("input_scale"):
             input_scale = require_tensor(tensors, "input_scale")
             require_dtype("input_scale", input_scale, (torch.float32, torch.bfloat16, torch.float16))

@@ -9,8 +9,16 @@ planner) follows one definition:
   its [N, 1] scales stored [N] (measured on ModelOpt 0.47's own export,
   cases/producers/modelopt/fp8_pc_pt).
 
+- ModelOpt's `quant_algo: FP8_PB_WO` (its FP8_2D_BLOCKWISE_WEIGHT_ONLY config): e4m3 `weight`, one
+  float32 `weight_scale` (a multiplier, amax / 448) per 128 x 128 block, inputs not quantized (its
+  input quantizers are disabled). That is compressed-tensors' block strategy [128, 128] without
+  input activations, its [ceil(N/128), ceil(K/128)] grid stored 4-D [N/128, 1, K/128, 1] and
+  squeezed where a dimension is one block (a [64, 128] k_proj holds a 0-D scale; measured on
+  ModelOpt 0.47's own export, cases/producers/modelopt/fp8_pb_wo).
+
 Both foreign per-row FP8 layouts store the row scales 1-D: a config read through this module whose
-weights are per channel says so with the reading knob ROW_SCALES_1D (harness.formats.ct_fp8).
+weights are per channel says so with the reading knob ROW_SCALES_1D (harness.formats.ct_fp8);
+ModelOpt's block grid says so with BLOCK_GRID_4D.
 """
 
 from __future__ import annotations
@@ -21,7 +29,13 @@ from harness.formats import auto_round
 
 #: the reading knob that says a channel strategy's weight_scale is stored [N], not [N, 1]
 ROW_SCALES_1D = "row_scales_1d"
+#: the reading knob that says a block strategy's weight_scale grid is stored as ModelOpt stores it
+#: ([N/bn, 1, K/bk, 1] with its one-block dimensions squeezed), not [N/bn, K/bk]
+BLOCK_GRID_4D = "block_grid_4d"
 MODELOPT_PER_CHANNEL = "FP8_PER_CHANNEL_PER_TOKEN"
+MODELOPT_BLOCK_WEIGHT_ONLY = "FP8_PB_WO"
+#: ModelOpt's FP8_2D_BLOCKWISE_WEIGHT_ONLY block (`block_sizes` {-1: 128, -2: 128})
+MODELOPT_BLOCK = [128, 128]
 
 
 def from_modelopt(config: Mapping) -> bool:
@@ -39,12 +53,18 @@ def modelopt_quant_algo(config: Mapping) -> str | None:
     return str(algo).upper() if algo is not None else None
 
 
-def _modelopt_per_channel(config: Mapping) -> dict | None:
-    if not (from_modelopt(config) and modelopt_quant_algo(config) == MODELOPT_PER_CHANNEL):
+def _modelopt_fp8(config: Mapping) -> dict | None:
+    algo = modelopt_quant_algo(config) if from_modelopt(config) else None
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "dynamic": False}
+    if algo == MODELOPT_PER_CHANNEL:
+        weights["strategy"] = "channel"
+        inputs = dict(weights, strategy="token", dynamic=True)
+    elif algo == MODELOPT_BLOCK_WEIGHT_ONLY:
+        weights |= {"strategy": "block", "block_structure": list(MODELOPT_BLOCK)}
+        inputs = None
+    else:
         return None
-    weights = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "channel"}
-    inputs = dict(weights, strategy="token", dynamic=True)
-    group = {"format": "float-quantized", "weights": dict(weights, dynamic=False), "input_activations": inputs}
+    group = {"format": "float-quantized", "weights": weights, "input_activations": inputs}
     return {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
@@ -58,7 +78,7 @@ def equivalent_config(config: Mapping) -> dict | None:
     """The config of a defined format that a foreign producer's `config` is equivalent to, or None
     (the config is one of the formats' own, or undefined). UnsupportedFormat / FormatError as
     harness.formats.auto_round says."""
-    return auto_round.equivalent_config(config) or _modelopt_per_channel(config)
+    return auto_round.equivalent_config(config) or _modelopt_fp8(config)
 
 
 def read_as(config: Mapping) -> Mapping:

@@ -44,7 +44,7 @@ from harness.checkpoints.reader import (
 )
 from harness.checkpoints.streaming import DTYPE_NAMES
 from harness.core.errors import CheckpointError, UnsupportedCheckpoint, UnsupportedFormat
-from harness.formats import detect_format
+from harness.formats import detect_format, equivalents
 from harness.formats.base import FormatError, QuantFormat
 
 #: every check, in report order, with what it means (docs/audit.md)
@@ -182,7 +182,7 @@ def audit_checkpoint(directory: str | Path) -> AuditResult:
     result.files = len({s.file for s in tensors.values()})
     tensors = per_expert(tensors)
     knobs = check_config(qconfig, fmt, result)
-    audit_modules(tensors, qconfig, fmt, knobs, result)
+    audit_modules(tensors, equivalents.read_as(qconfig), fmt, knobs, result)  # a foreign config's ignore list
     scan_unscaled(tensors, fmt, result)
     check_names(tensors, config, result)
     return result

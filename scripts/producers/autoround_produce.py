@@ -1,8 +1,9 @@
 """Produce int4 (and a few low-bit float) checkpoints with Intel AutoRound, exported as auto_round, gptq and awq.
 
 Standalone producer script: it imports only auto-round, torch, safetensors, transformers (with tokenizers) and the
-standard library, never the harness. It builds a tiny random-weight Llama in bfloat16 (fixed seed, weights drawn from a
-seeded generator so they do not depend on the transformers version's init) and a minimal offline WordLevel tokenizer
+standard library, never the harness. It builds a tiny random-weight Llama in bfloat16 (and a one-layer Mixtral for
+the ``mixtral_`` cases; fixed seed, weights drawn from a seeded generator so they do not depend on the transformers
+version's init) and a minimal offline WordLevel tokenizer
 (AutoRound refuses a model object without one), then runs ``AutoRound(model, tokenizer, iters=..., dataset=[random
 token-id batches], device_map="cpu", seed=0, ...).quantize_and_save(dir, format=...)``. ``iters=0`` is AutoRound's
 RTN mode (with its default optimized RTN); one case runs 2 SignRound iterations.
@@ -89,6 +90,25 @@ CASES: dict[str, tuple[str, str, dict]] = {
         "fp8 128x128 blocks (scheme FP8_BLOCK), RTN",
         "auto_round",
         {"iters": 0, "scheme": "FP8_BLOCK"},
+    ),
+    "mixtral_mxfp4_autoround": (
+        "mxfp4 (scheme MXFP4) of a Mixtral, RTN",
+        "auto_round",
+        {"iters": 0, "scheme": "MXFP4"},
+    ),
+    "mixtral_fp8_static_autoround": (
+        "fp8 weight and static activation (scheme FP8_STATIC) of a Mixtral, RTN",
+        "auto_round",
+        {"iters": 0, "scheme": "FP8_STATIC"},
+    ),
+}
+#: the architecture of each base model (transformers' config class, its config); a case whose name
+#: starts with one of these keys quantizes that model, any other the Llama
+MOE_ARCHES = {
+    "mixtral": (
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        {**MODEL_CONFIG, "num_hidden_layers": 1, "num_local_experts": 4, "num_experts_per_tok": 2},
     ),
 }
 
@@ -261,13 +281,26 @@ def install_truth_hooks() -> None:
 
 
 def prepare(directory: Path) -> None:
-    """The base model and the offline tokenizer AutoRound's calibration asks for."""
+    """The base models (the Llama in `directory`, each of MOE_ARCHES beside it) and the offline
+    tokenizer AutoRound's calibration asks for."""
     producing.build_seeded_llama(directory, MODEL_CONFIG, SEED)
     save_tokenizer(directory)
+    for arch, (_, config_class, config) in MOE_ARCHES.items():
+        producing.build_seeded(directory.parent / arch, config_class, config, SEED)
+        save_tokenizer(directory.parent / arch)
+
+
+def base_of(case: str, base_dir: Path) -> tuple[Path, str, dict]:
+    """The base model a case quantizes: its directory, architecture and config."""
+    for arch, (architecture, _, config) in MOE_ARCHES.items():
+        if case.startswith(f"{arch}_"):
+            return base_dir.parent / arch, architecture, config
+    return base_dir, ARCH, MODEL_CONFIG
 
 
 def run_case(case: str, base_dir: Path, out_root: Path) -> None:
     scheme, fmt, kwargs = CASES[case]
+    base_dir, architecture, model_config = base_of(case, base_dir)
     case_dir = out_root / PRODUCER / case
     if case_dir.exists():
         shutil.rmtree(case_dir)
@@ -300,7 +333,8 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
         (case_dir / "producer_truth").mkdir()
         save_file(dict(sorted(CAPTURED.items())), case_dir / "producer_truth" / "weights.safetensors")
     notes = [
-        "base model: tiny random Llama, bfloat16, weights ~ N(0, 0.02) from torch.Generator(seed), norms = 1",
+        f"base model: tiny random {architecture.removesuffix('ForCausalLM')}, bfloat16, weights ~ N(0, 0.02) "
+        "from torch.Generator(seed), norms = 1",
         f"calibration: {CALIB_SAMPLES} random token-id sequences of length {CALIB_SEQLEN} (seed {SEED + 1})",
         "tokenizer: local WordLevel tokenizer (AutoRound requires one); its files are removed from the output",
         "producer_truth: per packed int Linear, float32 (q - z) * s with AutoRound's own integer weight q "
@@ -333,13 +367,13 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
         "producer_version": importlib.metadata.version("auto-round"),
         "packages": producing.package_versions(PACKAGES),
         "case": case,
-        "arch": ARCH,
+        "arch": architecture,
         "scheme": scheme,
         "recipe": {
             "AutoRound": {**{k: v for k, v in common.items() if k != "dataset"}, **kwargs},
             "quantize_and_save": {"format": fmt},
             "calibration": {"samples": CALIB_SAMPLES, "seqlen": CALIB_SEQLEN, "seed": SEED + 1},
-            "model_config": MODEL_CONFIG,
+            "model_config": model_config,
         },
         "command": " ".join([sys.executable, *sys.argv]),
         "seed": SEED,

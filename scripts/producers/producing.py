@@ -27,11 +27,17 @@ def package_versions(names: Iterable[str]) -> dict[str, str]:
 
 
 def build_seeded_llama(directory: Path, model_config: dict, seed: int) -> None:
-    """Save a tiny random Llama in bfloat16; weights come from one seeded generator in parameter-name
-    order (N(0, 0.02), norms 1), so they do not depend on the transformers version's init."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """Save a tiny random Llama in bfloat16 (build_seeded)."""
+    build_seeded(directory, "LlamaConfig", model_config, seed)
 
-    model = LlamaForCausalLM(LlamaConfig(**model_config))
+
+def build_seeded(directory: Path, config_class: str, model_config: dict, seed: int) -> None:
+    """Save a tiny random model of transformers' `config_class` in bfloat16; weights come from one
+    seeded generator in parameter-name order (N(0, 0.02), norms 1), so they do not depend on the
+    transformers version's init."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**model_config))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):

@@ -1,7 +1,7 @@
 """Foreign exports read through a config of their own (harness.formats.equivalents) that carry no
 producer truth (their packers were not captured, provenance.json says so): AutoRound's over
 compressed-tensors' and FineGrainedFP8's tensors (NVFP4, MXFP4, FP8_STATIC, FP8_BLOCK) and
-ModelOpt's FP8_PER_CHANNEL_PER_TOKEN and W4A16_NVFP4. The reference's reading of each is checked
+ModelOpt's FP8_PER_CHANNEL_PER_TOKEN, W4A16_NVFP4 and FP8_PB_WO. The reference's reading of each is checked
 against the model the producer quantized instead, rebuilt from the seed and sizes its provenance
 records (every case shares it). Read by the format's definition, every quantized weight is within
 the format's rounding of the original and every other tensor is the original; a misread convention
@@ -37,6 +37,12 @@ READINGS = {
     "fp8_static_autoround": ("ct-fp8-channel", {"input_scale": True, "row_scales_1d": True}, 128, 0.05),
     "fp8_block_autoround": ("fp8-block", {"block_rows": 128, "block_cols": 128, "scale_fmt": "float"}, 128, 0.05),
     "../modelopt/fp8_pc_pt": ("ct-fp8-channel", {"input_scale": False, "row_scales_1d": True}, 128, 0.05),
+    "../modelopt/fp8_pb_wo": (
+        "ct-fp8-block",
+        {"input_scale": False, "block_grid_4d": True, "block_rows": 128, "block_cols": 128},
+        128,
+        0.05,
+    ),
     "../modelopt/w4a16_nvfp4": (
         "modelopt-nvfp4",
         {"global_scale_convention": "multiplier", "weight_only": True},
@@ -107,13 +113,14 @@ def test_autoround_fp8_block_is_read_as_fine_grained_fp8_and_rceil_activations_r
     assert scheme_of(config_of("mxfp4_autoround")).exponent == "floor"
 
 
-def test_modelopt_per_channel_fp8_and_weight_only_nvfp4_are_read():
-    for case in ("../modelopt/fp8_pc_pt", "../modelopt/w4a16_nvfp4"):
+def test_modelopt_per_channel_fp8_and_weight_only_nvfp4_and_block_fp8_are_read():
+    for case in ("../modelopt/fp8_pc_pt", "../modelopt/w4a16_nvfp4", "../modelopt/fp8_pb_wo"):
         fmt, knobs = format_and_knobs(CASES / case)
         assert (fmt.name, knobs) == READINGS[case][:2]
     scheme = scheme_of(config_of("../modelopt/fp8_pc_pt"))
     assert (scheme.kind, scheme.strategy, scheme.dynamic, scheme.static) == ("fp8", "token", True, "")
     assert scheme_of(config_of("../modelopt/w4a16_nvfp4")) is None
+    assert scheme_of(config_of("../modelopt/fp8_pb_wo")) is None  # weight only: its input quantizers disabled
 
 
 @pytest.mark.parametrize("case", sorted(READINGS))

@@ -337,6 +337,7 @@ SCRIPT_LAYOUT = (
     "expert_naming",  # the tensor table and the packed experts' part names carry it
     "config_style",  # CONFIG is the generated config.json, as written
     "config_spelling",  # the same
+    "producer_config",  # the same, and the parts store the row scales as that producer does
 )
 #: finding kinds a script judges from whether the engine loads at all (no weight read back)
 LOAD_ONLY_KINDS = {"accepted-invalid"}
@@ -492,6 +493,7 @@ def script_layout(layout: dict, resolved: dict) -> dict:
         # the tensor table and PACKED_EXPERTS already carry the experts' names; said for the reader
         "expert_naming": resolved["expert_naming"],
         "config_style": resolved["config_style"],
+        "producer_config": resolved["producer_config"],
     }
 
 

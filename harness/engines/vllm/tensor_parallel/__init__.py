@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.core.errors import HarnessError
+from harness.core.errors import HarnessError, first_line
 from harness.engines.vllm.tensor_parallel.layout import EP, TP
 
 #: the worker, as an engine spec `harness.engines.worker` can host
@@ -172,9 +172,9 @@ def run_worker(
     except EngineError as error:
         if error.refuses:  # vLLM refuses the checkpoint on purpose (a check of its method)
             raise LaneRefused(str(error).removeprefix("EngineRefuses: ")) from None
-        raise HarnessError(f"the vLLM worker failed: {str(error).splitlines()[0]} (log: {process.log_path})") from None
+        raise HarnessError(f"the vLLM worker failed: {first_line(error)} (log: {process.log_path})") from None
     except EngineFailure as error:
-        raise HarnessError(f"the vLLM worker failed: {str(error).splitlines()[0]} (log: {process.log_path})") from None
+        raise HarnessError(f"the vLLM worker failed: {first_line(error)} (log: {process.log_path})") from None
     finally:
         if own:
             process.close()

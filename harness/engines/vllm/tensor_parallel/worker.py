@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from harness.core.errors import first_line
 from harness.engines.base import Engine, EngineRefuses
 from harness.engines.vllm.capability import config_refusal, missing_kernel
 from harness.engines.vllm.tensor_parallel.layout import (
@@ -568,10 +569,9 @@ def vllm_context(directory: str, config: dict, notes: list[str]):
     try:
         model_config = ModelConfig(model=directory, dtype=dtype, skip_tokenizer_init=True, max_model_len=256)
         vllm_config = VllmConfig(model_config=model_config)
-    except ValueError as error:  # a check of the method refuses the checkpoint, as a real load's would
-        if config_refusal(error):
-            raise EngineRefuses(config_refusal(error)) from error
-        raise
+    except ValueError as error:  # its config validation refuses the checkpoint, as a real load's would
+        # (a check of the method, or of the quantization config: INC's "Unsupported data_type: nv_fp")
+        raise EngineRefuses(config_refusal(error) or f"vLLM: {first_line(error)}") from error
     with set_current_vllm_config(vllm_config):
         quant_config = get_quant_config(model_config, LoadConfig())
         quant_config.packed_modules_mapping = dict(PACKED_MODULES)

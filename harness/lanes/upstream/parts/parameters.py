@@ -67,6 +67,7 @@ LAYOUT = {
     "quantize_lm_head": False,
     "quantize_embeddings": False,
     "kv_scales": "none",
+    "producer_config": "native",
 }
 PERTURB = {
     "zero_block": False,

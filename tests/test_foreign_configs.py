@@ -1,0 +1,117 @@
+"""A producer's own config over a defined format's tensors (`layout.producer_config`,
+harness.checkpoints.foreign_configs): what the generator writes is what the producer's own export
+carries (cases/producers), it means the same weights as the format's own config, and a combination
+the producer does not write is refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.checkpoints import foreign_configs
+from harness.checkpoints.recipe import Recipe
+from harness.checkpoints.writer import generate
+from harness.core.errors import HarnessError
+from harness.differential.preconditions import checkpoint_context
+from harness.formats.equivalents import ROW_SCALES_1D
+from harness.oracle.reference import dequantize_checkpoint, format_and_knobs
+
+CORPUS = Path(__file__).resolve().parents[1] / "cases" / "producers"
+#: (producer, format) -> the producer's own export of that scheme
+EXPORTS = {
+    ("auto-round", "ct-fp8-channel"): "autoround/fp8_static_autoround",
+    ("auto-round", "fp8-block"): "autoround/fp8_block_autoround",
+    ("auto-round", "ct-mxfp4"): "autoround/mxfp4_autoround",
+    ("auto-round", "ct-nvfp4"): "autoround/nvfp4_autoround",
+    ("modelopt", "ct-fp8-channel"): "modelopt/fp8_pc_pt",
+}
+#: fields that say which model, run and version, not which scheme
+RUN_FIELDS = {"autoround_version", "block_name_to_quantize", "extra_config", "ignore", "producer"}
+SIZES = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128}
+
+
+def recipe(producer: str, fmt: str, arch: str = "llama", **layout) -> Recipe:
+    knobs = dict(foreign_configs.PAIRINGS[(producer, fmt)])
+    return Recipe(
+        format=fmt, arch=arch, config=dict(SIZES), knobs=knobs, layout={"producer_config": producer, **layout}
+    )
+
+
+def quantization_config(directory: Path) -> dict:
+    return json.loads((directory / "config.json").read_text())["quantization_config"]
+
+
+def test_every_pairing_has_an_export_of_its_producer():
+    assert set(EXPORTS) == set(foreign_configs.PAIRINGS)
+
+
+@pytest.mark.parametrize(("producer", "fmt"), list(EXPORTS))
+def test_the_written_config_is_the_producers_own(tmp_path, producer, fmt):
+    generate(recipe(producer, fmt), tmp_path / "generated")
+    written = quantization_config(tmp_path / "generated")
+    exported = quantization_config(CORPUS / EXPORTS[producer, fmt])
+    assert {k: v for k, v in written.items() if k not in RUN_FIELDS} == {
+        k: v for k, v in exported.items() if k not in RUN_FIELDS
+    }
+    assert set(written) - {"extra_config"} == set(exported) - {"extra_config"}
+
+
+@pytest.mark.parametrize(("producer", "fmt"), list(EXPORTS))
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_the_foreign_config_means_the_formats_weights(tmp_path, producer, fmt, arch):
+    """The same tensors under the format's own config and under the producer's read to the same
+    weights, the truth; only the stored layout the producer uses differs (row scales 1-D)."""
+    native = Recipe(format=fmt, arch=arch, config=dict(SIZES), knobs=foreign_configs.PAIRINGS[producer, fmt])
+    generate(native, tmp_path / "native")
+    generate(recipe(producer, fmt, arch), tmp_path / "foreign")
+    (native_fmt, native_knobs), (foreign_fmt, foreign_knobs) = (
+        format_and_knobs(tmp_path / which) for which in ("native", "foreign")
+    )
+    assert foreign_fmt.name == native_fmt.name == fmt
+    assert foreign_knobs.pop(ROW_SCALES_1D, False) == (fmt in foreign_configs.ROW_SCALES_1D_FORMATS)
+    assert foreign_knobs == native_knobs
+    native_weights, foreign_weights = (dict(dequantize_checkpoint(tmp_path / w)) for w in ("native", "foreign"))
+    assert native_weights.keys() == foreign_weights.keys()
+    assert all(torch.equal(native_weights[n], foreign_weights[n]) for n in native_weights)
+    assert checkpoint_context(tmp_path / "foreign")["producer_config"] == producer
+
+
+def test_routers_stay_in_sixteen_bits_as_the_producer_says(tmp_path):
+    generate(recipe("auto-round", "ct-nvfp4", "qwen3_moe"), tmp_path)
+    extra = quantization_config(tmp_path)["extra_config"]
+    assert sorted(extra) == [".*model\\.layers\\.0\\.mlp\\.gate.*", ".*model\\.layers\\.1\\.mlp\\.gate.*"]
+    assert all(settings["bits"] == 16 for settings in extra.values())
+
+
+@pytest.mark.parametrize("case", sorted({*EXPORTS.values(), "llmcompressor/llama-fp8-dynamic", "modelopt/nvfp4"}))
+def test_a_checkpoint_says_which_producers_config_it_carries(case):
+    expected = next((p for (p, _), c in EXPORTS.items() if c == case), foreign_configs.NATIVE)
+    assert foreign_configs.producer_config_of(quantization_config(CORPUS / case)) == expected
+    assert checkpoint_context(CORPUS / case)["producer_config"] == expected
+
+
+@pytest.mark.parametrize(
+    ("fmt", "knobs", "layout", "message"),
+    [
+        ("ct-fp8-tensor", {}, {}, "written over ct-fp8-channel, ct-mxfp4, ct-nvfp4, fp8-block only"),
+        (
+            "ct-fp8-channel",
+            {},
+            {},
+            "needs the knobs auto-round writes: set {'scale_dtype': 'float32', 'input_scale': True}",
+        ),
+        (
+            "ct-fp8-channel",
+            {"input_scale": True, "scale_dtype": "float32"},
+            {"quantize_lm_head": True},
+            "writes no quantize_lm_head=True",
+        ),
+    ],
+)
+def test_a_combination_the_producer_does_not_write_is_refused(fmt, knobs, layout, message):
+    bad = Recipe(format=fmt, arch="llama", knobs=knobs, layout={"producer_config": "auto-round", **layout})
+    with pytest.raises(HarnessError, match=message.replace("{", "\\{").replace("(", "\\(")):
+        bad.resolved()
