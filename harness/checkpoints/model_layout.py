@@ -22,6 +22,7 @@ import torch
 from harness.checkpoints.architectures import Architecture, architecture_for
 from harness.checkpoints.saved_config import model_settings
 from harness.core.errors import Unsupported
+from harness.core.naming import canonical_name
 
 
 class LayoutError(Unsupported):
@@ -59,7 +60,7 @@ def with_expert_naming(arch: Architecture, settings: Mapping, names: Iterable[st
     moe = arch.moe
     if moe is None or not moe.other_parts or names is None:
         return arch
-    names = set(names)
+    names = {canonical_name(name) for name in names}  # a vision-language checkpoint's keys too
     for layer in range(settings["num_hidden_layers"]):
         if arch.is_sparse(settings, layer):
             break

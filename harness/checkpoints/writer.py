@@ -91,7 +91,7 @@ def inject_nonfinite(quantized: QuantizedWeight, kind: str) -> str:
     for suffix, tensor in quantized.tensors.items():
         if suffix in ("weight", "weight_packed"):
             continue
-        if tensor.dtype == torch.uint8 and suffix == "weight_scale":  # an E8M0 exponent: 0xFF is its NaN
+        if tensor.dtype == torch.uint8 and suffix in ("weight_scale", "weight_scale_inv"):  # E8M0: 0xFF is NaN
             stored = tensor.clone()
             stored.view(-1)[0] = 0xFF
             quantized.tensors[suffix] = stored

@@ -231,8 +231,9 @@ class Fp8Block(QuantFormat):
         return knobs["block_rows"], knobs["block_cols"]
 
     def subnormal_amax(self, knobs, weight_amax):
-        # float32 and bfloat16 share the exponent range: normal down to 2**-126
-        return 448.0 * 2.0**-130
+        # float32 and bfloat16 share the exponent range: normal down to 2**-126; scales stored as E8M0
+        # reach down to 2**-127 only (code 0), itself subnormal in float32
+        return 448.0 * 2.0 ** (-127 if knobs.get("scale_fmt") in E8M0_STORAGE else -130)
 
     def dequantize(self, tensors, knobs):
         block = (knobs["block_rows"], knobs["block_cols"])
