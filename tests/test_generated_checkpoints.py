@@ -236,3 +236,19 @@ def test_each_disagreement_is_written_as_its_recipe_names_it(fmt, kind, tmp_path
         return
     manifest = generate(recipe, tmp_path / "checkpoint")
     assert_disagreement(tmp_path / "checkpoint", manifest)
+
+
+@pytest.mark.parametrize("perturb", [{"subnormal_block": True}, {"nonfinite_scale": "nan"}, {"nonfinite_scale": "inf"}])
+@pytest.mark.parametrize("scale_fmt", ["ue8m0-uint8", "ue8m0-e8m0fnu"])
+def test_e8m0_block_scales_take_every_scale_perturbation(tmp_path, scale_fmt, perturb):
+    """FP8 block scales stored as E8M0 (bytes or float8_e8m0fnu) carry a subnormal block (2**-127,
+    E8M0's smallest) and a non-finite scale (0xFF, E8M0's NaN: it has no infinity)."""
+    recipe = Recipe(format="fp8-block", arch="llama", config={"num_hidden_layers": 1}, knobs={"scale_fmt": scale_fmt})
+    recipe.perturb = dict(perturb)
+    manifest = generate(recipe, tmp_path)
+    if "nonfinite_scale" in perturb:
+        assert manifest["expectation"] == "refuse"
+        with pytest.raises(CheckpointError, match="non-finite|nan|NaN"):
+            list(dequantize_checkpoint(tmp_path))
+    else:
+        assert_tensors_equal(dict(dequantize_checkpoint(tmp_path)), load_file(str(tmp_path / TRUTH_FILE)))

@@ -174,3 +174,25 @@ def test_the_experts_naming_is_read_from_any_formats_first_tensor(tmp_path, fmt)
     generate(recipe, tmp_path)
     checkpoint = Checkpoint(tmp_path)
     assert known_layout(checkpoint.config, checkpoint.names()).moe.parts == ("gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize("prefix", ["model.", "model.language_model."])
+@pytest.mark.parametrize("naming", ["architecture", "projections"])
+def test_the_experts_naming_is_read_from_the_names_under_either_key_prefix(tmp_path, prefix, naming):
+    """A Mixtral's expert names (w1/w3/w2 or gate_proj/up_proj/down_proj) are detected on the
+    stored names with a vision-language prefix too (the reference's model once held no expert of a
+    projection-named checkpoint under `model.language_model.`)."""
+    from harness.checkpoints.architectures import ARCHITECTURES
+    from harness.checkpoints.model_layout import with_expert_naming
+
+    recipe = Recipe(
+        format="ct-fp8-tensor",
+        arch="mixtral",
+        config={"num_hidden_layers": 1},
+        layout={"key_prefix": prefix, "expert_naming": naming},
+    )
+    generate(recipe, tmp_path)
+    arch = ARCHITECTURES["mixtral"]
+    settings = recipe.resolved().settings
+    parts = with_expert_naming(arch, settings, Checkpoint(tmp_path).names()).moe.parts
+    assert parts == (arch.moe.parts if naming == "architecture" else arch.moe.other_parts[0])
