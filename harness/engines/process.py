@@ -81,11 +81,14 @@ class EngineProcess:
         self.asked_to_quit = False  # asked once: close() after a session's ask_to_quit() does not ask again
         #: seconds spent waiting on each request op (start included): where a campaign's time goes
         self.busy: dict[str, float] = {}
+        #: the package an earlier load imported that changes later loads, and that load's checkpoint
+        self.changed_by, self.changed_for = "", None
 
     def start(self) -> dict:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
         self.asked_to_quit = False
+        self.changed_by, self.changed_for = "", None
         started = time.monotonic()
         env = {**os.environ, **self.overrides}
         self.process = forked_worker(self.python, env, self.spec, self._log.fileno(), self.limits.timeout_s)
@@ -174,10 +177,18 @@ class EngineProcess:
 
     def load(self, directory: str | Path, variant: str | None = None) -> dict:
         """Load a checkpoint (replacing any loaded one); its load report as a dict of lists.
-        `variant`: another load path that must agree with the default (Engine.load_variant)."""
-        if variant:
-            return self.request("load", directory=str(directory), variant=variant)["report"]
-        return self.request("load", directory=str(directory))["report"]
+        `variant`: another load path that must agree with the default (Engine.load_variant). A worker
+        whose earlier load imported a package that changes later loads (worker.PROCESS_CHANGING_PACKAGES)
+        is restarted before it loads another checkpoint, so that no judgement depends on what the
+        worker loaded before."""
+        if self.changed_by and Path(directory).resolve() != self.changed_for:
+            self.close()
+            self.start()
+        payload = {"directory": str(directory)} | ({"variant": variant} if variant else {})
+        answer = self.request("load", **payload)
+        if answer.get("changed_process"):
+            self.changed_by, self.changed_for = answer["changed_process"], Path(directory).resolve()
+        return answer["report"]
 
     def save(self, directory: str | Path) -> None:
         """Save the loaded model into `directory` as its users would (Engine.save)."""

@@ -59,6 +59,18 @@ def serve(spec: str) -> int:
     return 0
 
 
+#: packages whose import changes how this process loads every later checkpoint: auto-round patches
+#: transformers when its quantizer imports it (measured with transformers 5.23 and auto-round 0.16.1: a
+#: Qwen3-MoE checkpoint loaded after an AutoRound one keeps its experts random, the same checkpoint
+#: loaded first is exact), so a worker that imported one serves no other checkpoint
+PROCESS_CHANGING_PACKAGES = ("auto_round",)
+
+
+def process_changed_by(imported: set[str]) -> str:
+    """The package among the modules a load `imported` that changes later loads, or ""."""
+    return next((name for name in PROCESS_CHANGING_PACKAGES if name in imported), "")
+
+
 def handle(engine, op: str, request: dict) -> dict:
     import torch
     from safetensors.torch import save_file
@@ -68,8 +80,9 @@ def handle(engine, op: str, request: dict) -> dict:
     if op == "load":  # `variant`: another load path that must agree (harness.differential.relations)
         engine.unload()
         variant = request.get("variant")
+        before = set(sys.modules)
         report = engine.load_variant(request["directory"], variant) if variant else engine.load(request["directory"])
-        return {"report": report.to_json()}
+        return {"report": report.to_json(), "changed_process": process_changed_by(set(sys.modules) - before)}
     if op == "save":
         engine.save(request["directory"])
         return {}
