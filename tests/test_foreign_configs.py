@@ -115,3 +115,11 @@ def test_a_combination_the_producer_does_not_write_is_refused(fmt, knobs, layout
     bad = Recipe(format=fmt, arch="llama", knobs=knobs, layout={"producer_config": "auto-round", **layout})
     with pytest.raises(HarnessError, match=message.replace("{", "\\{").replace("(", "\\(")):
         bad.resolved()
+
+
+def test_the_standalone_scripts_store_row_scales_as_the_generator_does():
+    """parts/checkpoint.py cannot import the project: its copy of the formats whose row scales a
+    producer's own config stores 1-D must stay the generator's."""
+    from harness.lanes.upstream.parts import checkpoint
+
+    assert checkpoint.ROW_SCALES_1D_FORMATS == foreign_configs.ROW_SCALES_1D_FORMATS

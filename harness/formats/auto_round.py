@@ -95,9 +95,9 @@ ROUTERS = ("re:.*\\.gate$", "re:.*\\.shared_expert_gate$")
 
 def _sixteen_bits(config: Mapping) -> list[str]:
     """What AutoRound leaves in 16 bits, as the equivalent config's ignore list: whatever lies outside
-    the blocks it quantizes, each module `extra_config` names (after _act_bits, which refuses any entry with quantized settings of its
-    own; a regular-expression key, as its export writes `.*model\\.layers\\.0\\.mlp\\.gate.*`,
-    as a `re:` entry) and the routers."""
+    the blocks it quantizes, each module `extra_config` names (after _act_bits, which refuses any
+    entry with quantized settings of its own; a regular-expression key, as its export writes
+    `.*model\\.layers\\.0\\.mlp\\.gate.*`, as a `re:` entry) and the routers."""
     named = [f"re:{key}" if any(c in key for c in "\\*[(") else key for key in config.get("extra_config") or {}]
     return _outside_blocks(config) + named + list(ROUTERS)
 
