@@ -493,6 +493,7 @@ def script_layout(layout: dict, resolved: dict) -> dict:
         # the tensor table and PACKED_EXPERTS already carry the experts' names; said for the reader
         "expert_naming": resolved["expert_naming"],
         "config_style": resolved["config_style"],
+        "config_spelling": resolved["config_spelling"],  # said for the reader: CONFIG is as written
         "producer_config": resolved["producer_config"],
     }
 

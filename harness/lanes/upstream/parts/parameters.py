@@ -67,6 +67,7 @@ LAYOUT = {
     "quantize_lm_head": False,
     "quantize_embeddings": False,
     "kv_scales": "none",
+    "config_spelling": "producer",
     "producer_config": "native",
 }
 PERTURB = {
