@@ -88,16 +88,19 @@ def knob_refusal(producer: str, fmt_name: str, knobs: Mapping[str, Any]) -> str 
     return None
 
 
-def conflict(layout: Mapping[str, Any], perturb: Mapping[str, Any], defaults: Mapping[str, Any]) -> str | None:
+def conflict(layout: Mapping[str, Any], perturb: Mapping[str, Any]) -> str | None:
     """Why a foreign config cannot go with these layout fields and perturbations, or None."""
-    if layout["producer_config"] == NATIVE:
+    from harness.checkpoints.recipe import LAYOUT_DEFAULTS, PERTURB_DEFAULTS  # recipe imports this module
+
+    producer = layout["producer_config"]
+    if producer == NATIVE:
         return None
     for key in NATIVE_ONLY_LAYOUT:
-        if layout[key] != defaults["layout"][key]:
-            return f"producer_config={layout['producer_config']!r} writes no {key}={layout[key]!r}"
+        if layout[key] != LAYOUT_DEFAULTS[key]:
+            return f"producer_config={producer!r} writes no {key}={layout[key]!r}"
     for key in NATIVE_ONLY_PERTURB:
-        if perturb[key] != defaults["perturb"][key]:
-            return f"producer_config={layout['producer_config']!r} with perturbation {key}={perturb[key]!r}"
+        if perturb[key] != PERTURB_DEFAULTS[key]:
+            return f"producer_config={producer!r} with perturbation {key}={perturb[key]!r}"
     return None
 
 

@@ -129,9 +129,7 @@ class Recipe:
                 raise HarnessError(refusal)
         refusal = layout_refusal("producer_config", layout["producer_config"], fmt, ARCHITECTURES[self.arch], knobs)
         refusal = refusal or foreign_configs.knob_refusal(layout["producer_config"], fmt.name, knobs)
-        refusal = refusal or foreign_configs.conflict(
-            layout, perturb, {"layout": LAYOUT_DEFAULTS, "perturb": PERTURB_DEFAULTS}
-        )
+        refusal = refusal or foreign_configs.conflict(layout, perturb)
         if refusal:
             raise HarnessError(refusal)
         return ResolvedRecipe(self, settings, knobs, layout, perturb)

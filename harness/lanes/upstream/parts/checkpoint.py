@@ -89,8 +89,13 @@ def perturb_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def inject_nonfinite(tensors: dict[str, torch.Tensor]) -> str:
-    """NaN or inf in the first element of the first floating-point scale that can hold it."""
+    """NaN or inf in the first element of the first floating-point scale that can hold it (an E8M0
+    byte scale: its NaN, 0xFF, as the generator writes it)."""
     for suffix, tensor in tensors.items():
+        if tensor.dtype == torch.uint8 and suffix in ("weight_scale", "weight_scale_inv"):  # E8M0: 0xFF is NaN
+            tensors[suffix] = tensor.clone()
+            tensors[suffix].view(-1)[0] = 0xFF
+            return suffix
         if suffix in ("weight", "weight_packed") or not tensor.is_floating_point():
             continue
         flat = tensor.float().flatten()
