@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from harness.checkpoints import foreign_configs
+from harness.checkpoints.reader import Checkpoint
 from harness.checkpoints.recipe import Recipe
 from harness.checkpoints.writer import generate
 from harness.core.errors import HarnessError
@@ -26,6 +27,8 @@ EXPORTS = {
     ("auto-round", "fp8-block"): "autoround/fp8_block_autoround",
     ("auto-round", "ct-mxfp4"): "autoround/mxfp4_autoround",
     ("auto-round", "ct-nvfp4"): "autoround/nvfp4_autoround",
+    ("auto-round", "gptq"): "autoround/w4g128_sym_autoround",
+    ("auto-round", "awq"): "autoround/w4g128_asym_autoround",
     ("modelopt", "ct-fp8-channel"): "modelopt/fp8_pc_pt",
 }
 #: fields that say which model, run and version, not which scheme
@@ -79,6 +82,17 @@ def test_the_foreign_config_means_the_formats_weights(tmp_path, producer, fmt, a
     assert checkpoint_context(tmp_path / "foreign")["producer_config"] == producer
 
 
+def test_autoround_gptq_packing_stores_no_group_index_as_its_export(tmp_path):
+    """AutoRound packs its GPTQ layout without act-order and writes no g_idx; the GPTQ format's
+    own config keeps it (readers take k // g either way: the weights are the same, above)."""
+    generate(recipe("auto-round", "gptq"), tmp_path / "foreign")
+    generate(Recipe(format="gptq", arch="llama", config=dict(SIZES)), tmp_path / "native")
+    exported = Checkpoint(CORPUS / EXPORTS["auto-round", "gptq"]).names()
+    assert exported and not any(name.endswith(".g_idx") for name in exported)
+    assert not any(name.endswith(".g_idx") for name in Checkpoint(tmp_path / "foreign").names())
+    assert any(name.endswith(".g_idx") for name in Checkpoint(tmp_path / "native").names())
+
+
 def test_routers_stay_in_sixteen_bits_as_the_producer_says(tmp_path):
     generate(recipe("auto-round", "ct-nvfp4", "qwen3_moe"), tmp_path)
     extra = quantization_config(tmp_path)["extra_config"]
@@ -96,7 +110,7 @@ def test_a_checkpoint_says_which_producers_config_it_carries(case):
 @pytest.mark.parametrize(
     ("fmt", "knobs", "layout", "message"),
     [
-        ("ct-fp8-tensor", {}, {}, "written over ct-fp8-channel, ct-mxfp4, ct-nvfp4, fp8-block only"),
+        ("ct-fp8-tensor", {}, {}, "written over awq, ct-fp8-channel, ct-mxfp4, ct-nvfp4, fp8-block, gptq only"),
         (
             "ct-fp8-channel",
             {},
@@ -123,3 +137,4 @@ def test_the_standalone_scripts_store_row_scales_as_the_generator_does():
     from harness.lanes.upstream.parts import checkpoint
 
     assert checkpoint.ROW_SCALES_1D_FORMATS == foreign_configs.ROW_SCALES_1D_FORMATS
+    assert checkpoint.OMITTED == foreign_configs.OMITTED

@@ -4,7 +4,10 @@ harness.formats.equivalents, which every reader goes through.
 
 - `auto-round`: AutoRound 0.16's config (`quant_method: auto-round`, `packing_format`), as its own
   exports in cases/producers/autoround carry it: FP8_STATIC over ct-fp8-channel with static inputs
-  (row scales stored 1-D [N]), FP8_BLOCK over fp8-block, MXFP4 over ct-mxfp4 and NVFP4 over ct-nvfp4.
+  (row scales stored 1-D [N]), FP8_BLOCK over fp8-block, MXFP4 over ct-mxfp4, NVFP4 over ct-nvfp4,
+  and its int4 default, W4A16, in the packing it chooses by symmetry: symmetric over gptq
+  (`auto_round:auto_gptq`: v1 zeros, no `g_idx`, float16 scales), asymmetric over awq
+  (`auto_round:auto_awq`). Both are 4 bits: no export of another width was tried.
   It has no ignore list: it quantizes the Linears of `block_name_to_quantize` (the decoder layers)
   and names each one it leaves in 16 bits in `extra_config` by a regular expression (a mixture's
   routers, as its special_model_handler keeps `.gate` modules of MoE models: its Mixtral export
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 
 from harness.core.errors import HarnessError
-from harness.formats import auto_round, equivalents
+from harness.formats import auto_round, awq, equivalents, gptq
 
 NATIVE = "native"
 CHOICES = (NATIVE, "auto-round", "modelopt")
@@ -45,11 +48,24 @@ PAIRINGS: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("auto-round", "ct-mxfp4"): {"scale_storage": "uint8"},
     ("auto-round", "ct-nvfp4"): {"global_scale_convention": "divisor"},
+    ("auto-round", "gptq"): {
+        "bits": 4,
+        "sym": True,
+        "desc_act": False,
+        "checkpoint_format": "gptq",
+        "scale_storage": "float16",
+    },
+    ("auto-round", "awq"): {"scale_storage": "float16"},
     ("modelopt", "ct-fp8-channel"): {"input_scale": False, "scale_dtype": "float32"},
 }
+#: (producer, format) -> the tensors of a module that producer's export leaves out (AutoRound packs
+#: its GPTQ layout without act-order and writes no `g_idx`: readers take k // g)
+OMITTED: dict[tuple[str, str], tuple[str, ...]] = {("auto-round", "gptq"): ("g_idx",)}
 #: layout fields and perturbations a foreign config keeps at their defaults (see the module's docstring)
 NATIVE_ONLY_LAYOUT = ("quantize_lm_head", "quantize_embeddings", "kv_scales", "ignore_style", "config_spelling")
 NATIVE_ONLY_PERTURB = ("disagreement",)
+#: AutoRound's int4 packings that the int4 formats read themselves (harness.formats.gptq, .awq)
+INT4_PACKINGS = (*gptq.AUTO_ROUND_PACKING, awq.AUTO_ROUND_AWQ)
 #: what AutoRound writes for a Linear of a quantized block that it leaves in 16 bits
 SIXTEEN_BITS = {"bits": 16, "data_type": "fp", "act_bits": 16, "act_data_type": "fp"}
 
@@ -114,9 +130,9 @@ def quantization_config(producer: str, fmt_name: str, knobs: Mapping[str, Any], 
             "producer": {"name": "modelopt", "version": MODELOPT_VERSION},
             "quant_method": "modelopt",
         }
-    config = {**_auto_round_scheme(fmt_name, knobs), "amp": False, "autoround_version": AUTO_ROUND_VERSION}
-    config |= {"block_name_to_quantize": f"{prefix}layers", "enable_quanted_input": False}
-    config |= {"quant_method": auto_round.AUTO_ROUND, "sym": True}
+    config = {"sym": True, **_auto_round_scheme(fmt_name, knobs), "amp": False}
+    config |= {"autoround_version": AUTO_ROUND_VERSION, "block_name_to_quantize": f"{prefix}layers"}
+    config |= {"enable_quanted_input": False, "quant_method": auto_round.AUTO_ROUND}
     unquantized = {key: value for key, value in SIXTEEN_BITS.items() if config.get(key) != value}
     in_blocks = [name for name in ignored if name.startswith(f"{prefix}layers.")]
     if in_blocks:  # keyed by regular expressions, as its export writes its predefined ignore layers
@@ -156,6 +172,16 @@ def _auto_round_scheme(fmt_name: str, knobs: Mapping[str, Any]) -> dict[str, Any
             "packing_format": auto_round.FP8_BLOCK,
             "weight_block_size": block,
         }
+    if fmt_name in ("gptq", "awq"):  # W4A16: the packing follows the symmetry (module docstring)
+        packing = gptq.AUTO_ROUND_GPTQ if fmt_name == "gptq" else awq.AUTO_ROUND_AWQ
+        group = knobs["group_size"]
+        return {
+            "bits": 4,
+            "data_type": "int",
+            "group_size": group,
+            "packing_format": packing,
+            "sym": fmt_name == "gptq",
+        }
     data_type, act_data_type, group = {
         "ct-mxfp4": ("mx_fp", "mx_fp", 32),
         "ct-nvfp4": ("nv_fp", auto_round.STATIC_NVFP4_INPUTS, 16),
@@ -180,14 +206,21 @@ ROW_SCALES_1D_FORMATS = ("ct-fp8-channel",)
 
 def stored(producer: str, fmt_name: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One module's quantized tensors as `producer` stores them."""
-    if producer == NATIVE or fmt_name not in ROW_SCALES_1D_FORMATS:
+    if producer == NATIVE:
         return dict(tensors)
+    omitted = OMITTED.get((producer, fmt_name), ())
+    tensors = {suffix: t for suffix, t in tensors.items() if suffix not in omitted}
+    if fmt_name not in ROW_SCALES_1D_FORMATS:
+        return tensors
     return {suffix: t.reshape(-1) if suffix == "weight_scale" else t for suffix, t in tensors.items()}
 
 
 def producer_config_of(config: Mapping[str, Any]) -> str:
     """What `layout.producer_config` a checkpoint's quantization_config amounts to: the producer
-    whose own config is read through harness.formats.equivalents, else "native"."""
+    whose own config is read through harness.formats.equivalents or by the int4 formats (AutoRound's
+    GPTQ and AWQ packings), else "native"."""
+    if config.get("quant_method") == auto_round.AUTO_ROUND and config.get("packing_format") in INT4_PACKINGS:
+        return "auto-round"
     try:
         if not equivalents.equivalent_config(config):
             return NATIVE

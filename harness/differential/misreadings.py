@@ -51,6 +51,9 @@ class Misreading:
     #: (checkpoint, checkpoint module name, model dtype) -> Prediction; SkipTensor with the reason
     #: where the bug would not misread this module
     predict: Callable[[QuantizedCheckpoint, str, str], Prediction]
+    #: the same for a tensor stored unquantized (checkpoint tensor name), where the bug misreads
+    #: those too (a whole model cast to another dtype); None: it reads them right
+    predict_plain: Callable[[QuantizedCheckpoint, str, str], Prediction] | None = None
 
 
 def _fp8_block_grid_from_shape(source: QuantizedCheckpoint, module: str, dtype: str) -> Prediction:
@@ -84,6 +87,21 @@ def _nvfp4_decompressed_in_bfloat16(source: QuantizedCheckpoint, module: str, dt
     return Prediction(truth.to(torch.bfloat16).to(torch.float64), "bfloat16")
 
 
+def _require_not_float16(dtype: str) -> None:
+    if dtype == "float16":
+        raise SkipTensor("a float16 model: casting it to float16 changes nothing")
+
+
+def _model_cast_to_float16(source: QuantizedCheckpoint, module: str, dtype: str) -> Prediction:
+    _require_not_float16(dtype)
+    return Prediction(source.reference(module).to(torch.float16).to(torch.float64), "float16")
+
+
+def _plain_cast_to_float16(source: QuantizedCheckpoint, name: str, dtype: str) -> Prediction:
+    _require_not_float16(dtype)
+    return Prediction(source.checkpoint.tensor(name).to(torch.float16).to(torch.float64), "float16")
+
+
 REGISTRY: dict[str, Misreading] = {
     m.name: m
     for m in (
@@ -114,6 +132,14 @@ REGISTRY: dict[str, Misreading] = {
             "to bfloat16 in any model and does not cast it to the model dtype)",
             _nvfp4_decompressed_in_bfloat16,
         ),
+        Misreading(
+            "model-cast-to-float16",
+            ("awq", "gptq"),
+            "every weight, quantized or not, the checkpoint's value rounded to float16 (auto-round casts a "
+            "model to float16 where its CPU int4 backend does not compute in the model's dtype)",
+            _model_cast_to_float16,
+            _plain_cast_to_float16,
+        ),
     )
 }
 
@@ -133,21 +159,28 @@ class CheckpointMisreadings:
         self.misreadings = [m for m in REGISTRY.values() if format_name in m.formats]
         self._source: QuantizedCheckpoint | None = None
         self._modules: dict[str, str] = {}
+        self._plain: dict[str, str] = {}
 
     def _open(self) -> QuantizedCheckpoint:
         if self._source is None:
             self._source = QuantizedCheckpoint.open(self.directory)
             self._modules = {canonical_name(f"{m}.weight"): m for m in self._source.modules}
+            self._plain = {canonical_name(name): name for name in self._source.plain}
         return self._source
 
     def predict(self, name: str, module: str, dtype: str) -> Prediction:
         """`name`'s prediction for the weight `module` (a canonical weight name, as findings name
         it); SkipTensor with the reason where it does not apply."""
         source = self._open()
-        if module not in self._modules:
+        misreading = REGISTRY[name]
+        if module in self._modules:
+            predict, stored = misreading.predict, self._modules[module]
+        elif misreading.predict_plain is not None and module in self._plain:
+            predict, stored = misreading.predict_plain, self._plain[module]
+        else:
             raise SkipTensor(f"{module} is not a quantized module of the checkpoint")
         try:
-            return REGISTRY[name].predict(source, self._modules[module], dtype)
+            return predict(source, stored, dtype)
         except SkipTensor:
             raise
         except (CheckpointError, FormatError, KeyError, RuntimeError, ValueError) as error:

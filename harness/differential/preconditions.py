@@ -20,7 +20,8 @@ from harness.core.errors import HarnessError
 from harness.core.findings import Finding
 from harness.core.machine import isa_class
 
-#: config.json fields always in the context (every scalar top-level field is; these are promised)
+#: config.json fields in the context (every scalar top-level field is; these are promised, the
+#: quantization_config's two where it has them)
 CONFIG_NAMES = (
     "hidden_size",
     "intermediate_size",
@@ -32,6 +33,7 @@ CONFIG_NAMES = (
     "model_type",
     "dtype",
     "quant_method",  # quantization_config's, e.g. "modelopt", "compressed-tensors", "fp8"
+    "packing_format",  # quantization_config's, AutoRound's (e.g. "auto_round:auto_awq"); absent elsewhere
 )
 #: derived from the config: bytes per element of its dtype, and one routed expert's intermediate
 #: size under whatever field the architecture keeps it (Mixtral's intermediate_size, the others'
@@ -262,6 +264,8 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
     quantization = config.get("quantization_config")
     if isinstance(quantization, dict) and isinstance(quantization.get("quant_method"), str):
         context["quant_method"] = quantization["quant_method"]
+        if isinstance(quantization.get("packing_format"), str):
+            context["packing_format"] = quantization["packing_format"]
     context["dtype"] = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
     context |= derived_facts(config, context["dtype"])
     context |= stored_facts(directory)

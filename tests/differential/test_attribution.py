@@ -6,6 +6,7 @@ excuses nothing."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from harness.checkpoints.recipe import Recipe
 from harness.checkpoints.writer import generate
@@ -375,3 +376,27 @@ def test_the_grouped_mm_precondition_is_what_torch_refuses():
             config = {"model_type": "qwen3_moe", "hidden_size": 64, key: width}
             context = config | {"dtype": dtype_name} | derived_facts(config, dtype_name)
             assert all(p.holds(context) for p in issue.when) == refused, (dtype_name, width)
+
+
+def test_the_float16_cast_misreading_predicts_plain_tensors_too(tmp_path):
+    """`model-cast-to-float16` (auto-round serving a model in float16): every weight, stored
+    unquantized or not, is the checkpoint's value rounded to float16; for a float16 model it
+    predicts nothing."""
+    from harness.checkpoints.reader import Checkpoint
+    from harness.differential.misreadings import CheckpointMisreadings
+    from harness.fixes._shared import SkipTensor
+    from harness.oracle.reference import dequantize_checkpoint
+
+    recipe = Recipe(format="awq", arch="llama", config={"num_hidden_layers": 1}, knobs={"group_size": 32})
+    recipe.layout = {"producer_config": "auto-round", "dtype": "float32"}
+    generate(recipe, tmp_path)
+    misreadings = CheckpointMisreadings(tmp_path, "awq")
+    checkpoint, truth = Checkpoint(tmp_path), dict(dequantize_checkpoint(tmp_path))
+    for name in ("model.norm.weight", "lm_head.weight", "model.layers.0.mlp.down_proj.weight"):
+        prediction = misreadings.predict("model-cast-to-float16", name, "float32")
+        expected = truth[name].to(torch.float16).to(torch.float64)
+        assert prediction.dtype == "float16" and torch.equal(prediction.values, expected)
+        assert not torch.equal(prediction.values, truth[name])  # float32 values float16 cannot hold
+    assert torch.equal(truth["model.norm.weight"], checkpoint.tensor("model.norm.weight").double())
+    with pytest.raises(SkipTensor, match="float16 model"):
+        misreadings.predict("model-cast-to-float16", "model.norm.weight", "float16")

@@ -28,6 +28,9 @@ EXTREME_FACTORS = {"none": 1.0, "tiny": 1e-4, "huge": 1e3}
 #: formats whose one scale per output row [N, 1] a producer's own config (CONFIG: AutoRound's
 #: FP8_STATIC, ModelOpt's FP8_PER_CHANNEL_PER_TOKEN) stores 1-D [N]
 ROW_SCALES_1D_FORMATS = ("ct-fp8-channel",)
+#: (producer, format) -> the tensors of a module that producer's export leaves out (AutoRound's GPTQ
+#: packing writes no g_idx); harness.checkpoints.foreign_configs.OMITTED
+OMITTED = {("auto-round", "gptq"): ("g_idx",)}
 
 
 #: FP8 KV-cache scales under each naming real checkpoints use (LAYOUT["kv_scales"]): compressed-tensors
@@ -219,6 +222,8 @@ def build_checkpoint(directory) -> dict[str, torch.Tensor]:
         first = False
         if LAYOUT["producer_config"] != "native" and FORMAT in ROW_SCALES_1D_FORMATS:
             tensors["weight_scale"] = tensors["weight_scale"].reshape(-1)  # AutoRound's, ModelOpt's [N]
+        for suffix in OMITTED.get((LAYOUT["producer_config"], FORMAT), ()):
+            del tensors[suffix]
         stored |= {f"{module}.{suffix}": tensor.contiguous() for suffix, tensor in tensors.items()}
         if LAYOUT["split_scale"]:
             names = list(tensors)
