@@ -139,6 +139,8 @@ class EngineProcess:
                     self._kill()
                     raise EngineFailure("crash", f"worker for {self.spec} exited with status {code}", self.log_tail())
                 message = json.loads(line)
+                if message.get("changed_process") and not self.changed_by:  # any op, answered or failed
+                    self.changed_by, self.changed_for = message["changed_process"], None
                 if not message.pop("ok"):
                     if not self.info:  # failed before it could serve
                         self._kill()
@@ -185,10 +187,11 @@ class EngineProcess:
             self.close()
             self.start()
         payload = {"directory": str(directory)} | ({"variant": variant} if variant else {})
-        answer = self.request("load", **payload)
-        if answer.get("changed_process"):
-            self.changed_by, self.changed_for = answer["changed_process"], Path(directory).resolve()
-        return answer["report"]
+        try:
+            return self.request("load", **payload)["report"]
+        finally:  # a load that failed after the import changed the process too
+            if self.changed_by and self.changed_for is None:
+                self.changed_for = Path(directory).resolve()
 
     def save(self, directory: str | Path) -> None:
         """Save the loaded model into `directory` as its users would (Engine.save)."""

@@ -46,8 +46,11 @@ def serve(spec: str) -> int:
         op = request.pop("op")
         if op == "quit":
             break
+        before = set(sys.modules)  # a failed load changes the process as much as one that loaded
         try:
-            answer(ok=True, **handle(engine, op, request))
+            answer(
+                ok=True, **handle(engine, op, request), changed_process=process_changed_by(set(sys.modules) - before)
+            )
         except BaseException as error:
             answer(
                 ok=False,
@@ -55,6 +58,7 @@ def serve(spec: str) -> int:
                 traceback=traceback.format_exc(),
                 unsupported=type(error).__name__ == "EngineUnsupported",
                 refuses=type(error).__name__ == "EngineRefuses",
+                changed_process=process_changed_by(set(sys.modules) - before),
             )
     return 0
 
@@ -80,9 +84,8 @@ def handle(engine, op: str, request: dict) -> dict:
     if op == "load":  # `variant`: another load path that must agree (harness.differential.relations)
         engine.unload()
         variant = request.get("variant")
-        before = set(sys.modules)
         report = engine.load_variant(request["directory"], variant) if variant else engine.load(request["directory"])
-        return {"report": report.to_json(), "changed_process": process_changed_by(set(sys.modules) - before)}
+        return {"report": report.to_json()}
     if op == "save":
         engine.save(request["directory"])
         return {}
