@@ -27,7 +27,7 @@ def applied_weights(model) -> dict[str, dict[str, torch.Tensor]]:
     applied = {}
     for name, module in model.named_modules():
         dequantize = getattr(module, DEQUANTIZE, None)
-        if not callable(dequantize):
+        if not callable(dequantize) or offloaded(module):
             continue
         with torch.no_grad():
             weights = {canonical_name(f"{name}.weight"): dequantize().float()}
@@ -36,3 +36,11 @@ def applied_weights(model) -> dict[str, dict[str, torch.Tensor]]:
             weights[canonical_name(f"{name}.bias")] = bias.float()
         applied[name] = weights
     return applied
+
+
+def offloaded(module) -> bool:
+    """Whether the module's own tensors are not in memory (accelerate offloaded them to disk: they
+    are `meta` until a forward's hook brings them in), so that there is nothing to dequantize (the
+    `offload` relation compares log-probabilities only)."""
+    own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    return any(tensor.device.type == "meta" for tensor in own)

@@ -122,6 +122,19 @@ def test_transformers_computes_the_same_logits_offloaded_to_disk(session, tmp_pa
     assert "no 'offload' load path" in result.outcomes["reference"].relations["offload"]
 
 
+def test_autorounds_linears_offloaded_to_disk_compute_the_same_logits(session, tmp_path):
+    """AutoRound's FP8 static Linears (which the harness reads by their own dequantization) offloaded
+    to disk hold nothing in memory to read: the relation compares their log-probabilities, as for
+    any offloaded module (the harness once called their dequantization on `meta` tensors)."""
+    pytest.importorskip("auto_round")
+    knobs = {"input_scale": True, "scale_dtype": "float32"}
+    layout = {"producer_config": "auto-round"}
+    recipe = Recipe(format="ct-fp8-channel", arch="llama", config={"num_hidden_layers": 1}, knobs=knobs, layout=layout)
+    generate(recipe, tmp_path / "c")
+    result = evaluate(tmp_path / "c", session, engines=["reference", "transformers"], relations=("offload",))
+    assert result.outcomes["transformers"].relations == {"offload": "holds"}, result.findings
+
+
 def test_a_relation_the_checkpoint_has_no_path_for_is_not_checked(session, tmp_path):
     directory = small_checkpoint(tmp_path / "c", fmt="modelopt-fp8")
     result = evaluate(directory, session, engines=["reference"], relations=("dequantize",))
