@@ -177,8 +177,10 @@ def judge_effective_weights(judgement, engine: str, worker: EngineProcess, outco
         verdict = judge_module(name, outputs[name], held[f"{name}.weight"], held.get(f"{name}.bias"), basis, dtype)
         if verdict is not None:
             differing.append(verdict)
+    # routed experts by their per-expert names: an engine that packs them holds no Linear by that name
+    absent = [n for n in judged if n not in outputs and f"{n}.expert" not in basis]
     outcome.effective_weights = f"{len(found) - len(differing)}/{len(found)} Linear(s) apply the weights placed" + (
-        f"; {len(judged) - len(found)} not run by this engine by that name" if len(found) < len(judged) else ""
+        f"; {len(absent)} not run by this engine by that name" if absent else ""
     )
     if differing:
         coarser = coarser_arithmetic(differing, outputs, held, basis)

@@ -164,7 +164,9 @@ LEAD = "#lead"
 def run_linears(model, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each named module of `model` called on its input rows (on the module's device), shaped as the
     model's forward shapes it (`LEAD`; [1, rows, K] by default): its output, [rows, out]. A packed
-    experts module (`NAME#experts`) runs every row through each expert in turn: `NAME#experts.E`."""
+    experts module (`NAME#experts`) runs every row through each expert in turn: `NAME#experts.E`;
+    where the engine holds the experts unpacked instead (a ModuleList of per-expert MLPs, as
+    auto-round's MoE blocks do), each MLP runs every row, which is the same output."""
     from harness.oracle.expert_activations import EXPERTS, run_each_expert
 
     modules = dict(model.named_modules())
@@ -176,6 +178,12 @@ def run_linears(model, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
             if isinstance(packed, torch.Tensor) and packed.dim() == 3:
                 for expert, output in enumerate(run_each_expert(experts, rows.to(packed.device))):
                     outputs[f"{name}.{expert}"] = output.detach().cpu()
+            elif isinstance(experts, torch.nn.ModuleList):
+                for expert, mlp in enumerate(experts):
+                    device = next(iter(mlp.buffers()), None)
+                    device = next(iter(mlp.parameters()), device)
+                    if device is not None:
+                        outputs[f"{name}.{expert}"] = mlp(rows.to(device.device)).detach().cpu()
             continue
         module = modules.get(name)
         device = linear_device(module)

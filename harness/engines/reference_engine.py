@@ -41,6 +41,13 @@ class ReferenceEngine(HFModelEngine):
         state = {
             canonical_name(n): t.to(dtype) if t.is_floating_point() else t for n, t in tensors if not is_kv_scale(n)
         }
+        # routed experts by the checkpoint's names, [out, in]: an engine may hold them as Linears of
+        # their own where this model packs them (basis_reference)
+        self.expert_shapes = {
+            name.removesuffix(".weight"): tuple(t.shape)
+            for name, t in state.items()
+            if ".experts." in name and name.endswith(".weight") and t.dim() == 2
+        }
         state = to_model_state(checkpoint.config, state)
         self.checkpoint = checkpoint
         self.model, tied = unquantized_model(directory)
@@ -142,7 +149,10 @@ class ReferenceEngine(HFModelEngine):
         """The effective-weight probe's inputs (harness.differential.effective_weights): for every
         Linear of the model, `NAME.basis`, `NAME.columns`, `NAME.candidates` and
         `NAME.scale_rounding` (harness.oracle.basis), its input quantized as the plan says where
-        the checkpoint quantizes it; `NAME#lead` as the activation probe gives it."""
+        the checkpoint quantizes it; `NAME#lead` as the activation probe gives it. Where no Linear's
+        input is quantized, routed experts that this model packs get the same entries under the
+        checkpoint's per-expert names, marked `NAME.expert` (an engine may hold them as Linears of
+        their own, as auto-round does; one that packs them has no module by that name)."""
         import torch
 
         from harness.core.errors import HarnessError
@@ -163,13 +173,20 @@ class ReferenceEngine(HFModelEngine):
         )
         probe = {f"{name}{LEAD}": lead for name, lead in input_leads(self.model, linears).items()}
         folds = zero_point_products(self.checkpoint)
-        for name in linears:
-            module = self.model.get_submodule(name)
+        shapes = {name: self.model.get_submodule(name).weight for name in linears}
+        shapes = {name: (weight.shape[1], weight.dtype) for name, weight in shapes.items()}
+        experts = (
+            {} if inputs else {n: (s[1], self.model.dtype) for n, s in self.expert_shapes.items() if n not in shapes}
+        )
+        for name in linears + sorted(experts):
+            width, dtype = shapes.get(name) or experts[name]
             scheme = plan.scheme if name in inputs else None
             try:
-                basis = basis_input(scheme, inputs.get(name), module.in_features, module.weight.dtype)
+                basis = basis_input(scheme, inputs.get(name), width, dtype)
             except HarnessError:  # e.g. a static scheme whose module holds no scale: nothing to model
                 continue
+            if name in experts:
+                basis["expert"] = torch.tensor([True])
             if torch.isfinite(basis["basis"]).all() and bool((basis["candidates"] != 0).all()):
                 probe |= {f"{name}.{key}": value for key, value in basis.items()}
                 folded = folds(name, basis["columns"]) if folds else None

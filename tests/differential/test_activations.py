@@ -364,6 +364,33 @@ def test_the_probe_judges_each_routed_expert_in_float32(session, tmp_path, arch)
     )
 
 
+def test_the_probe_judges_autorounds_unpacked_experts(real_session, tmp_path):
+    """transformers with auto-round holds a Qwen3-MoE's experts unpacked (a ModuleList of per-expert
+    MLPs of AutoRound Linears, not transformers' packed module): the probe runs each expert's MLP on
+    the reference's rows and judges it as it judges packed experts (it found none before)."""
+    recipe = Recipe(
+        format="ct-mxfp4", arch="qwen3_moe", config={"num_hidden_layers": 1}, knobs={"scale_storage": "uint8"}
+    )
+    recipe.layout = {"dtype": "float32", "producer_config": "auto-round"}
+    generate(recipe, tmp_path / "c")
+    result = evaluate(tmp_path / "c", real_session, engines=["reference", "transformers"])
+    assert not result.findings, [(f.engine, f.kind, f.message) for f in result.findings]
+    assert result.outcomes["transformers"].activation_probe == (
+        "4/4 quantized Linear(s) as specified; 3/3 routed expert(s) as specified (1/1 packed experts module(s) found)"
+    )
+
+
+def test_the_basis_reaches_experts_an_engine_holds_as_linears(real_session, tmp_path):
+    """A weight-only Qwen3-MoE (AutoRound's GPTQ packing): the reference packs the experts, auto-round
+    holds each as Linears of its own, and the effective-weight probe runs those by the checkpoint's
+    per-expert names: 4 attention Linears, the head and 9 expert Linears, where it ran 5 before."""
+    recipe = Recipe(format="gptq", arch="qwen3_moe", config={"num_hidden_layers": 1}, knobs={"group_size": 32})
+    recipe.layout = {"producer_config": "auto-round"}
+    generate(recipe, tmp_path / "c")
+    result = evaluate(tmp_path / "c", real_session, engines=["reference", "transformers"])
+    assert result.outcomes["transformers"].effective_weights == "14/14 Linear(s) apply the weights placed"
+
+
 def test_the_probe_names_routed_experts_not_applied_in_bfloat16(session, tmp_path):
     """bfloat16 MoE: an expert's down input rounded in the model dtype moves the specified output
     about as far as quantizing does, so only "not applied" is judged there
