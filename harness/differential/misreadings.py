@@ -26,7 +26,7 @@ from harness.differential.compare import compare_weight
 from harness.fixes._redequantize import QuantizedCheckpoint
 from harness.fixes._shared import SkipTensor
 from harness.fixes.ct_fp8_scale_precision import FORMATS as CT_FP8_FORMATS
-from harness.fixes.ct_fp8_scale_precision import scale_cast_reading
+from harness.fixes.ct_fp8_scale_precision import cast_first_reading, scale_cast_reading
 from harness.fixes.fp8_block_grid import inferred_grid_reading
 from harness.fixes.nvfp4_weight_global_scale import FORMATS as CT_NVFP4_FORMATS
 from harness.fixes.nvfp4_weight_global_scale import slot_convention, swapped_readings
@@ -87,6 +87,12 @@ def _nvfp4_decompressed_in_bfloat16(source: QuantizedCheckpoint, module: str, dt
     return Prediction(truth.to(torch.bfloat16).to(torch.float64), "bfloat16")
 
 
+def _fp8_scale_held_in_bfloat16(source: QuantizedCheckpoint, module: str, dtype: str) -> Prediction:
+    if dtype == "bfloat16":
+        raise SkipTensor("a bfloat16 model: holding the scale in bfloat16 is the model dtype's own reading")
+    return Prediction(cast_first_reading(source, source.tensors(module), torch.bfloat16), "bfloat16")
+
+
 def _require_not_float16(dtype: str) -> None:
     if dtype == "float16":
         raise SkipTensor("a float16 model: casting it to float16 changes nothing")
@@ -131,6 +137,13 @@ REGISTRY: dict[str, Misreading] = {
             "the reference rounded once to bfloat16 and held as bfloat16 (compressed-tensors decompresses NVFP4 "
             "to bfloat16 in any model and does not cast it to the model dtype)",
             _nvfp4_decompressed_in_bfloat16,
+        ),
+        Misreading(
+            "fp8-scale-held-in-bfloat16",
+            ("ct-fp8-channel",),
+            "e4m3 codes times weight_scale rounded to bfloat16, the product rounded to bfloat16, whatever the "
+            "model dtype (auto-round's FP8 static Linear holds its scales and dequantizes in bfloat16)",
+            _fp8_scale_held_in_bfloat16,
         ),
         Misreading(
             "model-cast-to-float16",
