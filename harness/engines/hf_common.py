@@ -180,10 +180,9 @@ def run_linears(model, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
                     outputs[f"{name}.{expert}"] = output.detach().cpu()
             elif isinstance(experts, torch.nn.ModuleList):
                 for expert, mlp in enumerate(experts):
-                    device = next(iter(mlp.buffers()), None)
-                    device = next(iter(mlp.parameters()), device)
-                    if device is not None:
-                        outputs[f"{name}.{expert}"] = mlp(rows.to(device.device)).detach().cpu()
+                    held = next(iter([*mlp.parameters(), *mlp.buffers()]), None)
+                    if held is not None:  # run where its tensors are
+                        outputs[f"{name}.{expert}"] = mlp(rows.to(held.device)).detach().cpu()
             continue
         module = modules.get(name)
         device = linear_device(module)

@@ -175,9 +175,9 @@ class ReferenceEngine(HFModelEngine):
         folds = zero_point_products(self.checkpoint)
         shapes = {name: self.model.get_submodule(name).weight for name in linears}
         shapes = {name: (weight.shape[1], weight.dtype) for name, weight in shapes.items()}
-        experts = (
-            {} if inputs else {n: (s[1], self.model.dtype) for n, s in self.expert_shapes.items() if n not in shapes}
-        )
+        weight_only = isinstance(plan, str) or plan.scheme is None
+        experts = {n: (s[1], self.model.dtype) for n, s in self.expert_shapes.items() if n not in shapes}
+        experts = experts if weight_only else {}
         for name in linears + sorted(experts):
             width, dtype = shapes.get(name) or experts[name]
             scheme = plan.scheme if name in inputs else None
