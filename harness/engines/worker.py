@@ -48,18 +48,16 @@ def serve(spec: str) -> int:
             break
         before = set(sys.modules)  # a failed load changes the process as much as one that loaded
         try:
-            answer(
-                ok=True, **handle(engine, op, request), changed_process=process_changed_by(set(sys.modules) - before)
-            )
+            payload = {"ok": True, **handle(engine, op, request)}
         except BaseException as error:
-            answer(
-                ok=False,
-                error=f"{type(error).__name__}: {error}",
-                traceback=traceback.format_exc(),
-                unsupported=type(error).__name__ == "EngineUnsupported",
-                refuses=type(error).__name__ == "EngineRefuses",
-                changed_process=process_changed_by(set(sys.modules) - before),
-            )
+            payload = {
+                "ok": False,
+                "error": f"{type(error).__name__}: {error}",
+                "traceback": traceback.format_exc(),
+                "unsupported": type(error).__name__ == "EngineUnsupported",
+                "refuses": type(error).__name__ == "EngineRefuses",
+            }
+        answer(**payload, changed_process=process_changed_by(set(sys.modules) - before))
     return 0
 
 
