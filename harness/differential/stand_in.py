@@ -111,8 +111,12 @@ def _findings(judgement, engine: str, results: dict) -> str:
     seen: set[str] = set()  # one finding per cause: every expert refused alike is one refusal
     unjudged: list[str] = []
     unwritten: set[str] = set()  # parameters a loader never wrote, its weights otherwise exact
+    approximated: set[str] = set()  # the lane's own vocabulary modules it could not place exactly
     for layer, result in results.items():
         for verdict in result.verdicts:
+            if verdict.status != "exact" and any(name in verdict.module for name in VOCABULARY):
+                approximated.add(verdict.module)
+                continue
             if verdict.status == FINDING and not verdict.wrong and all(map(UNWRITTEN.fullmatch, verdict.details)):
                 # only parameters never written (vLLM registers placeholders it drops or folds after
                 # loading, e.g. a W4A16 NVFP4 Linear's input_scale): said in the tally, not judged
@@ -126,7 +130,7 @@ def _findings(judgement, engine: str, results: dict) -> str:
             if all(isinstance(b, int) for b in block):
                 metrics["block"] = block
             cause = normalise(f"{verdict.status} {verdict.module} {'; '.join(verdict.details)}")
-            if cause in seen or any(name in verdict.module for name in VOCABULARY):
+            if cause in seen:
                 continue
             seen.add(cause)
             if verdict.status == REFUSED:
@@ -151,6 +155,14 @@ def _findings(judgement, engine: str, results: dict) -> str:
                         module=f"{module}.weight",
                         metrics=metrics | {"shape": shape},
                     )
+    return _tally(counts, unjudged, approximated, unwritten) + _post_load(judgement, engine, results)
+
+
+def _tally(counts: dict, unjudged: list[str], approximated: set[str], unwritten: set[str]) -> str:
+    """What the stand-in lane judged, in one line: Linears placed exactly, refused or wrong, and
+    what it said without judging."""
+    from harness.engines.vllm.tensor_parallel import FINDING, REFUSED
+
     total = sum(counts.values())
     if counts[FINDING] == counts[REFUSED] == 0:
         tally = f"{total}/{total} Linear(s) placed exactly"
@@ -158,9 +170,11 @@ def _findings(judgement, engine: str, results: dict) -> str:
         tally = f"{counts['exact']}/{total} Linear(s) placed exactly, {counts[REFUSED]} refused, {counts[FINDING]} placed wrong"
     if unjudged:  # said, not judged
         tally += f" (refusals not judged: {'; '.join(unjudged[:3])}{'; ...' if len(unjudged) > 3 else ''})"
+    if approximated:
+        tally += f" (the lane's approximated vocabulary modules, not judged: {', '.join(sorted(approximated))})"
     if unwritten:
         tally += f" (parameters never written, not judged: {', '.join(sorted(unwritten))})"
-    return tally + _post_load(judgement, engine, results)
+    return tally
 
 
 def _post_load(judgement, engine: str, results: dict) -> str:
