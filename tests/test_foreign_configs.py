@@ -17,7 +17,7 @@ from harness.checkpoints.recipe import Recipe
 from harness.checkpoints.writer import generate
 from harness.core.errors import HarnessError
 from harness.differential.preconditions import checkpoint_context
-from harness.formats.equivalents import ROW_SCALES_1D
+from harness.formats.equivalents import BLOCK_GRID_4D, ROW_SCALES_1D
 from harness.oracle.reference import dequantize_checkpoint, format_and_knobs
 
 CORPUS = Path(__file__).resolve().parents[1] / "cases" / "producers"
@@ -30,6 +30,7 @@ EXPORTS = {
     ("auto-round", "gptq"): "autoround/w4g128_sym_autoround",
     ("auto-round", "awq"): "autoround/w4g128_asym_autoround",
     ("modelopt", "ct-fp8-channel"): "modelopt/fp8_pc_pt",
+    ("modelopt", "ct-fp8-block"): "modelopt/fp8_pb_wo",
 }
 #: fields that say which model, run and version, not which scheme
 RUN_FIELDS = {"autoround_version", "block_name_to_quantize", "extra_config", "ignore", "producer"}
@@ -75,6 +76,7 @@ def test_the_foreign_config_means_the_formats_weights(tmp_path, producer, fmt, a
     )
     assert foreign_fmt.name == native_fmt.name == fmt
     assert foreign_knobs.pop(ROW_SCALES_1D, False) == (fmt in foreign_configs.ROW_SCALES_1D_FORMATS)
+    assert foreign_knobs.pop(BLOCK_GRID_4D, False) == (fmt in foreign_configs.BLOCK_GRID_4D_FORMATS)
     assert foreign_knobs == native_knobs
     native_weights, foreign_weights = (dict(dequantize_checkpoint(tmp_path / w)) for w in ("native", "foreign"))
     assert native_weights.keys() == foreign_weights.keys()
@@ -138,3 +140,21 @@ def test_the_standalone_scripts_store_row_scales_as_the_generator_does():
 
     assert checkpoint.ROW_SCALES_1D_FORMATS == foreign_configs.ROW_SCALES_1D_FORMATS
     assert checkpoint.OMITTED == foreign_configs.OMITTED
+    assert checkpoint.BLOCK_GRID_4D_FORMATS == foreign_configs.BLOCK_GRID_4D_FORMATS
+
+
+def test_modelopt_block_scales_are_stored_with_the_shapes_of_its_export(tmp_path):
+    """ModelOpt's FP8_PB_WO grid: 4-D [N/128, 1, K/128, 1], and 0-D for a weight of one block, as
+    its export stores them module by module (cases/producers/modelopt/fp8_pb_wo, a Llama of the
+    same sizes)."""
+    export = Checkpoint(CORPUS / EXPORTS["modelopt", "ct-fp8-block"])
+    sizes = {"num_hidden_layers": 1, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4}
+    sizes |= {"num_key_value_heads": 2, "head_dim": 32}
+    generated = recipe("modelopt", "ct-fp8-block")
+    generated.config = sizes
+    generate(generated, tmp_path)
+    written = Checkpoint(tmp_path)
+    scales = [name for name in written.names() if name.endswith("weight_scale")]
+    assert len(scales) == 7
+    for name in scales:
+        assert list(written.tensor(name).shape) == list(export.tensor(name).shape), name

@@ -506,7 +506,9 @@ FIXED_VARIANTS = {
     ),
     "tp-llama4-head-within-a-block": (
         "vllm-llama4-fp8-block-qk-permutation-moves-rows-across-scale-blocks",
-        {"config": {"head_dim": 128}},
+        # an MLP of 512: whole 128-row blocks per rank at tp 4 too (its 256 split gate/up inside a
+        # block, where vLLM's loader crashes: vllm-tp-fp8-block-fused-part-inside-a-block)
+        {"config": {"head_dim": 128, "intermediate_size_mlp": 512}},
         "Llama-4 heads of 128 rows with 128-row blocks: the rotary permutation keeps each row under its scale",
     ),
     "tp-gpt-oss-even-experts": (

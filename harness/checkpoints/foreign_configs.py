@@ -14,7 +14,10 @@ harness.formats.equivalents, which every reader goes through.
   writes `.*model\\.layers\\.0\\.mlp\\.gate.*`, a name the model lacks; the generator names the
   router it has).
 - `modelopt`: ModelOpt 0.47's FP8_PER_CHANNEL_PER_TOKEN over ct-fp8-channel with dynamic inputs
-  (row scales stored 1-D [N]), as cases/producers/modelopt/fp8_pc_pt carries it.
+  (row scales stored 1-D [N]), as cases/producers/modelopt/fp8_pc_pt carries it, and its FP8_PB_WO
+  (`quant_algo: fp8_pb_wo`, FP8_2D_BLOCKWISE_WEIGHT_ONLY) over ct-fp8-block in 128 x 128 blocks with
+  inputs unquantized, its float32 grid stored 4-D [N/128, 1, K/128, 1] and 0-D for a weight of one
+  block, as cases/producers/modelopt/fp8_pb_wo carries it.
 
 Each pairing writes one producer's real layout only: the producer's scale dtypes and encodings,
 no quantized head or embeddings, no KV scales, the ignore list by names, its own spelling, and no
@@ -57,7 +60,16 @@ PAIRINGS: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("auto-round", "awq"): {"scale_storage": "float16"},
     ("modelopt", "ct-fp8-channel"): {"input_scale": False, "scale_dtype": "float32"},
+    ("modelopt", "ct-fp8-block"): {
+        "input_scale": False,
+        "scale_dtype": "float32",
+        "block_rows": equivalents.MODELOPT_BLOCK[0],
+        "block_cols": equivalents.MODELOPT_BLOCK[1],
+        "scale_layout": "normal",
+    },
 }
+#: ModelOpt's quant_algo per format, spelled as its exports write it in config.json
+MODELOPT_ALGOS = {"ct-fp8-channel": equivalents.MODELOPT_PER_CHANNEL, "ct-fp8-block": "fp8_pb_wo"}
 #: (producer, format) -> the tensors of a module that producer's export leaves out (AutoRound packs
 #: its GPTQ layout without act-order and writes no `g_idx`: readers take k // g)
 OMITTED: dict[tuple[str, str], tuple[str, ...]] = {("auto-round", "gptq"): ("g_idx",)}
@@ -126,7 +138,7 @@ def quantization_config(producer: str, fmt_name: str, knobs: Mapping[str, Any], 
     if producer == "modelopt":
         return {
             "ignore": list(ignored),
-            "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN",
+            "quant_algo": MODELOPT_ALGOS[fmt_name],
             "producer": {"name": "modelopt", "version": MODELOPT_VERSION},
             "quant_method": "modelopt",
         }
@@ -202,6 +214,17 @@ def _auto_round_scheme(fmt_name: str, knobs: Mapping[str, Any]) -> dict[str, Any
 #: the formats whose per-row scales [N, 1] the foreign producers store 1-D [N] (AutoRound's
 #: FP8_STATIC and ModelOpt's per-channel FP8 both do: harness.formats.equivalents.ROW_SCALES_1D)
 ROW_SCALES_1D_FORMATS = ("ct-fp8-channel",)
+#: the formats whose block grid [N/bn, K/bk] the foreign producers store as ModelOpt does
+#: ([N/bn, 1, K/bk, 1], 0-D for a single block: harness.formats.equivalents.BLOCK_GRID_4D)
+BLOCK_GRID_4D_FORMATS = ("ct-fp8-block",)
+
+
+def modelopt_block_grid(grid: torch.Tensor) -> torch.Tensor:
+    """A [N/bn, K/bk] scale grid as ModelOpt 0.47's export stores it (cases/producers/modelopt/fp8_pb_wo:
+    a [256, 128] weight's grid [2, 1, 1, 1], a [128, 256] one's [1, 1, 2, 1], a [64, 128] one's [])."""
+    if grid.numel() == 1:
+        return grid.reshape(())
+    return grid.reshape(grid.shape[0], 1, grid.shape[1], 1)
 
 
 def stored(producer: str, fmt_name: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -210,9 +233,11 @@ def stored(producer: str, fmt_name: str, tensors: Mapping[str, torch.Tensor]) ->
         return dict(tensors)
     omitted = OMITTED.get((producer, fmt_name), ())
     tensors = {suffix: t for suffix, t in tensors.items() if suffix not in omitted}
-    if fmt_name not in ROW_SCALES_1D_FORMATS:
-        return tensors
-    return {suffix: t.reshape(-1) if suffix == "weight_scale" else t for suffix, t in tensors.items()}
+    if fmt_name in ROW_SCALES_1D_FORMATS:
+        tensors["weight_scale"] = tensors["weight_scale"].reshape(-1)
+    elif fmt_name in BLOCK_GRID_4D_FORMATS:
+        tensors["weight_scale"] = modelopt_block_grid(tensors["weight_scale"])
+    return tensors
 
 
 def producer_config_of(config: Mapping[str, Any]) -> str:

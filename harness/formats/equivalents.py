@@ -12,9 +12,9 @@ planner) follows one definition:
 - ModelOpt's `quant_algo: FP8_PB_WO` (its FP8_2D_BLOCKWISE_WEIGHT_ONLY config): e4m3 `weight`, one
   float32 `weight_scale` (a multiplier, amax / 448) per 128 x 128 block, inputs not quantized (its
   input quantizers are disabled). That is compressed-tensors' block strategy [128, 128] without
-  input activations, its [ceil(N/128), ceil(K/128)] grid stored 4-D [N/128, 1, K/128, 1] and
-  squeezed where a dimension is one block (a [64, 128] k_proj holds a 0-D scale; measured on
-  ModelOpt 0.47's own export, cases/producers/modelopt/fp8_pb_wo).
+  input activations, its [ceil(N/128), ceil(K/128)] grid stored 4-D [N/128, 1, K/128, 1], 0-D for
+  a weight of one block (a [64, 128] k_proj; measured on ModelOpt 0.47's own exports,
+  cases/producers/modelopt/fp8_pb_wo and fp8_pb_wo_partial, whose last blocks are partial).
 
 Both foreign per-row FP8 layouts store the row scales 1-D: a config read through this module whose
 weights are per channel says so with the reading knob ROW_SCALES_1D (harness.formats.ct_fp8);

@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,6 +65,15 @@ CASES: dict[str, tuple[str, str]] = {
     "nvfp4": ("nvfp4 (e2m1, fp8 block-16 scales + fp32 global) weight and input", "NVFP4_DEFAULT_CFG"),
     "w4a16_nvfp4": ("nvfp4 weight-only", "W4A16_NVFP4_CFG"),
     "nvfp4_awq_lite": ("nvfp4 weight and input with AWQ-lite pre-quant scaling", "NVFP4_AWQ_LITE_CFG"),
+    "fp8_pb_wo_partial": (
+        "fp8-e4m3 weight-only, 2D 128x128 blockwise, widths not multiples of 128",
+        "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG",
+    ),
+}
+#: case -> the model it quantizes where that is not MODEL_CONFIG's: widths 192 and 320 leave the last
+#: 128 x 128 block of every weight partial along its rows, its columns or both
+CASE_MODEL_CONFIGS: dict[str, dict] = {
+    "fp8_pb_wo_partial": MODEL_CONFIG | {"hidden_size": 192, "intermediate_size": 320, "num_attention_heads": 6},
 }
 
 
@@ -121,6 +131,15 @@ def base_model(directory: Path) -> None:
 
 
 def run_case(case: str, base_dir: Path, out_root: Path) -> None:
+    if case not in CASE_MODEL_CONFIGS:
+        quantize_case(case, base_dir, out_root, MODEL_CONFIG)
+        return
+    with tempfile.TemporaryDirectory(prefix=f"{PRODUCER}-{case}-") as scratch:
+        producing.build_seeded_llama(Path(scratch) / "base", CASE_MODEL_CONFIGS[case], SEED)
+        quantize_case(case, Path(scratch) / "base", out_root, CASE_MODEL_CONFIGS[case])
+
+
+def quantize_case(case: str, base_dir: Path, out_root: Path, model_config: dict) -> None:
     scheme, config_name = CASES[case]
     case_dir = out_root / PRODUCER / case
     if case_dir.exists():
@@ -169,7 +188,7 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
             "quant_cfg": jsonable(quant_cfg),
             "calibration": {"samples": CALIB_SAMPLES, "seqlen": CALIB_SEQLEN, "seed": SEED + 1},
             "export": "modelopt.torch.export.export_hf_checkpoint(model, export_dir=case_dir)",
-            "model_config": MODEL_CONFIG,
+            "model_config": model_config,
         },
         "command": " ".join([sys.executable, *sys.argv]),
         "seed": SEED,

@@ -31,6 +31,9 @@ ROW_SCALES_1D_FORMATS = ("ct-fp8-channel",)
 #: (producer, format) -> the tensors of a module that producer's export leaves out (AutoRound's GPTQ
 #: packing writes no g_idx); harness.checkpoints.foreign_configs.OMITTED
 OMITTED = {("auto-round", "gptq"): ("g_idx",)}
+#: formats whose [N/bn, K/bk] block grid a producer's own config (ModelOpt's FP8_PB_WO) stores 4-D
+#: [N/bn, 1, K/bk, 1], 0-D for a weight of one block
+BLOCK_GRID_4D_FORMATS = ("ct-fp8-block",)
 
 
 #: FP8 KV-cache scales under each naming real checkpoints use (LAYOUT["kv_scales"]): compressed-tensors
@@ -222,6 +225,9 @@ def build_checkpoint(directory) -> dict[str, torch.Tensor]:
         first = False
         if LAYOUT["producer_config"] != "native" and FORMAT in ROW_SCALES_1D_FORMATS:
             tensors["weight_scale"] = tensors["weight_scale"].reshape(-1)  # AutoRound's, ModelOpt's [N]
+        if LAYOUT["producer_config"] != "native" and FORMAT in BLOCK_GRID_4D_FORMATS:
+            grid = tensors["weight_scale"]  # ModelOpt's [N/bn, 1, K/bk, 1], 0-D for one block
+            tensors["weight_scale"] = grid.reshape(()) if grid.numel() == 1 else grid[:, None, :, None]
         for suffix in OMITTED.get((LAYOUT["producer_config"], FORMAT), ()):
             del tensors[suffix]
         stored |= {f"{module}.{suffix}": tensor.contiguous() for suffix, tensor in tensors.items()}

@@ -235,18 +235,23 @@ def held_values(held, sizes):
 
 
 def rank_problems(linear, size, rank, config, read, expected):
+    where = f"tp {size} rank {rank} {linear['prefix'].rpartition('.')[2]}"
+    refusal = f"{linear['prefix'].rpartition('.')[2]} refused at tp {size}"
     with as_rank(rank, size):
         try:
             layer = build_linear(linear, config)
+        except Exception as error:  # vLLM refuses this split while it builds the layer, in its words: not a bug
+            return [], f"{refusal}: {type(error).__name__}: {str(error)[:160]}"
+        try:
             feed(layer, linear, read)
-        except Exception as error:  # vLLM refuses this split, with its own error: not a bug
-            return (
-                [],
-                f"{linear['prefix'].rpartition('.')[2]} refused at tp {size}: {type(error).__name__}: {str(error)[:160]}",
-            )
+        except (RuntimeError, IndexError) as error:  # its weight loader crashing on a layer it built: a bug
+            return [f"{where}: vLLM's weight loader fails: {type(error).__name__}: {str(error)[:160]}"], None
+        except Exception as error:  # a deliberate refusal while loading (ValueError, NotImplementedError)
+            return [], f"{refusal}: {type(error).__name__}: {str(error)[:160]}"
     held = {name: p.detach().clone() for name, p in layer.named_parameters() if name != "bias"}
+    # ModelOpt's FP8_PB_WO grid is held 4-D [out blocks, 1, in blocks, 1] until vLLM's processing squeezes it
+    held = {name: t[:, 0, :, 0] if t.dim() == 4 else t for name, t in held.items()}
     sizes = [int(s) for s in getattr(layer, "output_partition_sizes", [held[next(iter(held))].shape[0]])]
-    where = f"tp {size} rank {rank} {linear['prefix'].rpartition('.')[2]}"
     try:
         values = held_values(held, sizes)
     except (RuntimeError, ValueError, IndexError) as error:
