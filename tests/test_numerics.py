@@ -13,6 +13,7 @@ from harness.core.numerics import (
     decode_e4m3,
     encode_e2m1,
     encode_e4m3,
+    encode_e5m2,
     pack_e2m1,
     unpack_e2m1,
 )
@@ -25,6 +26,14 @@ def test_decode_e4m3_equals_torch_cast_for_all_256_codes():
     assert torch.equal(torch.isnan(ours), nan) and int(nan.sum()) == 2  # 0x7F and 0xFF
     assert torch.equal(ours[~nan], torchs[~nan])
     assert torch.equal(torch.signbit(ours[~nan]), torch.signbit(torchs[~nan]))
+
+
+def test_encode_e5m2_saturates_where_torchs_cast_overflows_and_rounds_to_nearest_even():
+    """An E5M2 KV cache (vLLM's `kv_cache_dtype=fp8_e5m2`) saturates at 57344: torch's own cast
+    gives inf. Between 1 and 1.25 (its neighbours) the tie 1.125 goes to the even code, 1."""
+    assert torch.isinf(torch.tensor([1e6]).to(torch.float8_e5m2).float()).all()
+    assert encode_e5m2(torch.tensor([1e6, -1e6])).float().tolist() == [57344.0, -57344.0]
+    assert encode_e5m2(torch.tensor([1.125, 1.126, 1.124])).float().tolist() == [1.0, 1.25, 1.0]
 
 
 def test_e4m3_table_landmarks():

@@ -13,6 +13,9 @@ import math
 import torch
 
 E4M3_MAX = 448.0
+#: FP8 E5M2: 1 sign, 5 exponent (bias 15), 2 mantissa bits, IEEE-like (infinities, NaNs); largest
+#: finite 57344. Only an FP8 KV cache uses it here (vLLM's `kv_cache_dtype=fp8_e5m2`).
+E5M2_MAX = 57344.0
 E2M1_MAX = 6.0
 NVFP4_GROUP = 16
 
@@ -52,6 +55,11 @@ def decode_e4m3(tensor: torch.Tensor) -> torch.Tensor:
 def encode_e4m3(values: torch.Tensor) -> torch.Tensor:
     """Round to nearest E4M3 with saturation at +-448, as producers do (clamp, then cast)."""
     return values.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def encode_e5m2(values: torch.Tensor) -> torch.Tensor:
+    """Round to nearest E5M2 (ties to even) with saturation at +-57344 (clamp, then cast)."""
+    return values.clamp(-E5M2_MAX, E5M2_MAX).to(torch.float8_e5m2)
 
 
 def unpack_e2m1(packed: torch.Tensor, columns: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.core.errors import HarnessError
-from harness.core.numerics import E2M1_MAX, E2M1_TABLE, E4M3_MAX, NVFP4_GROUP, encode_e2m1, encode_e4m3
+from harness.core.numerics import E2M1_MAX, E2M1_TABLE, E4M3_MAX, NVFP4_GROUP, encode_e2m1, encode_e4m3, encode_e5m2
 from harness.formats import auto_round, equivalents
 from harness.formats.ct_mxfp4 import GROUP as MXFP4_GROUP
 
@@ -51,7 +51,7 @@ MX_SCALE_EXPONENT = 127
 
 @dataclass(frozen=True)
 class ActivationScheme:
-    kind: str  # "fp8", "int8", "nvfp4" or "mxfp4"
+    kind: str  # "fp8", "int8", "nvfp4" or "mxfp4"; "fp8_e5m2" (static only: vLLM's e5m2 KV cache)
     strategy: str  # "tensor", "token", "group", "tensor_group"
     dynamic: bool  # scales computed from the activation (NVFP4's group scales always are)
     group_size: int | None = None
@@ -125,9 +125,9 @@ def declared_ignored(quantization_config: Mapping, module: str) -> bool:
     return False
 
 
-def _fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _fp8(x: torch.Tensor, scale: torch.Tensor, encode=encode_e4m3) -> torch.Tensor:
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    quantized = encode_e4m3(x / safe).to(x.dtype) * safe
+    quantized = encode(x / safe).to(x.dtype) * safe
     return torch.where(scale > 0, quantized, torch.zeros_like(quantized))
 
 
@@ -145,6 +145,8 @@ def quantize_activations(x: torch.Tensor, scheme: ActivationScheme, stored: torc
     x64 = x.to(work)
     if scheme.static and stored is None:
         raise HarnessError(f"{scheme.describe()}: the module has no {scheme.static}")
+    if scheme.kind == "fp8_e5m2" and scheme.static:
+        return _fp8(x64, stored.to(work).reshape(()), encode_e5m2).to(x.dtype)
     if scheme.kind == "fp8":
         if scheme.static:
             result = _fp8(x64, stored.to(work).reshape(()))

@@ -94,12 +94,16 @@ class _QuantizingCache:
 
 
 def install(
-    model: torch.nn.Module, scales: Mapping[str, tuple[torch.Tensor, torch.Tensor]], arithmetic: str = "float64"
+    model: torch.nn.Module,
+    scales: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    arithmetic: str = "float64",
+    kind: str = "fp8",
 ) -> list:
     """Quantize the KV cache of each named attention module (name -> (k_scale, v_scale)) with
     forward pre-hooks that hand it a quantizing cache; the handles, to remove them. `arithmetic`:
-    as in harness.oracle.activations."""
-    scheme = dataclasses.replace(STATIC_FP8, arithmetic=arithmetic)
+    as in harness.oracle.activations; `kind`: "fp8" (E4M3, as checkpoints declare it) or
+    "fp8_e5m2" (an E5M2 cache, as vLLM's `kv_cache_dtype=fp8_e5m2` keeps it)."""
+    scheme = dataclasses.replace(STATIC_FP8, arithmetic=arithmetic, kind=kind)
     modules = dict(model.named_modules())
     absent = sorted(set(scales) - set(modules))
     if absent:

@@ -23,6 +23,8 @@ class Plan:
     inputs: dict[str, torch.Tensor | None] = field(default_factory=dict)
     #: attention module -> (k_scale, v_scale) of an FP8 KV cache
     kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: that cache's element format: "fp8" (E4M3) or "fp8_e5m2"
+    kv_kind: str = "fp8"
     #: a model's packed experts module -> per expert, the (gate, up, down) static input scales
     experts: dict[str, list[tuple]] = field(default_factory=dict)
 
@@ -48,7 +50,7 @@ class Plan:
                 scheme = dataclasses.replace(self.scheme, arithmetic=arithmetic)
                 handles += activations.install(model, self.inputs, scheme)
                 handles += expert_activations.install(model, self.experts, scheme)
-            return handles + kv_cache.install(model, self.kv, arithmetic)
+            return handles + kv_cache.install(model, self.kv, arithmetic, self.kv_kind)
         except BaseException:  # a half-installed plan would change every later forward
             for handle in handles:
                 handle.remove()
@@ -109,9 +111,10 @@ def describe(quantization_config: dict) -> str:
 
 
 #: engine options that change what the forward is (harness.engines.options), each as the
-#: reference models it: vLLM's `kv_cache_dtype=fp8` (E4M3) on a checkpoint that declares no FP8
-#: cache quantizes the cache with scale 1.0 for keys and values (its placeholder's initial value)
-MODELLED_OPTIONS = {"kv_cache_dtype": ("fp8", "fp8_e4m3")}
+#: reference models it: vLLM's `kv_cache_dtype=fp8` (E4M3) or `fp8_e5m2` on a checkpoint that
+#: declares no FP8 cache quantizes the cache with scale 1.0 for keys and values (its placeholder's
+#: initial value; vLLM declines fp8_e5m2 where a checkpoint's method could carry KV scales)
+MODELLED_OPTIONS = {"kv_cache_dtype": ("fp8", "fp8_e4m3", "fp8_e5m2")}
 
 
 def modelled_option(options: dict[str, str]) -> str:
@@ -158,6 +161,7 @@ def plan(checkpoint, option: str = "") -> Plan | str:
     if unit_kv:
         one = torch.tensor(1.0)
         result.kv = {canonical_name(m): (one, one) for m in kv_cache.attention_modules(checkpoint.config, names)}
+        result.kv_kind = "fp8_e5m2" if option == "kv_cache_dtype=fp8_e5m2" else "fp8"
     return result
 
 

@@ -471,7 +471,8 @@ def test_an_fp8_kv_cache_option_is_modelled_with_unit_scales_where_none_is_decla
     from harness.oracle.specified import modelled_option, plan
 
     assert modelled_option({"kv_cache_dtype": "fp8", "enforce_eager": "false"}) == "kv_cache_dtype=fp8"
-    assert modelled_option({"kv_cache_dtype": "fp8_e5m2"}) == modelled_option({"enforce_eager": "false"}) == ""
+    assert modelled_option({"kv_cache_dtype": "fp8_e5m2"}) == "kv_cache_dtype=fp8_e5m2"
+    assert modelled_option({"kv_cache_dtype": "auto"}) == modelled_option({"enforce_eager": "false"}) == ""
     for kv_scales in ("none", "self_attn"):
         directory = tmp_path / kv_scales
         layout = {"dtype": "float32", "kv_scales": kv_scales}
@@ -482,6 +483,7 @@ def test_an_fp8_kv_cache_option_is_modelled_with_unit_scales_where_none_is_decla
         if kv_scales == "none":  # weight-only W4A16: no forward of its own beyond the weights
             assert own == "the config quantizes weights only"
             assert all(float(k) == float(v) == 1.0 for k, v in option.kv.values())
+            assert option.kv_kind == "fp8" and plan(checkpoint, "kv_cache_dtype=fp8_e5m2").kv_kind == "fp8_e5m2"
         else:
             assert {m: (float(k), float(v)) for m, (k, v) in own.kv.items()} == {
                 m: (float(k), float(v)) for m, (k, v) in option.kv.items()
@@ -493,5 +495,8 @@ def test_an_fp8_kv_cache_option_is_modelled_with_unit_scales_where_none_is_decla
     cached = engine.activation_logprobs(sequences, "float64|kv_cache_dtype=fp8")[0]
     assert not torch.equal(plain, cached)  # the cache's E4M3 rounding moves the logits...
     assert (plain - cached).abs().max() < 0.5  # ...by rounding, not more
+    # an E5M2 cache (2 mantissa bits, not 3) moves them further, still by rounding
+    coarser = engine.activation_logprobs(sequences, "float64|kv_cache_dtype=fp8_e5m2")[0]
+    assert (plain - cached).abs().max() < (plain - coarser).abs().max() < 1.0
     with pytest.raises(Exception, match="weights only"):
         engine.activation_logprobs(sequences)

@@ -60,6 +60,17 @@ def config_refusal(error: BaseException | str) -> str | None:
     return "vLLM: " + lines[0].strip().removeprefix("Value error, ").partition(" [type=")[0]
 
 
+#: vLLM declining an engine option for this checkpoint by design (its attention layer: an FP8 E5M2
+#: cache only where the checkpoint's method carries no KV scales), on any machine
+DECLINED_OPTION = re.compile(r"fp8_e5m2 kv-cache is not supported with fp8 checkpoints")
+
+
+def declined_option(error: BaseException | str) -> str | None:
+    """vLLM's words when it declines an engine option for this checkpoint, else None."""
+    found = DECLINED_OPTION.search(str(error))
+    return f"vLLM declines the option for this checkpoint: {found.group(0)}" if found else None
+
+
 def missing_kernel(error: BaseException | str) -> str | None:
     """vLLM's own reason when `error` says it has no kernel for a layer here, else None."""
     text = str(error)

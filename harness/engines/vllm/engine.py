@@ -35,7 +35,7 @@ from harness.engines.base import Engine, EngineRefuses, EngineUnsupported, LoadR
 from harness.engines.environments import engine_python
 from harness.engines.gptqmodel_modules import MARKER as GPTQ_MARKER
 from harness.engines.hf_common import LEAD, captured_warnings, stored_names
-from harness.engines.vllm.capability import config_refusal, missing_kernel
+from harness.engines.vllm.capability import config_refusal, declined_option, missing_kernel
 from harness.engines.vllm.capability import unsupported_reason as probed_unsupported_reason
 from harness.engines.vllm.tensor_parallel.layout import unpermute_rotary_rows
 
@@ -200,6 +200,8 @@ class VllmEngine(Engine):
                 raise EngineUnsupported(
                     f"vLLM has no kernel for this checkpoint here: {missing_kernel(error)}"
                 ) from error
+            if declined_option(error):  # a documented limit of the option, not of the checkpoint
+                raise EngineUnsupported(declined_option(error)) from error
             # refused on purpose, on any machine: a check of the method (config_refusal), a bare
             # assert where vLLM picks a quantization method, a layer's own check of its shape
             if isinstance(error, ValueError) and config_refusal(error):
