@@ -133,6 +133,7 @@ def already_explained(judgement, engine: str, outcome) -> set[str]:
         if f.engine == engine and f.kind in WEIGHT_KINDS and f.module
     }
     reported = outcome.report.get("missing", []) + outcome.report.get("unexpected", [])
+    reported = [key for key in reported if canonical_name(key) not in judgement.redundant_tensors]
     return explained | {canonical_name(key).rpartition(".")[0] for key in reported}
 
 

@@ -31,7 +31,7 @@ from harness.core.tolerances import load_tolerances
 from harness.differential.misreadings import CheckpointMisreadings
 from harness.differential.session import EngineSession
 from harness.oracle.kv_cache import stored_kv_scales
-from harness.oracle.reference import dequantize_checkpoint, format_and_knobs
+from harness.oracle.reference import dequantize_checkpoint, format_and_knobs, group_modules
 
 PROBE_LENGTH, PROBE_COUNT = 24, 3
 
@@ -169,6 +169,25 @@ class Judgement:
     def stored_kv_scales(self) -> dict[str, tuple[float | None, float | None]]:
         """The checkpoint's KV-cache scales by attention module, read once for every engine judged."""
         return stored_kv_scales(Checkpoint(self.directory))
+
+    @cached_property
+    def redundant_tensors(self) -> set[str]:
+        """Canonical names of stored tensors the format defines as their absence would (a GPTQ
+        `g_idx` of k // g): an engine that leaves them unread is not reported for it."""
+        optional = getattr(self.fmt, "optional", ())
+        if not optional:
+            return set()
+        try:
+            checkpoint = Checkpoint(self.directory)
+            modules, _ = group_modules(checkpoint.names(), self.fmt, checkpoint.storage_dtypes())
+            redundant = set()
+            for parts in modules.values():
+                if set(optional) & set(parts):
+                    tensors = {suffix: checkpoint.tensor(name) for suffix, name in parts.items() if suffix in optional}
+                    redundant |= {canonical_name(parts[s]) for s in self.fmt.redundant(tensors, self.knobs)}
+            return redundant
+        except (CheckpointError, OSError, ValueError, KeyError):  # judged elsewhere: nothing excused
+            return set()
 
     def finding(self, engine: str, kind: str, message: str, **extra) -> Finding:
         item = Finding(

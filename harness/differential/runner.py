@@ -85,7 +85,7 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
             finding(engine, "accepted-invalid", "loaded a checkpoint that must be refused: " + "; ".join(reasons))
             return None
         unused = {canonical_name(n) for n in (judgement.manifest or {}).get("unused_tensors", [])}
-        anomalies = _judge_report(engine, outcome.report, finding, unused)
+        anomalies = _judge_report(engine, outcome.report, finding, unused, judgement.redundant_tensors)
         held = worker.weights(judgement.scratch_file(engine, "weights"))
         # a module whose tensors the load report names as missing is that finding's consequence
         missing = {canonical_name(k).rpartition(".")[0] for k in outcome.report.get("missing", [])}
@@ -351,13 +351,20 @@ def _module_notes(manifest) -> list[str]:
     return notes
 
 
-def _judge_report(engine: str, report: dict, finding, unused: set[str] = frozenset()) -> bool:
+def _judge_report(
+    engine: str, report: dict, finding, unused: set[str] = frozenset(), redundant: set[str] = frozenset()
+) -> bool:
     """Weights left unloaded, then scale keys missing or unexpected, then any other key, each their
     own kind of finding; True if any anomaly. Tensors the checkpoint holds for no module (`unused`)
-    are rightly unexpected."""
+    are rightly unexpected, and those whose values the format defines as their absence would
+    (`redundant`: a g_idx of k // g) may be left unread."""
     missing = report.get("missing", [])
     orphans = {name.rpartition(".")[0] for name in unused}  # an engine may rename the orphan's suffix
-    unexpected = [k for k in report.get("unexpected", []) if canonical_name(k).rpartition(".")[0] not in orphans]
+    unexpected = [
+        k
+        for k in report.get("unexpected", [])
+        if canonical_name(k).rpartition(".")[0] not in orphans and canonical_name(k) not in redundant
+    ]
     # a weight the model holds but did not load, its checkpoint tensors unexpected: the engine left
     # it as initialised (random), whatever its scales say; the scales' keys are part of that finding
     unloaded = {_module(k) for k in missing if "scale" not in k} & {_module(k) for k in unexpected}

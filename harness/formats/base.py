@@ -118,6 +118,11 @@ class QuantFormat:
         finally:
             _FINITE_REQUIRED.reset(token)
 
+    def redundant(self, tensors: Mapping[str, torch.Tensor], knobs: Mapping[str, Any]) -> set[str]:
+        """The `optional` suffixes among a module's stored `tensors` whose values are what the format
+        defines when they are absent: a loader that leaves them unread loses nothing."""
+        return set()
+
     def scale_block(self, knobs: Mapping[str, Any], shape: tuple[int, int]) -> tuple[int, int]:
         """The [rows, cols] region of a weight of `shape` that shares one scale."""
         raise NotImplementedError

@@ -275,6 +275,13 @@ class Gptq(QuantFormat):
         g = g_idx.long()
         return tuple(t.to(torch.float64).T.contiguous() for t in (codes, zeros[g], scales[g]))
 
+    def redundant(self, tensors, knobs):
+        g_idx = tensors.get("g_idx")
+        if g_idx is None or g_idx.dim() != 1:
+            return set()
+        trivial = group_index(g_idx.shape[0], knobs["group_size"], None)  # no act-order: k // g
+        return {"g_idx"} if torch.equal(g_idx.to(torch.int64), trivial.to(torch.int64)) else set()
+
     def scale_block(self, knobs, shape):
         return 1, (shape[1] if knobs["group_size"] == -1 else knobs["group_size"])
 

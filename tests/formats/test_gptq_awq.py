@@ -197,3 +197,18 @@ def test_scales_stored_in_another_dtype_read_back_the_truth(fmt, storage):
         make_weight((16, 256), 5), fmt.resolve_knobs({}), model_dtype=torch.bfloat16, activation_amax=1.0
     )
     assert not torch.equal(default.truth, result.truth)  # float16 scales round otherwise
+
+
+@pytest.mark.parametrize("group", [32, -1])
+def test_a_g_idx_of_k_over_g_is_redundant_an_act_order_one_is_not(group):
+    """A g_idx that says what its absence would (k // g, or 0 for one group) may be left unread by
+    a loader without act-order (auto-round's plain QuantLinear); a permuted one may not."""
+    knobs = GPTQ.resolve_knobs({"group_size": group})
+    plain = GPTQ.quantize(make_weight((16, 64)), knobs, model_dtype=torch.bfloat16, activation_amax=1.0).tensors
+    assert GPTQ.redundant(plain, knobs) == {"g_idx"}
+    assert GPTQ.redundant({k: v for k, v in plain.items() if k != "g_idx"}, knobs) == set()
+    if group != -1:
+        ordered = GPTQ.resolve_knobs({"group_size": group, "desc_act": True})
+        permuted = GPTQ.quantize(make_weight((16, 64)), ordered, model_dtype=torch.bfloat16, activation_amax=1.0)
+        assert GPTQ.redundant(permuted.tensors, ordered) == set()
+    assert AWQ.redundant(plain, knobs) == set()  # the base: nothing is redundant
