@@ -32,13 +32,25 @@ EXPORTS = {
     ("modelopt", "ct-fp8-channel"): "modelopt/fp8_pc_pt",
     ("modelopt", "ct-fp8-block"): "modelopt/fp8_pb_wo",
 }
-#: fields that say which model, run and version, not which scheme
-RUN_FIELDS = {"autoround_version", "block_name_to_quantize", "extra_config", "ignore", "producer"}
+#: (producer, format, the variant's knobs) -> the producer's own export of each VARIANT
+VARIANT_EXPORTS = {
+    ("auto-round", "gptq", 1): "autoround/w8g128_sym_autoround",
+    ("auto-round", "gptq", 2): "autoround/w4g128_sym_autoround_gptqmodel",
+    ("auto-round", "gptq", 3): "autoround/w4g128_asym_autoround_gptqmodel",
+}
+#: every (producer, format, knobs, export): the pairings' and their variants'
+CASES = [(p, f, foreign_configs.PAIRINGS[p, f], export) for (p, f), export in EXPORTS.items()] + [
+    (p, f, foreign_configs.producer_variants(p, f)[i], export) for (p, f, i), export in VARIANT_EXPORTS.items()
+]
+IDS = [export for *_, export in CASES]
+#: fields that say which model, run, machine and version, not which scheme (AutoRound writes
+#: `amp: false` where the CPU has no bfloat16 arithmetic, as on the AVX2 kind, and nothing where it has)
+RUN_FIELDS = {"amp", "autoround_version", "block_name_to_quantize", "extra_config", "ignore", "producer"}
 SIZES = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128}
 
 
-def recipe(producer: str, fmt: str, arch: str = "llama", **layout) -> Recipe:
-    knobs = dict(foreign_configs.PAIRINGS[(producer, fmt)])
+def recipe(producer: str, fmt: str, arch: str = "llama", knobs=None, **layout) -> Recipe:
+    knobs = dict(foreign_configs.PAIRINGS[(producer, fmt)] if knobs is None else knobs)
     return Recipe(
         format=fmt, arch=arch, config=dict(SIZES), knobs=knobs, layout={"producer_config": producer, **layout}
     )
@@ -48,29 +60,43 @@ def quantization_config(directory: Path) -> dict:
     return json.loads((directory / "config.json").read_text())["quantization_config"]
 
 
-def test_every_pairing_has_an_export_of_its_producer():
+def test_every_pairing_and_variant_has_an_export_of_its_producer():
     assert set(EXPORTS) == set(foreign_configs.PAIRINGS)
+    variants = {(p, f, i) for (p, f), extra in foreign_configs.VARIANTS.items() for i in range(1, len(extra) + 1)}
+    assert set(VARIANT_EXPORTS) == variants
 
 
-@pytest.mark.parametrize(("producer", "fmt"), list(EXPORTS))
-def test_the_written_config_is_the_producers_own(tmp_path, producer, fmt):
-    generate(recipe(producer, fmt), tmp_path / "generated")
+@pytest.mark.parametrize(("producer", "fmt", "knobs", "export"), CASES, ids=IDS)
+def test_the_written_config_is_the_producers_own(tmp_path, producer, fmt, knobs, export):
+    generate(recipe(producer, fmt, knobs=knobs), tmp_path / "generated")
     written = quantization_config(tmp_path / "generated")
-    exported = quantization_config(CORPUS / EXPORTS[producer, fmt])
+    exported = quantization_config(CORPUS / export)
     assert {k: v for k, v in written.items() if k not in RUN_FIELDS} == {
         k: v for k, v in exported.items() if k not in RUN_FIELDS
     }
-    assert set(written) - {"extra_config"} == set(exported) - {"extra_config"}
+    assert set(written) - RUN_FIELDS == set(exported) - RUN_FIELDS
 
 
-@pytest.mark.parametrize(("producer", "fmt"), list(EXPORTS))
+@pytest.mark.parametrize(("producer", "fmt", "knobs", "export"), CASES, ids=IDS)
+def test_the_written_tensors_are_named_as_the_producers_own(tmp_path, producer, fmt, knobs, export):
+    """Each module stores the tensors the producer's export stores for it (AutoRound's
+    auto_round:auto_gptq no g_idx, its auto_round:gptqmodel one)."""
+    generate(recipe(producer, fmt, knobs=knobs), tmp_path)
+    suffixes = {name.rpartition(".")[2] for name in Checkpoint(tmp_path).names() if "layers.0.self_attn.q_proj" in name}
+    exported = {
+        name.rpartition(".")[2] for name in Checkpoint(CORPUS / export).names() if "layers.0.self_attn.q_proj" in name
+    }
+    assert suffixes == exported
+
+
+@pytest.mark.parametrize(("producer", "fmt", "knobs", "export"), CASES, ids=IDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_the_foreign_config_means_the_formats_weights(tmp_path, producer, fmt, arch):
+def test_the_foreign_config_means_the_formats_weights(tmp_path, producer, fmt, knobs, export, arch):
     """The same tensors under the format's own config and under the producer's read to the same
     weights, the truth; only the stored layout the producer uses differs (row scales 1-D)."""
-    native = Recipe(format=fmt, arch=arch, config=dict(SIZES), knobs=foreign_configs.PAIRINGS[producer, fmt])
+    native = Recipe(format=fmt, arch=arch, config=dict(SIZES), knobs=knobs)
     generate(native, tmp_path / "native")
-    generate(recipe(producer, fmt, arch), tmp_path / "foreign")
+    generate(recipe(producer, fmt, arch, knobs=knobs), tmp_path / "foreign")
     (native_fmt, native_knobs), (foreign_fmt, foreign_knobs) = (
         format_and_knobs(tmp_path / which) for which in ("native", "foreign")
     )
@@ -102,9 +128,9 @@ def test_routers_stay_in_sixteen_bits_as_the_producer_says(tmp_path):
     assert all(settings["bits"] == 16 for settings in extra.values())
 
 
-@pytest.mark.parametrize("case", sorted({*EXPORTS.values(), "llmcompressor/llama-fp8-dynamic", "modelopt/nvfp4"}))
+@pytest.mark.parametrize("case", sorted({*IDS, "llmcompressor/llama-fp8-dynamic", "modelopt/nvfp4"}))
 def test_a_checkpoint_says_which_producers_config_it_carries(case):
-    expected = next((p for (p, _), c in EXPORTS.items() if c == case), foreign_configs.NATIVE)
+    expected = next((p for p, _, _, c in CASES if c == case), foreign_configs.NATIVE)
     assert foreign_configs.producer_config_of(quantization_config(CORPUS / case)) == expected
     assert checkpoint_context(CORPUS / case)["producer_config"] == expected
 
@@ -139,7 +165,7 @@ def test_the_standalone_scripts_store_row_scales_as_the_generator_does():
     from harness.lanes.upstream.parts import checkpoint
 
     assert checkpoint.ROW_SCALES_1D_FORMATS == foreign_configs.ROW_SCALES_1D_FORMATS
-    assert checkpoint.OMITTED == foreign_configs.OMITTED
+    assert checkpoint.OMITTED == foreign_configs.OMITTED  # keyed by checkpoint_format too
     assert checkpoint.BLOCK_GRID_4D_FORMATS == foreign_configs.BLOCK_GRID_4D_FORMATS
 
 

@@ -7,7 +7,9 @@ harness.formats.equivalents, which every reader goes through.
   (row scales stored 1-D [N]), FP8_BLOCK over fp8-block, MXFP4 over ct-mxfp4, NVFP4 over ct-nvfp4,
   and its int4 default, W4A16, in the packing it chooses by symmetry: symmetric over gptq
   (`auto_round:auto_gptq`: v1 zeros, no `g_idx`, float16 scales), asymmetric over awq
-  (`auto_round:auto_awq`). Both are 4 bits: no export of another width was tried.
+  (`auto_round:auto_awq`); its W8A16 in `auto_round:auto_gptq` (symmetric only: AutoRound refuses
+  8-bit asymmetric there), and its `auto_round:gptqmodel` export over gptq (v2 zeros, `g_idx` of
+  k // g, symmetric or not; 4 bits tried): VARIANTS.
   It has no ignore list: it quantizes the Linears of `block_name_to_quantize` (the decoder layers)
   and names each one it leaves in 16 bits in `extra_config` by a regular expression (a mixture's
   routers, as its special_model_handler keeps `.gate` modules of MoE models: its Mixtral export
@@ -70,9 +72,22 @@ PAIRINGS: dict[tuple[str, str], dict[str, Any]] = {
 }
 #: ModelOpt's quant_algo per format, spelled as its exports write it in config.json
 MODELOPT_ALGOS = {"ct-fp8-channel": equivalents.MODELOPT_PER_CHANNEL, "ct-fp8-block": "fp8_pb_wo"}
-#: (producer, format) -> the tensors of a module that producer's export leaves out (AutoRound packs
-#: its GPTQ layout without act-order and writes no `g_idx`: readers take k // g)
-OMITTED: dict[tuple[str, str], tuple[str, ...]] = {("auto-round", "gptq"): ("g_idx",)}
+#: (producer, format) -> the other knob values that producer's exports have, each over PAIRINGS':
+#: AutoRound 0.16.1's W8A16 and its auto_round:gptqmodel export, symmetric and not
+#: (cases/producers/autoround/w8g128_sym_autoround, w4g128_*sym_autoround_gptqmodel)
+VARIANTS: dict[tuple[str, str], tuple[dict[str, Any], ...]] = {
+    ("auto-round", "gptq"): (
+        {"bits": 8},
+        {"checkpoint_format": "gptq_v2"},
+        {"checkpoint_format": "gptq_v2", "sym": False},
+    ),
+}
+#: AutoRound's packing of its GPTQ layout by zero-point convention
+AUTO_ROUND_GPTQ_PACKINGS = {"gptq": gptq.AUTO_ROUND_GPTQ, "gptq_v2": gptq.AUTO_ROUND_GPTQMODEL}
+#: (producer, format, checkpoint_format) -> the tensors of a module that producer's export leaves out
+#: (AutoRound packs auto_round:auto_gptq without act-order and writes no `g_idx`: readers take k // g;
+#: its auto_round:gptqmodel export keeps it)
+OMITTED: dict[tuple[str, str, str | None], tuple[str, ...]] = {("auto-round", "gptq", "gptq"): ("g_idx",)}
 #: layout fields and perturbations a foreign config keeps at their defaults (see the module's docstring)
 NATIVE_ONLY_LAYOUT = ("quantize_lm_head", "quantize_embeddings", "kv_scales", "ignore_style", "config_spelling")
 NATIVE_ONLY_PERTURB = ("disagreement",)
@@ -97,11 +112,21 @@ def refusal(producer: str, fmt, arch) -> str | None:
     return None
 
 
+def producer_variants(producer: str, fmt_name: str) -> list[dict[str, Any]]:
+    """The knob values `producer`'s exports have over this format: PAIRINGS', then each VARIANT."""
+    base = PAIRINGS.get((producer, fmt_name), {})
+    return [base, *(base | variant for variant in VARIANTS.get((producer, fmt_name), ()))]
+
+
 def producer_knobs(producer: str, fmt_name: str, knobs: Mapping[str, Any]) -> dict[str, Any]:
-    """`knobs` with the values `producer` writes over this format: PAIRINGS, and AutoRound's FP8
-    blocks square (its FP8_BLOCK scheme is 128 x 128 with activations in groups of 128; which edge
-    a non-square block's activation group follows its readers disagree on: vLLM takes the first)."""
-    fixed = {**knobs, **PAIRINGS.get((producer, fmt_name), {})}
+    """`knobs` with the values `producer` writes over this format: the variant of its exports that
+    agrees with the most of them (the first on a tie), and AutoRound's FP8 blocks square (its
+    FP8_BLOCK scheme is 128 x 128 with activations in groups of 128; which edge a non-square
+    block's activation group follows its readers disagree on: vLLM takes the first)."""
+    chosen = max(
+        producer_variants(producer, fmt_name), key=lambda v: sum(knobs.get(k) == value for k, value in v.items())
+    )
+    fixed = {**knobs, **chosen}
     if (producer, fmt_name) == ("auto-round", "fp8-block") and "block_rows" in fixed:
         fixed["block_cols"] = fixed["block_rows"]
     return fixed
@@ -184,15 +209,14 @@ def _auto_round_scheme(fmt_name: str, knobs: Mapping[str, Any]) -> dict[str, Any
             "packing_format": auto_round.FP8_BLOCK,
             "weight_block_size": block,
         }
-    if fmt_name in ("gptq", "awq"):  # W4A16: the packing follows the symmetry (module docstring)
-        packing = gptq.AUTO_ROUND_GPTQ if fmt_name == "gptq" else awq.AUTO_ROUND_AWQ
-        group = knobs["group_size"]
+    if fmt_name in ("gptq", "awq"):  # W4A16 / W8A16: the packing as the module docstring says
+        gptq_packing = fmt_name == "gptq" and AUTO_ROUND_GPTQ_PACKINGS[knobs["checkpoint_format"]]
         return {
-            "bits": 4,
+            "bits": knobs["bits"] if fmt_name == "gptq" else 4,
             "data_type": "int",
-            "group_size": group,
-            "packing_format": packing,
-            "sym": fmt_name == "gptq",
+            "group_size": knobs["group_size"],
+            "packing_format": gptq_packing or awq.AUTO_ROUND_AWQ,
+            "sym": fmt_name == "gptq" and knobs["sym"],
         }
     data_type, act_data_type, group = {
         "ct-mxfp4": ("mx_fp", "mx_fp", 32),
@@ -227,11 +251,13 @@ def modelopt_block_grid(grid: torch.Tensor) -> torch.Tensor:
     return grid.reshape(grid.shape[0], 1, grid.shape[1], 1)
 
 
-def stored(producer: str, fmt_name: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def stored(
+    producer: str, fmt_name: str, tensors: Mapping[str, torch.Tensor], knobs: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
     """One module's quantized tensors as `producer` stores them."""
     if producer == NATIVE:
         return dict(tensors)
-    omitted = OMITTED.get((producer, fmt_name), ())
+    omitted = OMITTED.get((producer, fmt_name, knobs.get("checkpoint_format")), ())
     tensors = {suffix: t for suffix, t in tensors.items() if suffix not in omitted}
     if fmt_name in ROW_SCALES_1D_FORMATS:
         tensors["weight_scale"] = tensors["weight_scale"].reshape(-1)

@@ -287,7 +287,9 @@ def _quantize_modules(
         else:
             amax = fusion.input_amax(module, groups, resolved.layout["activation_amax"])
             quantized = quantize_module(name, weight, resolved, fmt, not modules, amax)
-        quantized.tensors = foreign_configs.stored(resolved.layout["producer_config"], fmt.name, quantized.tensors)
+        quantized.tensors = foreign_configs.stored(
+            resolved.layout["producer_config"], fmt.name, quantized.tensors, resolved.knobs
+        )
         originals[name] = quantized.source
         for suffix, tensor in quantized.tensors.items():
             tensors[f"{module}.{suffix}"] = tensor

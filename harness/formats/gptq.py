@@ -55,7 +55,8 @@ from harness.formats.base import (
 QUANT_METHOD = "gptq"
 #: AutoRound's packing formats in GPTQ's layout -> the checkpoint_format their zeros follow
 AUTO_ROUND_GPTQ = "auto_round:auto_gptq"
-AUTO_ROUND_PACKING = {AUTO_ROUND_GPTQ: "gptq", "auto_round": "gptq_v2", "auto_round:gptqmodel": "gptq_v2"}
+AUTO_ROUND_GPTQMODEL = "auto_round:gptqmodel"
+AUTO_ROUND_PACKING = {AUTO_ROUND_GPTQ: "gptq", "auto_round": "gptq_v2", AUTO_ROUND_GPTQMODEL: "gptq_v2"}
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 GROUP_SIZES = (32, 64, 128, -1)
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -20,7 +20,7 @@ from harness.lanes.upstream.parts.fp8 import (  # or nvfp4: the format piece the
     subnormal_amax,
 )
 from harness.lanes.upstream.parts.mxfp4 import pack_experts  # in the mxfp4 piece: used where FORMAT is mxfp4
-from harness.lanes.upstream.parts.parameters import CONFIG, DISAGREEMENT, FORMAT, LAYOUT, PERTURB, SEED, TENSORS
+from harness.lanes.upstream.parts.parameters import CONFIG, DISAGREEMENT, FORMAT, KNOBS, LAYOUT, PERTURB, SEED, TENSORS
 
 # ---- reproduce.py ----
 
@@ -28,9 +28,9 @@ EXTREME_FACTORS = {"none": 1.0, "tiny": 1e-4, "huge": 1e3}
 #: formats whose one scale per output row [N, 1] a producer's own config (CONFIG: AutoRound's
 #: FP8_STATIC, ModelOpt's FP8_PER_CHANNEL_PER_TOKEN) stores 1-D [N]
 ROW_SCALES_1D_FORMATS = ("ct-fp8-channel",)
-#: (producer, format) -> the tensors of a module that producer's export leaves out (AutoRound's GPTQ
-#: packing writes no g_idx); harness.checkpoints.foreign_configs.OMITTED
-OMITTED = {("auto-round", "gptq"): ("g_idx",)}
+#: (producer, format, checkpoint_format) -> the tensors of a module that producer's export leaves out
+#: (AutoRound's auto_round:auto_gptq packing writes no g_idx); harness.checkpoints.foreign_configs.OMITTED
+OMITTED = {("auto-round", "gptq", "gptq"): ("g_idx",)}
 #: formats whose [N/bn, K/bk] block grid a producer's own config (ModelOpt's FP8_PB_WO) stores 4-D
 #: [N/bn, 1, K/bk, 1], 0-D for a weight of one block
 BLOCK_GRID_4D_FORMATS = ("ct-fp8-block",)
@@ -228,7 +228,7 @@ def build_checkpoint(directory) -> dict[str, torch.Tensor]:
         if LAYOUT["producer_config"] != "native" and FORMAT in BLOCK_GRID_4D_FORMATS:
             grid = tensors["weight_scale"]  # ModelOpt's [N/bn, 1, K/bk, 1], 0-D for one block
             tensors["weight_scale"] = grid.reshape(()) if grid.numel() == 1 else grid[:, None, :, None]
-        for suffix in OMITTED.get((LAYOUT["producer_config"], FORMAT), ()):
+        for suffix in OMITTED.get((LAYOUT["producer_config"], FORMAT, KNOBS.get("checkpoint_format")), ()):
             del tensors[suffix]
         stored |= {f"{module}.{suffix}": tensor.contiguous() for suffix, tensor in tensors.items()}
         if LAYOUT["split_scale"]:

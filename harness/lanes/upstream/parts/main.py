@@ -150,7 +150,7 @@ def reproduce() -> tuple[int, list[str]]:
         with CapturedLogs(ENGINE_LOGGERS) as logs:
             try:
                 loaded = load_model(scratch)
-            except Exception as error:
+            except (Exception, SystemExit) as error:  # a library that exits the interpreter fails the load too
                 code, lines = judge_refusal(error, logs.lines)
                 return code, header + lines
             recorder = ActivationRecorder(loaded[0], expected) if JUDGE_ACTIVATIONS else nullcontext()
