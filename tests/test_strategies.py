@@ -297,3 +297,10 @@ def test_recipes_are_valid(recipe):
     assert resolved.settings["head_dim"] % 2 == 0
     assert resolved.layout["shards"] >= 2 or not resolved.layout["split_scale"]
     assert all(r >= 1 and c >= 1 for r, c in grids_of(recipe))
+
+
+@settings(max_examples=10)
+@given(recipe=recipes(formats=("ct-mxfp4",), archs=("deepseek_v3",)))
+def test_deepseeks_lora_ranks_are_whole_groups_where_the_format_refuses_a_partial_one(recipe):
+    """q_lora_rank is q_b_proj's input width: its default 48 is no whole number of MXFP4's groups of 32."""
+    assert all(cols % column_multiple("ct-mxfp4") == 0 for _, cols in shapes_of(recipe))

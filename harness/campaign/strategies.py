@@ -213,6 +213,8 @@ def _architectures(
         elif key.endswith("intermediate_size"):  # an expert's (or the shared expert's) width
             config[key] = draw(dimensions(block[0], column_multiple))
             event(f"{key}: {dimension_class(config[key], block[0])}")
+        elif key.endswith("_lora_rank") and default % column_multiple:  # DeepSeek's ranks are Linears' inputs
+            config[key] = -(-default // column_multiple) * column_multiple
     event(f"arch: {name}")
     event(f"tie_word_embeddings: {config['tie_word_embeddings']}")
     if name == "llama":
