@@ -85,7 +85,9 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
             finding(engine, "accepted-invalid", "loaded a checkpoint that must be refused: " + "; ".join(reasons))
             return None
         unused = {canonical_name(n) for n in (judgement.manifest or {}).get("unused_tensors", [])}
-        anomalies = _judge_report(engine, outcome.report, finding, unused, judgement.redundant_tensors)
+        # the checkpoint's optional tensors are read only where an engine left some key unread
+        redundant = judgement.redundant_tensors if outcome.report.get("unexpected") else set()
+        anomalies = _judge_report(engine, outcome.report, finding, unused, redundant)
         held = worker.weights(judgement.scratch_file(engine, "weights"))
         # a module whose tensors the load report names as missing is that finding's consequence
         missing = {canonical_name(k).rpartition(".")[0] for k in outcome.report.get("missing", [])}
