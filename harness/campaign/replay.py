@@ -30,24 +30,25 @@ def replay_recipe(
 
 
 def reproduce_known_issue(issue: KnownIssue, session: EngineSession, work: Path) -> tuple[str, list[Finding]]:
-    """('reproduced' | 'gone' | 'skipped: why', the matching findings). Needs `issue.engine` in the
-    session; 'gone' means the engine's version is in range and the reproducer no longer shows it."""
-    worker = session.process(issue.engine)
+    """('reproduced' | 'gone' | 'skipped: why', the matching findings), its engine loaded with the
+    options its reproducer names (`issue.engine_name`); 'gone' means the engine's version is in range and the reproducer no longer shows it."""
+    engine = issue.engine_name  # with the options its reproducer loads it with
+    worker = session.process(engine)
     if worker is None:
-        return f"skipped: {session.unavailable[issue.engine]}", []
-    version = session.versions[issue.engine]
-    if not issue.applies_to(issue.engine, version):
-        return f"skipped: {issue.engine} {version} is outside {issue.versions}", []
+        return f"skipped: {session.unavailable[engine]}", []
+    version = session.versions[engine]
+    if not issue.applies_to(engine, version):
+        return f"skipped: {engine} {version} is outside {issue.versions}", []
     if issue.outside_this_machine():
         return f"skipped: {issue.outside_this_machine()}", []
     recipe = Recipe.from_json({"seed": 0, **issue.reproducer})
-    engines = judged_with_reference(issue.engine)
+    engines = judged_with_reference(engine)
     relations = RELATION_NAMES if "relation" in issue.kinds else ()  # a relation finding shows only when checked
     result = replay_recipe(recipe, work / issue.id, session, KnownIssues([issue]), engines, relations)
     matching = [f for f in result.findings if f.known_issue == issue.id]
-    if not matching and _cannot_show_here(issue, result.outcomes.get(issue.engine)):
-        outcome = result.outcomes[issue.engine]
-        return f"skipped: {issue.engine} cannot run it here ({outcome.detail or outcome.status})", []
+    if not matching and _cannot_show_here(issue, result.outcomes.get(engine)):
+        outcome = result.outcomes[engine]
+        return f"skipped: {engine} cannot run it here ({outcome.detail or outcome.status})", []
     return ("reproduced" if matching else "gone"), matching
 
 

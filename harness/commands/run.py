@@ -159,13 +159,14 @@ def _progress_bar(budget, cells: int):
 
 
 def applicable_issues(known, session, engines: list[str]) -> list:
-    """The known issues of the engines that ran, at the versions they ran."""
+    """The known issues of the engines that ran, at the versions they ran; one whose reproducer
+    loads its engine with options (a model dtype) only where a drawn variant ran with them."""
     return [
         issue
         for issue in known.issues
         if issue.engine in engines
-        and issue.engine in session.versions
-        and issue.applies_to(issue.engine, session.versions[issue.engine])
+        and issue.engine_name in session.versions
+        and issue.applies_to(issue.engine, session.versions[issue.engine_name])
     ]
 
 

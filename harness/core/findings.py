@@ -49,7 +49,9 @@ class Finding:
     format: str
     message: str
     arch: str | None = None  # the checkpoint's model_type
-    dtype: str | None = None  # the checkpoint's dtype, the one weights are compared in
+    dtype: str | None = (
+        None  # the model dtype weights and logits are compared in: the checkpoint's, or an engine option's
+    )
     module: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     checkpoint: str = ""

@@ -107,8 +107,14 @@ class Judgement:
     #: an engine loaded with an option that changes its forward (harness.oracle.specified
     #: MODELLED_OPTIONS) -> its own (specified, bound, reason), the reference's model of the option
     option_candidates: dict[str, tuple[list[torch.Tensor] | None, float, str]] = field(default_factory=dict)
+    #: an engine loaded in another model dtype (`vllm[dtype=float32]`) -> the reference's weight-only
+    #: logits in that dtype (None: the reference could not compute them, and why in `baseline_reasons`)
+    baselines: dict[str, list[torch.Tensor] | None] = field(default_factory=dict)
+    baseline_reasons: dict[str, str] = field(default_factory=dict)
     #: the relations checked on each engine that loads it (harness.differential.relations)
     relations: tuple[str, ...] = ()
+    #: the engines that load it (default: the session's)
+    engines: list[str] = field(default_factory=list)
     #: the reference's activation probe inputs (harness.differential.probe), or None
     probe: dict | None = None
     #: the reference's basis inputs for every Linear (harness.differential.effective_weights), or
@@ -197,12 +203,24 @@ class Judgement:
             format=self.fmt.name,
             message=message,
             arch=architecture_name(self.config.get("model_type")),
-            dtype=self.dtype,
+            dtype=self.engine_dtype(engine),
             checkpoint=str(self.directory),
             **extra,
         )
         self.result.findings.append(item)
         return item
+
+    def engine_dtype(self, engine: str) -> str:
+        """The model dtype `engine` computes in: the checkpoint's, unless it was loaded with a `dtype`
+        option (harness.engines.options); its weights and logits are judged in that dtype."""
+        from harness.engines.options import model_dtype
+
+        return model_dtype(engine) or self.dtype
+
+    def engine_tol(self, engine: str):
+        """The tolerances of `engine`'s model dtype for this checkpoint's format."""
+        dtype = self.engine_dtype(engine)
+        return self.tol if dtype == self.dtype else load_tolerances(self.fmt.name, dtype)
 
     def candidate(self, engine: str) -> tuple[list[torch.Tensor] | None, float, str]:
         """The reference's specified forward `engine` is held to, its bound and what it specifies:

@@ -42,6 +42,7 @@ FIELDS = {
     "reason",
     "upstream",
     "reproducer",
+    "engine_options",
     "status",
 }
 REQUIRED = {"id", "engine", "versions", "formats", "kind", "reason", "reproducer"}
@@ -65,6 +66,15 @@ class KnownIssue:
     dtypes: list[str] | None = None
     upstream: str = ""
     status: str = "open"
+    #: the options its reproducer loads the engine with (harness.engines.options), e.g. a model dtype
+    engine_options: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def engine_name(self) -> str:
+        """The engine its reproducer runs: `engine`, with `engine_options` where it has some."""
+        from harness.engines.options import with_options
+
+        return with_options(self.engine, self.engine_options)
 
     def outside_this_machine(self) -> str | None:
         """Why this machine cannot show the issue (a precondition on `isa` alone that is false
@@ -157,6 +167,13 @@ def _issue(entry: dict, where: str, names: frozenset[str]) -> KnownIssue:
         except re.error as error:
             raise HarnessError(f"{where}: bad message regex ({error})") from None
     when = [Predicate.parse(text, where, names) for text in _list_of_strings(entry, "when", where)]
+    options = entry.get("engine_options", {})
+    if not isinstance(options, dict) or not all(isinstance(v, str) for v in options.values()):
+        raise HarnessError(f"{where}: engine_options must be a table of strings, got {options!r}")
+    if options:
+        from harness.engines.options import split_engine, with_options
+
+        split_engine(with_options(entry["engine"], options))  # an unknown option is a load error
     misreading = entry.get("misreading")
     if misreading is not None:
         known = require_misreading(misreading, where)
@@ -180,6 +197,7 @@ def _issue(entry: dict, where: str, names: frozenset[str]) -> KnownIssue:
         dtypes=entry.get("dtypes"),
         upstream=entry.get("upstream", ""),
         status=entry.get("status", "open"),
+        engine_options=dict(options),
         raw=entry,
     )
 

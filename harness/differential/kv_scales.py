@@ -45,7 +45,7 @@ def judge_kv_scales(judgement, engine: str, worker: EngineProcess) -> bool:
     problems = [
         problem
         for module, pair in sorted(stored.items())
-        if (problem := judge_module(module, pair, held.get(module), MODEL_DTYPES[judgement.dtype]))
+        if (problem := judge_module(module, pair, held.get(module), MODEL_DTYPES[judgement.engine_dtype(engine)]))
     ]
     if not problems:
         return False

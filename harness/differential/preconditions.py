@@ -65,8 +65,10 @@ GLOBAL_SCALES = ("weight_global_scale", "weight_scale_2")
 #: names of a finding about one module (weight-mismatch etc.); `stand_in`: found by running vLLM's
 #: loaders with stand-in kernels where it has none here (harness.differential.stand_in)
 MODULE_NAMES = ("rows", "cols", "block_rows", "block_cols", "partial", "expert", "tp", "parallel", "stand_in")
-#: the options of the engine a finding is about (harness.engines.options), as `when` names
-MODULE_NAMES += ("kv_cache_dtype", "enforce_eager")
+#: the options of the engine a finding is about (harness.engines.options), as `when` names; its
+#: `dtype` option as `model_dtype`, the dtype the engine computes in (the checkpoint's without one;
+#: `dtype` is the checkpoint's)
+MODULE_NAMES += ("kv_cache_dtype", "enforce_eager", "model_dtype")
 
 BINARY: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
@@ -453,12 +455,15 @@ def module_context(finding: Finding) -> dict[str, Any]:
     block_cols), `partial`: a dimension is not a multiple of the block, `expert`: the module
     is one of a mixture's experts, `tp`: the tensor-parallel size it was found at (or the
     expert-parallel size), `parallel`: which of the two ("tp" or "ep"), `stand_in`: found with
-    stand-in kernels; and the options the engine was loaded with (`kv_cache_dtype`, `enforce_eager`)."""
+    stand-in kernels; the options the engine was loaded with (`kv_cache_dtype`, `enforce_eager`), and
+    `model_dtype`, the dtype it computes in (the finding's)."""
     from harness.engines.options import split_engine
 
     shape, block = finding.metrics.get("shape"), finding.metrics.get("block")
     context: dict[str, Any] = {"stand_in": bool(finding.metrics.get("stand_in"))}
-    context |= split_engine(finding.engine)[1]
+    context |= {key: value for key, value in split_engine(finding.engine)[1].items() if key != "dtype"}
+    if finding.dtype:
+        context["model_dtype"] = finding.dtype
     if finding.module:
         context["expert"] = ".experts." in finding.module
     if isinstance(finding.metrics.get("tp"), int):  # the tensor-parallel size a relation finding is at

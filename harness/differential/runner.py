@@ -39,18 +39,19 @@ def evaluate(
     paths each engine that loads it must agree with, bit for bit (harness.differential.relations)."""
     judgement = Judgement.of(Path(directory).resolve(), session, hostile)
     judgement.relations = tuple(relations)
+    judgement.engines = list(engines or session.engines)
     if judgement.manifest is None and judgement.expectation == "refuse" and not judgement.hazards:
         # a checkpoint the harness did not write breaks its format (a NaN scale): that is the user's
         # first finding, whichever engines load it (each that does is then `accepted-invalid`)
         judgement.finding(REFERENCE, "invalid-checkpoint", judgement.result.expectation_reason)
     logprobs: dict[str, list[torch.Tensor]] = {}
-    for engine in engines or session.engines:
+    for engine in judgement.engines:
         rows = _load_and_judge(judgement, engine)
         if rows is not None:
             logprobs[engine] = rows
     _judge_logits(judgement, logprobs)
     if judgement.relations:
-        check_shard_relations(judgement, engines or session.engines)
+        check_shard_relations(judgement, judgement.engines)
     if known is not None:
         known.annotate(judgement.result.findings)
     return judgement.result
@@ -101,6 +102,11 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
             _activation_candidate(judgement, worker)
             reference_probe(judgement, worker, outcome)
             reference_basis(judgement, worker)
+        elif judgement.engine_dtype(engine) != judgement.dtype:
+            outcome.effective_weights = outcome.activation_probe = (
+                f"not run: the engine computes in {judgement.engine_dtype(engine)}, the probe's inputs are in "
+                f"the checkpoint's {judgement.dtype}"
+            )
         else:
             judge_effective_weights(judgement, engine, worker, outcome, held)
             if judgement.probe is not None:
@@ -108,6 +114,8 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
         outcome.generated = worker.generate(judgement.sequences[0][:8], GENERATE_TOKENS)
         if judgement.relations:  # last: the worker then holds the relations' loads, not this one
             check_relations(judgement, engine, worker, Load(outcome.report, held, rows))
+        if engine == REFERENCE:  # after its relations: this loads the reference again
+            _other_dtype_references(judgement, worker)
         return rows
     except EngineFailure as failure:
         outcome.status, outcome.detail = "failed", str(failure)
@@ -194,20 +202,23 @@ def _activation_candidate(judgement: Judgement, worker: EngineProcess) -> None:
     _option_candidates(judgement, worker)
 
 
-def _option_candidates(judgement: Judgement, worker: EngineProcess) -> None:
-    """For each engine of the session loaded with an option that changes its forward (an FP8 KV
-    cache the checkpoint does not declare), the reference's model of that forward."""
+def _option_candidates(judgement: Judgement, worker: EngineProcess, engines: list[str] | None = None) -> None:
+    """For each of `engines` (default: the session's in the checkpoint's dtype) loaded with an option
+    that changes its forward (an FP8 KV cache the checkpoint does not declare), the reference's model
+    of that forward, computed by the reference's current load (in that engine's model dtype)."""
     from harness.engines.options import split_engine
     from harness.oracle.kv_cache import declares_fp8_kv_cache
     from harness.oracle.specified import modelled_option
 
-    tol, sequences = judgement.tol, judgement.sequences
+    sequences = judgement.sequences
+    if engines is None:
+        engines = [e for e in judgement.engines if judgement.engine_dtype(e) == judgement.dtype]
     try:
         if declares_fp8_kv_cache(judgement.config.get("quantization_config") or {}):
             return  # the checkpoint's own cache: the option changes nothing
     except HarnessError:  # a KV scheme not defined here: no model of the option either
         return
-    for engine in judgement.session.engines:
+    for engine in engines:
         option = modelled_option(split_engine(engine)[1])
         if not option:
             continue
@@ -217,10 +228,46 @@ def _option_candidates(judgement: Judgement, worker: EngineProcess) -> None:
             )
         except EngineError:  # the reference cannot model it here: the engine is judged as its plain self
             continue
-        bound = max(tol.activation_kv_max_abs_delta, 2 * judgement.specified_noise)
+        bound = max(judgement.engine_tol(engine).activation_kv_max_abs_delta, 2 * judgement.specified_noise)
         specified = judgement.specified_reason if judgement.specified is not None else ""
         reason = ", ".join(filter(None, (specified, f"FP8 KV cache at scale 1.0 ({option})")))
         judgement.option_candidates[engine] = (rows, bound, reason)
+
+
+def _other_dtype_references(judgement: Judgement, worker: EngineProcess) -> None:
+    """For the engines of the session loaded in another model dtype (`vllm[dtype=float32]`), the
+    reference loaded again in each such dtype: its weight-only logits (the engine's baseline), its
+    specified forward where the checkpoint specifies one, and its model of the engine's other
+    options. Where the reference cannot, the engine's logits are not judged, and why is said."""
+    from harness.oracle.specified import describe
+
+    by_dtype: dict[str, list[str]] = {}
+    for engine in judgement.engines:
+        if judgement.engine_dtype(engine) != judgement.dtype:
+            by_dtype.setdefault(judgement.engine_dtype(engine), []).append(engine)
+    for dtype, engines in sorted(by_dtype.items()):
+        try:
+            worker.load(judgement.directory, variant=f"dtype={dtype}")
+            rows = worker.logprobs(judgement.sequences, judgement.scratch_file(REFERENCE, f"logprobs-{dtype}"))
+            specified = None
+            if judgement.specified is not None:  # the checkpoint's own specified forward, in this dtype
+                file = judgement.scratch_file(REFERENCE, f"specified-{dtype}")
+                specified = worker.logprobs(judgement.sequences, file, "float64")
+        except EngineError as error:
+            for engine in engines:
+                judgement.baselines[engine] = None
+                judgement.baseline_reasons[engine] = f"the reference has no forward in {dtype}: {first_line(error)}"
+            continue
+        for engine in engines:
+            judgement.baselines[engine] = rows
+            if specified is not None:
+                bound = max(judgement.engine_tol(engine).activation_max_abs_delta, 2 * judgement.specified_noise)
+                judgement.option_candidates[engine] = (
+                    specified,
+                    bound,
+                    describe(judgement.config["quantization_config"]),
+                )
+        _option_candidates(judgement, worker, engines)
 
 
 def _judge_hostile_load(judgement: Judgement, engine: str, worker: EngineProcess, report: dict) -> None:
@@ -241,7 +288,7 @@ def _judge_hostile_load(judgement: Judgement, engine: str, worker: EngineProcess
             )
             continue
         if judgement.truth:
-            equal = sorted(n for n in placed & set(judgement.truth) if _holds_truth(judgement, held, n))
+            equal = sorted(n for n in placed & set(judgement.truth) if _holds_truth(judgement, engine, held, n))
             if not equal:
                 judgement.finding(
                     engine,
@@ -260,17 +307,18 @@ def _judge_hostile_load(judgement: Judgement, engine: str, worker: EngineProcess
         )
 
 
-def _holds_truth(judgement: Judgement, held: dict[str, torch.Tensor], name: str) -> bool:
+def _holds_truth(judgement: Judgement, engine: str, held: dict[str, torch.Tensor], name: str) -> bool:
     want, got = judgement.truth[name], held.get(name)
     if got is None or tuple(got.shape) != tuple(want.shape):
         return False
     block = judgement.fmt.scale_block(judgement.knobs, tuple(want.shape)) if want.dim() == 2 else None
-    return compare_weight(name, got, want, judgement.dtype, judgement.tol, block).ok
+    return compare_weight(name, got, want, judgement.engine_dtype(engine), judgement.engine_tol(engine), block).ok
 
 
 def _judge_logits(judgement: Judgement, logprobs: dict[str, list[torch.Tensor]]) -> None:
-    """Each engine's perplexity, and its log-probabilities against the reference engine's."""
-    result, sequences, tol = judgement.result, judgement.sequences, judgement.tol
+    """Each engine's perplexity, and its log-probabilities against the reference engine's (in the
+    engine's model dtype)."""
+    result, sequences = judgement.result, judgement.sequences
     baseline = logprobs.get(REFERENCE)
     if baseline is not None and not all(torch.isfinite(r).all() for r in baseline):
         # the model itself overflows in its dtype (e.g. float16 with x1000 weights): no oracle for logits
@@ -278,9 +326,12 @@ def _judge_logits(judgement: Judgement, logprobs: dict[str, list[torch.Tensor]])
         baseline = None
     for engine, rows in logprobs.items():
         result.outcomes[engine].perplexity = perplexity(rows, sequences)
-        if baseline is None or engine == REFERENCE or result.outcomes[engine].detail:
+        if engine == REFERENCE or result.outcomes[engine].detail:
             continue
-        diff = compare_logprobs(rows, baseline, sequences, tol)
+        own, tol = _baseline(judgement, engine, baseline)
+        if own is None:
+            continue
+        diff = compare_logprobs(rows, own, sequences, tol)
         metrics = {
             "max_abs_delta": diff.max_abs_delta,
             "topk_misses": diff.topk_misses,
@@ -307,7 +358,7 @@ def _judge_logits(judgement: Judgement, logprobs: dict[str, list[torch.Tensor]])
             # E4M3 grid of quantized activations or a quantized KV cache, near-tied top-1s flip
             # within the measured bound _judge_activations applies (a weight-only ct-int4 phi3 with
             # an FP8 KV cache: transformers, compressed-tensors and vLLM each 1 of 69 positions)
-            diff = _judge_activations(judgement, engine, rows, baseline, diff, metrics)
+            diff = _judge_activations(judgement, engine, rows, own, diff, metrics)
         elif diff.max_abs_delta > tol.logprob_max_abs_delta:
             judgement.finding(
                 engine,
@@ -329,6 +380,21 @@ def _judge_logits(judgement: Judgement, logprobs: dict[str, list[torch.Tensor]])
                 f"perplexity {diff.perplexity:.4g} vs reference {diff.reference_perplexity:.4g}",
                 metrics=metrics,
             )
+
+
+def _baseline(judgement: Judgement, engine: str, baseline):
+    """The reference's weight-only logits `engine` is held to, and the tolerances it is judged with:
+    `baseline` (the reference's, None where non-finite) and the checkpoint dtype's, or for an engine
+    loaded in another model dtype the reference's forward in that dtype and that dtype's. (None, _)
+    where there is none, said in the engine's outcome where the reason is this dtype's."""
+    if engine not in judgement.baselines:
+        return baseline, judgement.tol
+    own, dtype = judgement.baselines[engine], judgement.engine_dtype(engine)
+    if own is not None and not all(torch.isfinite(r).all() for r in own):
+        judgement.baseline_reasons[engine], own = f"the reference's own logits in {dtype} are non-finite", None
+    if own is None:
+        judgement.result.outcomes[engine].detail = f"logits not judged: {judgement.baseline_reasons[engine]}"
+    return own, judgement.engine_tol(engine)
 
 
 def ill_conditioned(judgement: Judgement, engine: str, weights_exact: bool, diff, tol) -> bool:
@@ -427,8 +493,8 @@ def judge_held_weights(
         engine,
         held,
         judgement.truth if truth is None else truth,
-        judgement.dtype,
-        judgement.tol,
+        judgement.engine_dtype(engine),
+        judgement.engine_tol(engine),
         judgement.fmt,
         judgement.knobs,
         judgement.finding,
@@ -479,7 +545,7 @@ def _judge_activations(judgement: Judgement, engine: str, rows, weights_only, di
     that says which candidate the engine computed, when the candidates are far enough apart
     (more than twice the noise) to tell: "not applied" when it is the weight-only one. Returns the
     engine's LogprobDiff against the specified candidate."""
-    sequences, tol = judgement.sequences, judgement.tol
+    sequences, tol = judgement.sequences, judgement.engine_tol(engine)
     candidate, bound, scheme = judgement.candidate(engine)
     specified = compare_logprobs(rows, candidate, sequences, tol)
     to_specified = specified.max_abs_delta

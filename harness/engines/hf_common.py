@@ -27,9 +27,9 @@ def checkpoint_dtype(directory: str | Path) -> torch.dtype:
 _SENTINEL: list[bool] = []
 
 
-def unquantized_model(directory: str | Path):
-    """The checkpoint's transformers model class, randomly initialised in the checkpoint's dtype,
-    with no quantizer attached: the caller fills in the weights."""
+def unquantized_model(directory: str | Path, dtype: torch.dtype | None = None):
+    """The checkpoint's transformers model class, randomly initialised in `dtype` (default: the
+    checkpoint's), with no quantizer attached: the caller fills in the weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
@@ -38,7 +38,7 @@ def unquantized_model(directory: str | Path):
     # experts one by one in plain matmuls (the definition), not torch's grouped_mm, whose CPU
     # kernel refuses rows whose byte stride is not a multiple of 16 (an expert width of 18)
     config._experts_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config, dtype=checkpoint_dtype(directory)).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype or checkpoint_dtype(directory)).eval()
     if _SENTINEL:  # the relation `sentinel`: the caller must write every parameter
         with torch.no_grad():
             for parameter in model.parameters():

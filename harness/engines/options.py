@@ -10,9 +10,12 @@ import re
 
 from harness.core.errors import HarnessError
 
+#: the `dtype` option's values: the checkpoint's own (auto), or a model dtype (harness.core.dtypes)
+MODEL_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 NAMED = re.compile(r"^(?P<base>[^\[\]]+)\[(?P<options>[^\[\]]*)\]$")
-#: per engine, each option it takes and the values it accepts, in vLLM's own `LLM(...)` spelling;
-#: where they are used: harness/engines/vllm/engine.py (VllmEngine.construct)
+#: per engine, each option it takes and the values it accepts, in the engine's own spelling (vLLM's
+#: `LLM(...)`, transformers' `from_pretrained`); where they are used: harness/engines/vllm/engine.py
+#: (VllmEngine.construct), harness/engines/transformers_engine.py (TransformersEngine.model_dtype)
 OPTIONS: dict[str, dict[str, tuple[str, ...]]] = {
     "vllm": {
         # False: torch.compile of the model (inductor on CPU), as vLLM serves by default; the same
@@ -24,7 +27,15 @@ OPTIONS: dict[str, dict[str, tuple[str, ...]]] = {
         # cache quantized at scale 1.0, in E4M3 (fp8/fp8_e4m3) or E5M2 (fp8_e5m2, which vLLM declines
         # for checkpoints whose method could carry KV scales: `unsupported`, in its words)
         "kv_cache_dtype": ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+        # the model dtype, cast from the checkpoint's (users pick float16 where a GPU has no bfloat16,
+        # and for methods that refuse bfloat16). Judged in that dtype: weights against the truth
+        # cast once to it, logits against the reference's forward in it (the reference loaded again
+        # in that dtype), with that dtype's tolerances; the probes of the applied weights, whose
+        # inputs are the checkpoint dtype's, are not run for it
+        "dtype": MODEL_DTYPE_CHOICES,
     },
+    # from_pretrained's `dtype`, judged as vLLM's is
+    "transformers": {"dtype": MODEL_DTYPE_CHOICES},
 }
 
 
@@ -59,6 +70,13 @@ def base_engine(name: str) -> str:
     return split_engine(name)[0]
 
 
+def model_dtype(name: str) -> str | None:
+    """The model dtype an engine's `dtype` option names (`vllm[dtype=float32]` -> `float32`);
+    None for the checkpoint's own (no option, or `auto`)."""
+    dtype = split_engine(name)[1].get("dtype", "auto")
+    return None if dtype == "auto" else dtype
+
+
 def with_options(spec: str, options: dict[str, str]) -> str:
     """`module:Class` with the options the worker gives the engine (harness.engines.load_engine)."""
     if not options:
@@ -69,13 +87,20 @@ def with_options(spec: str, options: dict[str, str]) -> str:
 #: what a campaign draws (`run --options-every N`): one of these on every N-th example, in turn,
 #: each judged besides the plain engines wherever its plain engine is in the run. Compiled vLLM
 #: costs a torch.compile per load (35 s for a 2-layer llama on 2 AVX2 cores against 3 s eager,
-#: docs/engines.md); a 10-minute main job (1450 examples on the AMD AVX-512 kind, session 34) drew
-#: two variants once each. Not drawn: a model dtype other than the checkpoint's (the reference's
-#: model of it, a reference forward in that dtype, is not written). An FP8 KV cache is drawn too, E4M3 and E5M2: judged against the reference's model
-#: of it, and `unsupported` at once (vLLM's words) on a CPU without AVX-512.
-CAMPAIGN_VARIANTS = ("vllm[enforce_eager=false]", "vllm[kv_cache_dtype=fp8]", "vllm[kv_cache_dtype=fp8_e5m2]")
-#: one example in CAMPAIGN_OPTIONS_EVERY also loads one drawn variant (0: none)
-CAMPAIGN_OPTIONS_EVERY = 500
+#: docs/engines.md); an FP8 KV cache (E4M3, E5M2) is judged against the reference's model of it and
+#: is `unsupported` at once (vLLM's words) on a CPU without AVX-512; a model dtype (float16, as users
+#: pick where a GPU has no bfloat16, and float32) against the reference's forward in that dtype.
+CAMPAIGN_VARIANTS = (
+    "vllm[enforce_eager=false]",
+    "transformers[dtype=float16]",
+    "vllm[kv_cache_dtype=fp8]",
+    "vllm[dtype=float16]",
+    "vllm[kv_cache_dtype=fp8_e5m2]",
+    "transformers[dtype=float32]",
+)
+#: one example in CAMPAIGN_OPTIONS_EVERY also loads one drawn variant (0: none): a 10-minute main
+#: job (1450-1620 examples on the AMD AVX-512 kind, sessions 34-35) draws each about once
+CAMPAIGN_OPTIONS_EVERY = 250
 
 
 def drawn_variant(example: int, every: int, engines, variants=CAMPAIGN_VARIANTS) -> str | None:

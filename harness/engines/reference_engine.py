@@ -23,14 +23,16 @@ class ReferenceEngine(HFModelEngine):
     #: `activation_logprobs`, the runner's second candidate)
     runs_specified = False
 
-    def load(self, directory: str) -> LoadReport:
+    def load(self, directory: str, dtype=None) -> LoadReport:
+        """The oracle's weights in the checkpoint's dtype, or in `dtype` (a torch dtype): the float64
+        dequantization cast once to it, as an engine loaded in that dtype must hold them."""
         from harness.checkpoints.kv_scales import is_kv_scale
         from harness.checkpoints.model_layout import to_model_state
         from harness.checkpoints.reader import Checkpoint
         from harness.oracle import specified
         from harness.oracle.reference import dequantize_checkpoint
 
-        dtype = checkpoint_dtype(directory)
+        dtype = dtype or checkpoint_dtype(directory)
         checkpoint = Checkpoint(directory)
         if "quantization_config" in checkpoint.config:  # quantized: the oracle's dequantization
             tensors = dequantize_checkpoint(directory)
@@ -50,13 +52,23 @@ class ReferenceEngine(HFModelEngine):
         }
         state = to_model_state(checkpoint.config, state)
         self.checkpoint = checkpoint
-        self.model, tied = unquantized_model(directory)
+        self.model, tied = unquantized_model(directory, dtype)
         self.activations = specified.plan(checkpoint)
         self.quantization_config = checkpoint.config.get("quantization_config") or {}
         result = self.model.load_state_dict(state, strict=False)
         return self.checkpoint_report(
             checkpoint.config, result.missing_keys, result.unexpected_keys, tied, checkpoint.names()
         )
+
+    def load_variant(self, directory, variant):
+        """`dtype=D`: the same oracle in model dtype D (D in harness.core.dtypes), the reference of an
+        engine loaded with that dtype option (harness.engines.options)."""
+        from harness.core.dtypes import MODEL_DTYPES
+
+        key, _, value = variant.partition("=")
+        if key != "dtype" or value not in MODEL_DTYPES:
+            return super().load_variant(directory, variant)
+        return self.load(directory, MODEL_DTYPES[value])
 
     def logprobs(self, sequences):
         if self.runs_specified and not isinstance(self.activations, str):

@@ -69,7 +69,11 @@ class TransformersEngine(HFModelEngine):
         with captured_warnings(report.warnings, full=logged):
             try:
                 self.model, info = AutoModelForCausalLM.from_pretrained(
-                    directory, output_loading_info=True, local_files_only=True, **self.load_options
+                    directory,
+                    output_loading_info=True,
+                    local_files_only=True,
+                    **self.model_dtype(),
+                    **self.load_options,
                 )
             except Exception as error:
                 method = config.get("quantization_config", {}).get("quant_method")
@@ -98,6 +102,14 @@ class TransformersEngine(HFModelEngine):
         with torch.no_grad():
             self.model(input_ids=torch.tensor([[1, 3, 4, 5]], device=input_device(self.model)))
         return report
+
+    def model_dtype(self) -> dict:
+        """`dtype=` for from_pretrained where an engine option names one (`transformers[dtype=float32]`);
+        none otherwise: transformers then loads in the checkpoint's dtype, as its users' default does."""
+        from harness.core.dtypes import MODEL_DTYPES
+
+        dtype = self.options.get("dtype", "auto")
+        return {} if dtype == "auto" else {"dtype": MODEL_DTYPES[dtype]}
 
     def load_variant(self, directory: str, variant: str) -> LoadReport:
         """`dequantize`: from_pretrained with the checkpoint's own quantization config and

@@ -17,8 +17,8 @@ def test_known_issue_still_reproduces(issue, engine_session, tmp_path):
     if status.startswith("skipped"):
         pytest.skip(status)
     assert status == "reproduced", (
-        f"known issue {issue.id} no longer reproduces with {issue.engine} "
-        f"{engine_session.versions.get(issue.engine)}: upstream fixed it? Narrow `versions` in "
+        f"known issue {issue.id} no longer reproduces with {issue.engine_name} "
+        f"{engine_session.versions.get(issue.engine_name)}: upstream fixed it? Narrow `versions` in "
         f"cases/known_issues.toml or remove the entry."
     )
     assert all(f.known_issue == issue.id for f in findings)

@@ -499,3 +499,23 @@ class GptqV1ZerosNotConvertedEngine(TransformersEngine):
             return super().load(directory)
         finally:
             model_utils.convert_gptq_v1_to_v2_format = original
+
+
+class DtypeIgnoredEngine(ReferenceEngine):
+    """DELIBERATELY BUGGY: given a model dtype option (`[dtype=float32]`), it loads and computes in
+    the checkpoint's dtype all the same, the bug class of a dtype argument dropped on the way (the
+    weights rounded to the checkpoint's dtype, the forward run in it)."""
+
+    name = "double-dtype-ignored"
+
+
+class DtypeHonouredEngine(ReferenceEngine):
+    """NOT BUGGY: the control for DtypeIgnoredEngine: the reference's weights cast once to the model
+    dtype its option names, its forward in that dtype, as a correct engine loaded with it computes."""
+
+    name = "double-dtype-honoured"
+
+    def load(self, directory):
+        from harness.core.dtypes import MODEL_DTYPES
+
+        return super().load(directory, MODEL_DTYPES[self.options["dtype"]])

@@ -3,6 +3,8 @@ harness's default, `ENGINE[key=value,...]`, judged as its plain self is."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from harness.checkpoints.recipe import Recipe
@@ -37,7 +39,9 @@ def test_an_engine_with_options_names_its_plain_engine_and_carries_them_to_the_w
         ("vllm[eager=false]", "vllm has no option 'eager'"),
         ("vllm[enforce_eager=maybe]", "enforce_eager='maybe' is not one of true, false"),
         ("vllm[enforce_eager]", "is not key=value"),
-        ("transformers[enforce_eager=false]", "transformers takes no options"),
+        ("compressed-tensors[enforce_eager=false]", "compressed-tensors takes no options"),
+        ("transformers[enforce_eager=false]", "transformers has no option 'enforce_eager'"),
+        ("vllm[dtype=float64]", "dtype='float64' is not one of auto, bfloat16, float16, float32"),
         ("vllm[enforce_eager=false", "options are written ENGINE[key=value,...]"),
     ],
 )
@@ -122,3 +126,34 @@ def test_compiled_vllm_is_judged_like_eager_vllm(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "vllm[enforce_eager=false] loaded, perplexity" in out and "no findings" in out
+
+
+DTYPE_DOUBLES = "tests.doubles.buggy_engines:"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_an_engine_loaded_in_another_dtype_is_judged_in_it(tmp_path, capsys, monkeypatch, dtype):
+    """A `dtype` option is judged in that dtype: weights against the truth cast once to it, logits
+    against the reference's own forward in it, with its tolerances. A (deliberately buggy) engine
+    that ignores the option and computes in the checkpoint's bfloat16 is caught: its weights beyond
+    two ulps of the dtype asked for, and in float32 its logits beyond float32's bound too; one that
+    honours it is clean, which in float32 it could not be against the bfloat16 reference's logits."""
+    from harness.engines import options
+
+    honoured, ignored = (
+        f"{DTYPE_DOUBLES}{name}[dtype={dtype}]" for name in ("DtypeHonouredEngine", "DtypeIgnoredEngine")
+    )
+    for name in (honoured, ignored):  # the doubles take the option as vLLM and transformers do
+        monkeypatch.setitem(options.OPTIONS, name.partition("[")[0], {"dtype": options.MODEL_DTYPE_CHOICES})
+    directory = tmp_path / "c"
+    recipe = Recipe(format="ct-int4", arch="llama", seed=2, config={"num_hidden_layers": 2})
+    generate(recipe, directory)
+    main(["compare", str(directory), "--engines", f"reference,{honoured},{ignored}", "--report", str(tmp_path / "r")])
+    capsys.readouterr()
+    found = json.loads((tmp_path / "r" / "report.json").read_text())["findings"]
+    assert not [f for f in found if f["engine"] == honoured], found
+    kinds = {f["kind"] for f in found if f["engine"] == ignored}
+    assert "weight-mismatch" in kinds, found
+    if dtype == "float32":  # bfloat16's forward is 0.03 from float32's here; from float16's, within 0.1
+        assert "logprobs" in kinds, found
+    assert {f["dtype"] for f in found} == {dtype}

@@ -167,12 +167,15 @@ def probe(fmt: str, construct) -> str | None:
     return None
 
 
-def unsupported_reason(fmt: str, construct, cache: CapabilityCache | None = None) -> str | None:
-    """`probe`'s answer for `fmt`, from the cache when this environment already asked."""
+def unsupported_reason(fmt: str, construct, cache: CapabilityCache | None = None, dtype: str = "") -> str | None:
+    """`probe`'s answer for `fmt`, from the cache when this environment already asked. `dtype`: the
+    model dtype `construct` loads in where an engine option sets one (kernels differ per dtype: no
+    CPU int4 kernel computes in float32); the other options share the plain engine's answer (a
+    compiled probe would cost a compile per format, and a declined KV cache is said at its load)."""
     cache = cache or CapabilityCache()
-    key = environment_key()
-    known, reason = cache.get(key, fmt)
+    key, entry = environment_key(), f"{fmt}[dtype={dtype}]" if dtype else fmt
+    known, reason = cache.get(key, entry)
     if not known:
         reason = probe(fmt, construct)
-        cache.put(key, fmt, reason)
+        cache.put(key, entry, reason)
     return None if reason is None else f"vLLM has no kernel for {fmt} here: {reason}"

@@ -134,7 +134,8 @@ class VllmEngine(Engine):
     def unsupported_reason(self, format_name):
         """What vLLM itself answers when a tiny checkpoint of the format is loaded and run here
         (harness.engines.vllm.capability; cached per environment). A probe replaces any loaded model."""
-        return probed_unsupported_reason(format_name, self.probe_construct)
+        dtype = self.options.get("dtype", "auto")
+        return probed_unsupported_reason(format_name, self.probe_construct, dtype="" if dtype == "auto" else dtype)
 
     def probe_construct(self, directory: str):
         self.unload()
@@ -142,10 +143,13 @@ class VllmEngine(Engine):
 
     def construct(self, directory: str, config: dict):
         """vLLM's `LLM` as the harness runs it: the checkpoint's dtype, eager, small KV cache, every
-        logprob; an engine option (`vllm[enforce_eager=false]`, ...) changes that one setting."""
+        logprob; an engine option (`vllm[enforce_eager=false]`, `vllm[dtype=float32]`, ...) changes
+        that one setting."""
         from vllm import LLM
 
-        dtype = config.get("dtype") or config.get("torch_dtype") or "auto"
+        dtype = self.options.get("dtype", "auto")
+        if dtype == "auto":  # the checkpoint's, as the harness loads every engine
+            dtype = config.get("dtype") or config.get("torch_dtype") or "auto"
         chosen = {"enforce_eager": self.options.get("enforce_eager", "true") == "true"}
         if "kv_cache_dtype" in self.options:
             chosen["kv_cache_dtype"] = self.options["kv_cache_dtype"]

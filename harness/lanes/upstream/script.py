@@ -218,7 +218,9 @@ def how_judged(reproducer: Reproducer) -> str:
             "with its slice of the format's definition"
         )
     second = f", then loads it a second way ({reproducer.relation}) and compares" if reproducer.relation else ""
-    return f"loads it with {ENGINE_APIS[reproducer.engine]}, and {CHECKS[reproducer.engine]}{second}"
+    options = ", ".join(f"{key}={value}" for key, value in sorted(reproducer.engine_options.items()))
+    api = ENGINE_APIS[reproducer.engine] + (f" ({options})" if options else "")
+    return f"loads it with {api}, and {CHECKS[reproducer.engine]}{second}"
 
 
 def checkpoint_facts(reproducer: Reproducer) -> tuple[dict, dict]:
@@ -417,7 +419,8 @@ def render_script(reproducer: Reproducer) -> Script:
         )
     resolved = reproducer.recipe.resolved()
     config, manifest = checkpoint_facts(reproducer)
-    format_name, dtype = reproducer.recipe.format, resolved.layout["dtype"]
+    format_name = reproducer.recipe.format
+    dtype = reproducer.engine_options.get("dtype", resolved.layout["dtype"])  # the dtype the engine computes in
     table = tensor_table(reproducer)  # every architecture's tensors, as the harness writes them
     judge_kv_cache = judges_vllm_kv_cache(reproducer)
     judge_activations = "activations" in reproducer.kinds and not judge_kv_cache
@@ -425,10 +428,11 @@ def render_script(reproducer: Reproducer) -> Script:
     parsed = {name: read_piece(name) for name in names}
     tolerance = load_tolerances(format_name, dtype)
     definition = definition_of(format_name, resolved.knobs)
-    expected = expected_of(reproducer, resolved, manifest, definition, tolerance, judge_kv_cache)
+    expected = expected_of(reproducer, resolved, manifest, definition, tolerance, judge_kv_cache, dtype)
     values = {
         "ISSUE": reproducer.id,
         "ENGINE": reproducer.engine,
+        "ENGINE_OPTIONS": reproducer.engine_options,
         "FORMAT": format_name,
         "SEED": reproducer.recipe.seed,
         "CONFIG": config,
@@ -454,10 +458,10 @@ def render_script(reproducer: Reproducer) -> Script:
 
 
 def expected_of(
-    reproducer: Reproducer, resolved, manifest: dict, definition: str, tolerance, judge_kv_cache: bool
+    reproducer: Reproducer, resolved, manifest: dict, definition: str, tolerance, judge_kv_cache: bool, dtype: str
 ) -> str:
-    """What a correct engine does with the checkpoint, in words (the script's EXPECTED)."""
-    dtype = resolved.layout["dtype"]
+    """What a correct engine does with the checkpoint, in words (the script's EXPECTED); `dtype`:
+    the one it computes in."""
     expected = expected_words(
         reproducer.engine,
         manifest["expectation"],

@@ -10,6 +10,7 @@ from pathlib import Path
 from harness.checkpoints.recipe import Recipe
 from harness.core.errors import HarnessError
 from harness.differential.known_issues import KnownIssue, KnownIssues
+from harness.engines.options import split_engine
 
 #: the engines a standalone script can drive (harness/lanes/upstream/parts/engine_*.py)
 SCRIPTED_ENGINES = ("transformers", "compressed-tensors", "vllm")
@@ -35,6 +36,8 @@ class Reproducer:
     #: a relation finding's relation (harness.differential.relations): the second load path the
     #: script holds to the first, None for the others
     relation: str | None = None
+    #: the options the engine is loaded with (harness.engines.options), e.g. {"dtype": "float16"}
+    engine_options: dict[str, str] = field(default_factory=dict)
 
 
 def relation_named(message: str) -> str | None:
@@ -67,6 +70,7 @@ def from_issue(issue: KnownIssue) -> Reproducer:
         kinds=list(issue.kinds),
         relation=relation_named(issue.message) if "relation" in issue.kinds else None,
         finding_pattern=issue.message or "",
+        engine_options=dict(issue.engine_options),
     )
 
 
@@ -87,7 +91,8 @@ def from_finding(report: Path, number: int, known: KnownIssues | None = None) ->
         raise HarnessError(f"{report}: --finding {number}: the report has {len(findings)} finding(s), numbered from 1")
     finding = findings[number - 1]
     where = f"{report}, finding {number}"
-    require_engine(finding.get("engine", "?"), where)
+    engine, options = split_engine(str(finding.get("engine", "?")))
+    require_engine(engine, where)
     directory = Path(finding.get("reproduction") or finding.get("checkpoint") or "")
     manifest = directory / "harness_manifest.json"
     if not manifest.is_file():
@@ -102,7 +107,8 @@ def from_finding(report: Path, number: int, known: KnownIssues | None = None) ->
         mechanism, reported, upstream = finding.get("message", ""), None, ""
     return Reproducer(
         id=issue_id or f"finding-{number}",
-        engine=finding["engine"],
+        engine=engine,
+        engine_options=options,
         recipe=recipe,
         mechanism=mechanism,
         source=where,

@@ -6,12 +6,14 @@ import logging
 
 import torch
 
-from harness.lanes.upstream.parts.parameters import LAYOUT, WEIGHT_TOLERANCE
+from harness.lanes.upstream.parts.parameters import ENGINE_OPTIONS, LAYOUT, WEIGHT_TOLERANCE
 
 # ---- reproduce.py ----
 
 EXIT_FIXED, EXIT_BUG, EXIT_CANNOT_RUN = 0, 1, 2
-MODEL_DTYPE = getattr(torch, LAYOUT["dtype"])
+MODEL_DTYPE = getattr(torch, LAYOUT["dtype"])  # the checkpoint's
+#: the dtype the engine computes in and is judged in: the checkpoint's, or the one its options name
+ENGINE_DTYPE = getattr(torch, ENGINE_OPTIONS.get("dtype", LAYOUT["dtype"]))
 PROMPT = [1, 3, 4, 5]
 #: the Linears whose weight was read through their kernel on basis inputs (modules.applied_weight),
 #: with the bias its outputs carried (or None): module -> bias
@@ -52,8 +54,8 @@ def ranges(indices) -> str:
 
 
 def ulp(values: torch.Tensor) -> torch.Tensor:
-    """One unit in the last place of |values| in the model dtype (float64)."""
-    held = values.abs().to(MODEL_DTYPE)
+    """One unit in the last place of |values| in the engine's dtype (float64)."""
+    held = values.abs().to(ENGINE_DTYPE)
     return torch.nextafter(held, torch.full_like(held, float("inf"))).to(torch.float64) - held.to(torch.float64)
 
 
@@ -88,7 +90,7 @@ def weight_problems(held, expected, scale_block) -> list[str]:
                 f"{module}: held with shape {list(got.shape)}, the checkpoint's is {list(definition.shape)}"
             )
             continue
-        want = definition.to(MODEL_DTYPE).to(torch.float64)
+        want = definition.to(ENGINE_DTYPE).to(torch.float64)
         value = got.detach().to("cpu").to(torch.float64)
         error = (value - want).abs()
         bound = WEIGHT_TOLERANCE["rel"] * want.abs() + WEIGHT_TOLERANCE["abs"]

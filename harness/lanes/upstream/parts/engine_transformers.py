@@ -1,13 +1,15 @@
 """The engine: transformers.
 
-As users load a checkpoint: AutoModelForCausalLM.from_pretrained, the checkpoint's dtype, CPU."""
+As users load a checkpoint: AutoModelForCausalLM.from_pretrained, the checkpoint's dtype (or the
+one ENGINE_OPTIONS names), CPU."""
 
 from __future__ import annotations
 
 import torch
 
-from harness.lanes.upstream.parts.common import PROMPT
+from harness.lanes.upstream.parts.common import ENGINE_DTYPE, PROMPT
 from harness.lanes.upstream.parts.modules import bias_problems, held_weights
+from harness.lanes.upstream.parts.parameters import ENGINE_OPTIONS
 
 # ---- reproduce.py ----
 
@@ -18,7 +20,10 @@ ENGINE_LOGGERS = ("transformers", "compressed_tensors")
 def load_model(directory):
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True, local_files_only=True)
+    dtype = {"dtype": ENGINE_DTYPE} if "dtype" in ENGINE_OPTIONS else {}  # else the checkpoint's, as by default
+    model, info = AutoModelForCausalLM.from_pretrained(
+        directory, output_loading_info=True, local_files_only=True, **dtype
+    )
     return model.eval(), info
 
 

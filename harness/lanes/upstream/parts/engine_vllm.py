@@ -17,7 +17,7 @@ import torch
 from harness.lanes.upstream.parts.checkpoint import KV_SCALE_NAMES, kv_scales, tensor_layout
 from harness.lanes.upstream.parts.common import PROMPT, weight_problems
 from harness.lanes.upstream.parts.fp8 import scale_block  # or nvfp4: the format piece
-from harness.lanes.upstream.parts.parameters import CONFIG, LAYOUT
+from harness.lanes.upstream.parts.parameters import CONFIG, ENGINE_OPTIONS, LAYOUT
 
 # ---- reproduce.py ----
 
@@ -33,7 +33,7 @@ def load_model(directory):
     return LLM(
         model=directory,
         skip_tokenizer_init=True,
-        dtype=CONFIG["dtype"],
+        dtype=ENGINE_OPTIONS.get("dtype", CONFIG["dtype"]),
         enforce_eager=True,
         max_model_len=min(256, CONFIG.get("max_position_embeddings", 256)),
         kv_cache_memory_bytes=32 * 2**20,

@@ -42,6 +42,7 @@ from harness.lanes.upstream.parts.kv_cache_vllm import kv_cache_problems  # only
 from harness.lanes.upstream.parts.parameters import (
     CANNOT_RUN_HERE,
     CONFIG,
+    ENGINE_OPTIONS,
     EXPECTATION,
     EXPECTED,
     FORMAT,
@@ -126,7 +127,8 @@ def reproduce() -> tuple[int, list[str]]:
         expected = build_checkpoint(Path(scratch))
         header = [
             f"checkpoint: {FORMAT} {CONFIG['model_type']}, {len(expected)} quantized Linear weights, "
-            f"{str(MODEL_DTYPE).removeprefix('torch.')}",
+            f"{str(MODEL_DTYPE).removeprefix('torch.')}"
+            + (f", loaded in {ENGINE_OPTIONS['dtype']}" if "dtype" in ENGINE_OPTIONS else ""),
             f"expected: {EXPECTED}",
         ]
         if JUDGE_KV_CACHE:  # vLLM's own cache op: no model is built

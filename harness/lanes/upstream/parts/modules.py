@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from harness.lanes.upstream.parts.checkpoint import float_weights
-from harness.lanes.upstream.parts.common import MODEL_DTYPE, PROBED
+from harness.lanes.upstream.parts.common import ENGINE_DTYPE, PROBED
 from harness.lanes.upstream.parts.fp8 import dequantize_definition  # or nvfp4: the format piece
 from harness.lanes.upstream.parts.parameters import PACKED_EXPERTS
 
@@ -45,7 +45,7 @@ def applied_weight(name, module) -> torch.Tensor | str:
     into the output the comparison allows for (common.kernel_slack)."""
     bias = getattr(module, "bias", None)
     try:
-        output = module(torch.eye(module.in_features, dtype=MODEL_DTYPE))
+        output = module(torch.eye(module.in_features, dtype=ENGINE_DTYPE))
     except Exception as error:
         return f"its Linear fails on basis inputs: {type(error).__name__}: {str(error)[:300]}"
     PROBED[name] = None if bias is None else bias.detach().to(torch.float64)

@@ -3,6 +3,9 @@ script's own, from a known issue's reproducer recipe or a report's finding, in t
 
 ISSUE = "transformers-fp8-block-grid-inferred-from-shape"
 ENGINE = "transformers"
+#: the options the engine is loaded with (harness.engines.options): `dtype`, a model dtype other
+#: than the checkpoint's
+ENGINE_OPTIONS = {}
 FORMAT = "fp8-block"
 SEED = 0
 #: config.json as written, quantization_config included
