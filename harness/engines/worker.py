@@ -16,6 +16,18 @@ import traceback
 from harness.engines.wire import on_the_wire, sequence_key
 
 
+def error_text(error: BaseException) -> str:
+    """`Type: message`; for an error raised without a message (a bare `assert` in a loader), where
+    it was raised and its source line instead, so that a finding says which check failed."""
+    message = str(error)
+    frames = traceback.extract_tb(error.__traceback__)
+    if message.strip() or not frames:
+        return f"{type(error).__name__}: {message}"
+    last = frames[-1]
+    where = last.filename.rpartition("site-packages/")[2]
+    return f"{type(error).__name__}: raised without a message in {last.name} ({where}:{last.lineno}): {last.line}"
+
+
 def serve(spec: str) -> int:
     channel = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -29,7 +41,7 @@ def serve(spec: str) -> int:
 
         engine = load_engine(spec)
     except BaseException as error:  # the engine could not even be imported: say why, then stop
-        answer(ok=False, error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
+        answer(ok=False, error=error_text(error), traceback=traceback.format_exc())
         return 1
     from harness.core.machine import isa_class, thread_count
 
@@ -52,7 +64,7 @@ def serve(spec: str) -> int:
         except BaseException as error:
             payload = {
                 "ok": False,
-                "error": f"{type(error).__name__}: {error}",
+                "error": error_text(error),
                 "traceback": traceback.format_exc(),
                 "unsupported": type(error).__name__ == "EngineUnsupported",
                 "refuses": type(error).__name__ == "EngineRefuses",

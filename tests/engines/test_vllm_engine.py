@@ -349,12 +349,18 @@ def test_the_kv_cache_scales_vllm_uses_are_read_back(engine, tmp_path):
 @needs_vllm
 def test_sentinel_parameters_fill_the_model_vllms_loader_creates():
     """In vLLM's interpreter: inside `sentinel_parameters`, BaseModelLoader.create_model hands back
-    its model with every parameter's bytes 0xFF (NaN), and restores vLLM's own method after."""
+    its model with every parameter's bytes 0xFF (NaN), a 0-D one too (ModelOpt's per-tensor scales:
+    a main job's sentinel relation once failed on viewing one as bytes), and restores vLLM's own
+    method after."""
     script = """
 import torch
 from vllm.model_executor.model_loader import base_loader
 from harness.engines.vllm.engine import sentinel_parameters
-base_loader.initialize_model = lambda **kwargs: torch.nn.Linear(3, 2)
+class WithScalar(torch.nn.Linear):
+    def __init__(self):
+        super().__init__(3, 2)
+        self.input_scale = torch.nn.Parameter(torch.tensor(1.0, dtype=torch.bfloat16), requires_grad=False)
+base_loader.initialize_model = lambda **kwargs: WithScalar()
 base_loader.log_online_quantization = base_loader.log_model_inspection = lambda *args: None
 original = base_loader.BaseModelLoader.create_model
 with sentinel_parameters():

@@ -557,8 +557,9 @@ def sentinel_parameters():
         model = original(loader, *args, **kwargs)
         with torch.no_grad():
             for parameter in model.parameters():
-                if parameter.numel():
-                    parameter.data.view(torch.uint8).fill_(0xFF)
+                if parameter.numel():  # a 0-D one (a per-tensor scale) has no last dimension to view as bytes
+                    data = parameter.data.unsqueeze(0) if parameter.dim() == 0 else parameter.data
+                    data.view(torch.uint8).fill_(0xFF)
         return model
 
     BaseModelLoader.create_model = create_then_fill
