@@ -111,6 +111,8 @@ class Judgement:
     #: logits in that dtype (None: the reference could not compute them, and why in `baseline_reasons`)
     baselines: dict[str, list[torch.Tensor] | None] = field(default_factory=dict)
     baseline_reasons: dict[str, str] = field(default_factory=dict)
+    #: the tolerances of those other dtypes, by dtype (engine_tol)
+    other_tols: dict[str, object] = field(default_factory=dict)
     #: the relations checked on each engine that loads it (harness.differential.relations)
     relations: tuple[str, ...] = ()
     #: the engines that load it (default: the session's)
@@ -218,9 +220,13 @@ class Judgement:
         return model_dtype(engine) or self.dtype
 
     def engine_tol(self, engine: str):
-        """The tolerances of `engine`'s model dtype for this checkpoint's format."""
+        """The tolerances of `engine`'s model dtype for this checkpoint's format (read once per dtype)."""
         dtype = self.engine_dtype(engine)
-        return self.tol if dtype == self.dtype else load_tolerances(self.fmt.name, dtype)
+        if dtype == self.dtype:
+            return self.tol
+        if dtype not in self.other_tols:
+            self.other_tols[dtype] = load_tolerances(self.fmt.name, dtype)
+        return self.other_tols[dtype]
 
     def candidate(self, engine: str) -> tuple[list[torch.Tensor] | None, float, str]:
         """The reference's specified forward `engine` is held to, its bound and what it specifies:

@@ -34,6 +34,9 @@ CONFIG_NAMES = (
     "dtype",
     "quant_method",  # quantization_config's, e.g. "modelopt", "compressed-tensors", "fp8"
     "packing_format",  # quantization_config's, AutoRound's (e.g. "auto_round:auto_awq"); absent elsewhere
+    # compressed-tensors' weight strategy ("tensor", "channel", "group", "block") where every config
+    # group declares the same one; absent elsewhere
+    "weight_strategy",
 )
 #: derived from the config: bytes per element of its dtype, and one routed expert's intermediate
 #: size under whatever field the architecture keeps it (Mixtral's intermediate_size, the others'
@@ -268,6 +271,7 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
         context["quant_method"] = quantization["quant_method"]
         if isinstance(quantization.get("packing_format"), str):
             context["packing_format"] = quantization["packing_format"]
+        context |= weight_strategy(quantization)
     context["dtype"] = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
     context |= derived_facts(config, context["dtype"])
     context |= stored_facts(directory)
@@ -277,6 +281,16 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
     if config.get("head_dim") is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
         context["head_dim"] = hidden // heads
     return context
+
+
+def weight_strategy(quantization: dict) -> dict[str, str]:
+    """{"weight_strategy": ...} where every config group of a compressed-tensors config declares
+    the same weight strategy; empty otherwise."""
+    groups = quantization.get("config_groups")
+    weights = [g.get("weights") for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
+    strategies = {w.get("strategy") for w in weights if isinstance(w, dict)}
+    (strategy,) = strategies if len(strategies) == 1 else (None,)
+    return {"weight_strategy": strategy} if isinstance(strategy, str) else {}
 
 
 def stored_facts(directory: Path) -> dict[str, Any]:

@@ -387,13 +387,15 @@ def _baseline(judgement: Judgement, engine: str, baseline):
     `baseline` (the reference's, None where non-finite) and the checkpoint dtype's, or for an engine
     loaded in another model dtype the reference's forward in that dtype and that dtype's. (None, _)
     where there is none, said in the engine's outcome where the reason is this dtype's."""
-    if engine not in judgement.baselines:
+    dtype = judgement.engine_dtype(engine)
+    if dtype == judgement.dtype:
         return baseline, judgement.tol
-    own, dtype = judgement.baselines[engine], judgement.engine_dtype(engine)
+    own = judgement.baselines.get(engine)
+    reason = judgement.baseline_reasons.get(engine, f"the reference computed no forward in {dtype}")
     if own is not None and not all(torch.isfinite(r).all() for r in own):
-        judgement.baseline_reasons[engine], own = f"the reference's own logits in {dtype} are non-finite", None
+        reason, own = f"the reference's own logits in {dtype} are non-finite", None
     if own is None:
-        judgement.result.outcomes[engine].detail = f"logits not judged: {judgement.baseline_reasons[engine]}"
+        judgement.result.outcomes[engine].detail = f"logits not judged: {reason}"
     return own, judgement.engine_tol(engine)
 
 

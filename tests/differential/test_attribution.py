@@ -400,3 +400,31 @@ def test_the_float16_cast_misreading_predicts_plain_tensors_too(tmp_path):
     assert torch.equal(truth["model.norm.weight"], checkpoint.tensor("model.norm.weight").double())
     with pytest.raises(SkipTensor, match="float16 model"):
         misreadings.predict("model-cast-to-float16", "model.norm.weight", "float16")
+
+
+def test_an_engine_option_names_the_model_dtype_without_changing_the_checkpoints(tmp_path):
+    """`dtype` in `when` stays the checkpoint's; `model_dtype` is the one the engine computes in (the
+    finding's): a float16 flush entry holds for transformers[dtype=float16] on a bfloat16 checkpoint
+    of float32 scales, and not for the plain engine on it."""
+    from harness.differential.preconditions import checkpoint_context, module_context
+
+    directory = tmp_path / "c"
+    recipe = Recipe(format="ct-fp8-channel", arch="llama", config={"num_hidden_layers": 1})
+    recipe.knobs["scale_dtype"] = "float32"
+    generate(recipe, directory)
+    context = checkpoint_context(directory)
+    assert context["dtype"] == "bfloat16" and context["weight_strategy"] == "channel"
+    issue = KnownIssues.load().by_id("transformers-ct-fp8-float32-scales-flushed-in-float16")
+    for engine, dtype, holds in (("transformers[dtype=float16]", "float16", True), ("transformers", "bfloat16", False)):
+        finding = Finding(
+            engine=engine,
+            engine_version="5.23.0",
+            kind="weight-mismatch",
+            format="ct-fp8-channel",
+            message="x",
+            dtype=dtype,
+            checkpoint=str(directory),
+        )
+        facts = context | module_context(finding)
+        assert facts["dtype"] == "bfloat16" and facts["model_dtype"] == dtype
+        assert all(p.holds(facts) for p in issue.when) is holds

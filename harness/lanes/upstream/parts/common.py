@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import traceback
 
 import torch
 
@@ -18,6 +19,18 @@ PROMPT = [1, 3, 4, 5]
 #: the Linears whose weight was read through their kernel on basis inputs (modules.applied_weight),
 #: with the bias its outputs carried (or None): module -> bias
 PROBED: dict = {}
+
+
+def describe_error(error: BaseException, limit: int = 500) -> str:
+    """`Type: message`; for an error raised without a message (a bare `assert`), the function and
+    source line that raised it (as the harness's worker says it: harness/engines/worker.py)."""
+    message = str(error)[:limit]
+    frames = traceback.extract_tb(error.__traceback__)
+    if message.strip() or not frames:
+        return f"{type(error).__name__}: {message}"
+    last = frames[-1]
+    where = f"{last.filename.rpartition('site-packages/')[2]}:{last.lineno}"
+    return f"{type(error).__name__}: raised without a message in {last.name} ({where}): {last.line}"
 
 
 class CapturedLogs(logging.Handler):

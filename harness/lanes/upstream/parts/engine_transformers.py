@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.lanes.upstream.parts.common import ENGINE_DTYPE, PROMPT
+from harness.lanes.upstream.parts.common import ENGINE_DTYPE, PROMPT, describe_error
 from harness.lanes.upstream.parts.modules import bias_problems, held_weights
 from harness.lanes.upstream.parts.parameters import ENGINE_OPTIONS
 
@@ -55,5 +55,5 @@ def check_loaded(loaded, expected):
         if not torch.isfinite(logits).all():
             problems.append(f"the forward pass yields {int((~torch.isfinite(logits)).sum())} non-finite logits")
     except Exception as error:
-        problems.append(f"the forward pass fails: {type(error).__name__}: {str(error)[:500]}")
+        problems.append(f"the forward pass fails: {describe_error(error)}")
     return held_weights(model), problems, notes

@@ -15,7 +15,7 @@ import os
 import torch
 
 from harness.lanes.upstream.parts.checkpoint import KV_SCALE_NAMES, kv_scales, tensor_layout
-from harness.lanes.upstream.parts.common import PROMPT, weight_problems
+from harness.lanes.upstream.parts.common import PROMPT, describe_error, weight_problems
 from harness.lanes.upstream.parts.fp8 import scale_block  # or nvfp4: the format piece
 from harness.lanes.upstream.parts.parameters import CONFIG, ENGINE_OPTIONS, LAYOUT
 
@@ -142,5 +142,5 @@ def check_loaded(llm, expected):
                 f"the forward pass yields non-finite log-probabilities ({nonfinite[0]} among {len(values)})"
             )
     except Exception as error:
-        problems.append(f"the forward pass fails: {type(error).__name__}: {str(error)[:500]}")
+        problems.append(f"the forward pass fails: {describe_error(error)}")
     return None, problems, []

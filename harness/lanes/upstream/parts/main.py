@@ -28,6 +28,7 @@ from harness.lanes.upstream.parts.common import (
     EXIT_FIXED,
     MODEL_DTYPE,
     CapturedLogs,
+    describe_error,
     weight_problems,
 )
 from harness.lanes.upstream.parts.engine_transformers import (  # or another engine piece
@@ -78,10 +79,9 @@ def versions() -> str:
 
 def error_text(error: BaseException, logged: list[str]) -> tuple[str, list[str]]:
     """The exception's first lines, and the errors the engine logged while it was raised."""
-    message = " ".join(str(error).split("\n")[:3])[:600]
     causes = [line.strip()[:300] for entry in logged for line in entry.splitlines()]
     causes = [line for line in causes if re.match(r"\w*(Error|Exception)\b", line)]
-    return f"{type(error).__name__}: {message}", list(dict.fromkeys(causes))[:5]
+    return " ".join(describe_error(error, 600).split("\n")[:3]), list(dict.fromkeys(causes))[:5]
 
 
 def reported(text: str) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from harness.lanes.upstream.parts.common import PROMPT
+from harness.lanes.upstream.parts.common import PROMPT, describe_error
 from harness.lanes.upstream.parts.modules import held_weights
 from harness.lanes.upstream.parts.parameters import CONFIG, RELATION
 
@@ -70,7 +70,7 @@ def relation_problems(directory, loaded) -> list[str]:
             second = second_load(directory, model, scratch)
             second_logits = logits_of(second)  # compressed-tensors decompresses at the first forward
         except Exception as error:
-            return [f"{RELATION}: the second load fails: {type(error).__name__}: {str(error)[:500]}"]
+            return [f"{RELATION}: the second load fails: {describe_error(error)}"]
         return compared(model, second, second_logits)
 
 
