@@ -99,7 +99,7 @@ CAMPAIGN_VARIANTS = (
     "transformers[dtype=float32]",
 )
 #: one example in CAMPAIGN_OPTIONS_EVERY also loads one drawn variant (0: none): a 10-minute main
-#: job (1450-1620 examples on the AMD AVX-512 kind, sessions 34-35) draws each about once
+#: job (1800-1850 examples on the AMD AVX-512 kind, session 35) draws each once or twice
 CAMPAIGN_OPTIONS_EVERY = 250
 
 
