@@ -203,7 +203,7 @@ def _activation_candidate(judgement: Judgement, worker: EngineProcess) -> None:
 
 
 def _option_candidates(judgement: Judgement, worker: EngineProcess, engines: list[str] | None = None) -> None:
-    """For each of `engines` (default: the session's in the checkpoint's dtype) loaded with an option
+    """For each of `engines` (default: the judged ones in the checkpoint's dtype) loaded with an option
     that changes its forward (an FP8 KV cache the checkpoint does not declare), the reference's model
     of that forward, computed by the reference's current load (in that engine's model dtype)."""
     from harness.engines.options import split_engine
@@ -239,8 +239,6 @@ def _other_dtype_references(judgement: Judgement, worker: EngineProcess) -> None
     reference loaded again in each such dtype: its weight-only logits (the engine's baseline), its
     specified forward where the checkpoint specifies one, and its model of the engine's other
     options. Where the reference cannot, the engine's logits are not judged, and why is said."""
-    from harness.oracle.specified import describe
-
     by_dtype: dict[str, list[str]] = {}
     for engine in judgement.engines:
         if judgement.engine_dtype(engine) != judgement.dtype:
@@ -262,11 +260,7 @@ def _other_dtype_references(judgement: Judgement, worker: EngineProcess) -> None
             judgement.baselines[engine] = rows
             if specified is not None:
                 bound = max(judgement.engine_tol(engine).activation_max_abs_delta, 2 * judgement.specified_noise)
-                judgement.option_candidates[engine] = (
-                    specified,
-                    bound,
-                    describe(judgement.config["quantization_config"]),
-                )
+                judgement.option_candidates[engine] = (specified, bound, judgement.specified_reason)
         _option_candidates(judgement, worker, engines)
 
 
