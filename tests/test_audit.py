@@ -19,7 +19,7 @@ from harness.checkpoints.reader import INDEX_FILE, SINGLE_FILE
 from harness.checkpoints.recipe import Recipe, apply_settings, home_architecture
 from harness.checkpoints.writer import MANIFEST_FILE, TRUTH_DIR, generate
 from harness.commands.cli import main
-from harness.formats import FORMAT_NAMES
+from harness.formats import FORMAT_NAMES, get_format
 from harness.oracle.audit import CHECKS, SCALAR_BLOCK_ISSUE
 from tests.cli import run_cli
 
@@ -110,11 +110,19 @@ def with_value(index: tuple, value: float) -> Callable[[torch.Tensor], torch.Ten
 # -- no false alarm ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+@pytest.mark.parametrize("fmt", [name for name in FORMAT_NAMES if get_format(name).has_scales])
 def test_a_clean_checkpoint_of_every_format_audits_clean(fmt, generated, tmp_path, capsys):
     code, findings, out = audit(generated(fmt), tmp_path / "r", capsys)
     assert (code, findings) == (0, []), out
     assert "no problems found" in out and (tmp_path / "r" / "audit.md").is_file()
+
+
+def test_an_unquantized_checkpoint_is_not_audited(generated, tmp_path, capsys):
+    """The audit reads quantization (scales, grids, configs): a checkpoint without a
+    quantization_config is one line and exit 2, not a clean audit it never made."""
+    code = main(["audit", str(generated("unquantized")), "--report", str(tmp_path / "r")])
+    captured = capsys.readouterr()
+    assert code == 2 and "not a quantized checkpoint this audit reads" in captured.err + captured.out
 
 
 @pytest.mark.parametrize(

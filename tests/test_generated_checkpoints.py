@@ -220,10 +220,12 @@ def test_each_disagreement_is_written_as_its_recipe_names_it(fmt, kind, tmp_path
         layout={"shards": 2},
         perturb={"disagreement": kind},
     )
-    config = get_format(fmt).quantization_config(get_format(fmt).resolve_knobs(recipe.knobs), [])
+    config = get_format(fmt).quantization_config(get_format(fmt).resolve_knobs(recipe.knobs), []) or {}
     refusal = (
         "packs every expert"  # mxfp4 is written for gpt-oss only
         if ARCHITECTURES[arch].packs_experts
+        else "stores no scales and no quantization config"
+        if not get_format(fmt).has_scales
         else "needs a compressed-tensors format"
         if DISAGREEMENTS[kind].needs_status and not fmt.startswith("ct-")
         else "needs static activation scales"

@@ -21,6 +21,7 @@ from harness.checkpoints.recipe import (
     PERTURB_DEFAULTS,
     layout_refusal,
     pairing_refusal,
+    perturb_refusal,
 )
 from harness.core.errors import HarnessError
 from harness.core.paths import CASES_DIR
@@ -132,6 +133,8 @@ class Coverage:
                     return None
             if section == "layout":  # values this format and architecture can carry
                 values = tuple(v for v in values if not layout_refusal(name, v, fmt, ARCHITECTURES[cell.arch], {}))
+            if section == "perturb":
+                values = tuple(v for v in values if not perturb_refusal(name, v, fmt))
             if key == "perturb.disagreement":  # kinds this format can carry (two shards are always given,
                 # and a static input scale where the format can store one: recipes repair both)
                 static = {"input_scale": True} if "input_scale" in fmt.knobs else {}

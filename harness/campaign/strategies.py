@@ -25,9 +25,11 @@ from harness.checkpoints.recipe import (
     LAYOUT_DEFAULTS,
     PERTURB_CHOICES,
     PERTURB_DEFAULTS,
+    SCALE_LAYOUT,
     Recipe,
     layout_refusal,
     pairing_refusal,
+    perturb_refusal,
 )
 from harness.core.numerics import ceil_div
 from harness.formats import FORMAT_NAMES, get_format
@@ -387,10 +389,13 @@ def fit_recipe(recipe: Recipe) -> None:
     namings the format's producers do not write, and what experts packed on disk cannot vary."""
     fmt = get_format(recipe.format)
     arch = ARCHITECTURES[recipe.arch]
-    for key in DRAWN_LAYOUTS:
+    for key in dict.fromkeys((*DRAWN_LAYOUTS, *SCALE_LAYOUT)):
         value = recipe.layout.get(key, LAYOUT_DEFAULTS[key])
         if layout_refusal(key, value, fmt, arch, recipe.knobs):
             recipe.layout[key] = LAYOUT_DEFAULTS[key]
+    for key, value in recipe.perturb.items():
+        if perturb_refusal(key, value, fmt):
+            recipe.perturb[key] = PERTURB_DEFAULTS[key]
     producer = recipe.layout.get("producer_config", foreign_configs.NATIVE)
     if producer != foreign_configs.NATIVE:  # the knobs that producer writes; no edit of a config it does not write
         resolved = fmt.resolve_knobs(recipe.knobs)

@@ -383,10 +383,11 @@ class Checkpoint:
 
     @property
     def quantization_config(self) -> dict:
-        config = self.config.get("quantization_config")
+        """config.json's `quantization_config`; {} where it has none (an unquantized checkpoint,
+        harness.formats.unquantized)."""
+        config = self.config.get("quantization_config", {})
         if not isinstance(config, dict):
-            problem = "has no quantization_config" if config is None else "quantization_config is not a JSON object"
-            raise CheckpointError(self.directory / CONFIG_FILE, f"config.json {problem}")
+            raise CheckpointError(self.directory / CONFIG_FILE, "config.json quantization_config is not a JSON object")
         return config
 
     def names(self) -> list[str]:
@@ -532,9 +533,11 @@ def declared_format(directory: str | Path) -> tuple[Any, dict]:
 
     config_path = contained_file(Path(directory), CONFIG_FILE, CONFIG_FILE, referrer=Path(directory))
     config = read_config(config_path)
-    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        raise CheckpointError(config_path, "config.json is not a JSON object")
+    quant = config.get("quantization_config", {})  # none: an unquantized checkpoint
     if not isinstance(quant, dict):
-        raise CheckpointError(config_path, "config.json has no quantization_config object")
+        raise CheckpointError(config_path, "config.json quantization_config is not a JSON object")
     try:
         fmt = detect_format(quant)
         return fmt, fmt.knobs_from_config(quant)

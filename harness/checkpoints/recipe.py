@@ -123,8 +123,12 @@ class Recipe:
                 f"disagreement={perturb['disagreement']}: {self.arch} packs every expert of a projection "
                 "into one tensor, so no single module can disagree with the config"
             )
-        for key in (*_PACKED_FIXED, "expert_naming", "config_style", "ignore_style", "config_spelling"):
+        for key in (*_PACKED_FIXED, "split_scale", "expert_naming", "config_style", "ignore_style", "config_spelling"):
             refusal = layout_refusal(key, layout[key], fmt, ARCHITECTURES[self.arch], knobs)
+            if refusal:
+                raise HarnessError(refusal)
+        for key, value in perturb.items():
+            refusal = perturb_refusal(key, value, fmt)
             if refusal:
                 raise HarnessError(refusal)
         refusal = layout_refusal("producer_config", layout["producer_config"], fmt, ARCHITECTURES[self.arch], knobs)
@@ -165,9 +169,35 @@ INT_LINEAR_ONLY_WHY = {
 _PACKED_FIXED = ("fused_scales", "quantize_lm_head", "quantize_embeddings", "kv_scales")
 
 
+#: layout fields about scales and the quantization config: a format without them (`unquantized`)
+#: writes each at its default only
+SCALE_LAYOUT = (
+    "split_scale",
+    "fused_scales",
+    "quantize_lm_head",
+    "quantize_embeddings",
+    "kv_scales",
+    "ignore_style",
+    "config_spelling",
+    "producer_config",
+)
+#: perturbations of scales or of the quantization config (all but extreme_amax, which scales the
+#: weights themselves)
+SCALE_PERTURBATIONS = ("zero_block", "subnormal_block", "nonfinite_scale", "disagreement")
+
+
+def perturb_refusal(key: str, value: Any, fmt) -> str | None:
+    """Why a perturbation's value cannot be written for this format, or None when it can."""
+    if not fmt.has_scales and key in SCALE_PERTURBATIONS and value != PERTURB_DEFAULTS[key]:
+        return f"{key}={value!r}: {fmt.name} stores no scales and no quantization config"
+    return None
+
+
 def layout_refusal(key: str, value: Any, fmt, arch, knobs: Mapping) -> str | None:
     """Why a layout field's value cannot be written for this format, architecture and knobs, or
     None when it can. The one rule per field that recipes, campaign cells and drawn examples share."""
+    if not fmt.has_scales and key in SCALE_LAYOUT and value != LAYOUT_DEFAULTS[key]:
+        return f"{key}={value!r}: {fmt.name} stores no scales and no quantization config"
     if arch.packs_experts and key in _PACKED_FIXED and value != LAYOUT_DEFAULTS[key]:
         return f"{key}={value!r}: {arch.name}'s release layout quantizes its experts only, each with its own scales"
     if key == "fused_scales" and value == "shared" and not shares_scales(fmt, knobs):

@@ -207,7 +207,7 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
         raise HarnessError(f"{out}: output directory exists and is not empty")
     fmt = get_format(recipe.format)
     kind = resolved.perturb["disagreement"]
-    disagreements.check(kind, resolved.layout["shards"], fmt.quantization_config(resolved.knobs, []))
+    disagreements.check(kind, resolved.layout["shards"], fmt.quantization_config(resolved.knobs, []) or {})
     layout = resolved.arch.tensor_layout(resolved.settings)
     target = None
     if kind != "none":
@@ -358,6 +358,9 @@ def _write_config(out: Path, resolved: ResolvedRecipe, fmt, also_ignored: list[s
         ignored, resolved.layout["ignore_style"], resolved.settings["num_hidden_layers"], resolved.layout["key_prefix"]
     )
     producer = resolved.layout["producer_config"]
+    if not fmt.has_scales:  # an unquantized checkpoint: no quantization_config at all (the recipe refused the rest)
+        _write_config_files(out, config, resolved.settings["vocab_size"])
+        return
     if producer == foreign_configs.NATIVE:
         config["quantization_config"] = fmt.quantization_config(resolved.knobs, ignore)
     else:
@@ -369,11 +372,16 @@ def _write_config(out: Path, resolved: ResolvedRecipe, fmt, also_ignored: list[s
     kv_scales.declare(resolved.layout["kv_scales"], config["quantization_config"])
     if resolved.layout["config_spelling"] == "other-case":
         config["quantization_config"] = spelling.other_case(config["quantization_config"])[0]
+    _write_config_files(out, config, resolved.settings["vocab_size"])
+
+
+def _write_config_files(out: Path, config: dict, vocab_size: int) -> None:
+    """config.json as given, generation_config.json and the tokenizer."""
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}, indent=2) + "\n"
     )
-    write_tokenizer(out, resolved.settings["vocab_size"])
+    write_tokenizer(out, vocab_size)
 
 
 def _write_shards(

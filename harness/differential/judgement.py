@@ -111,6 +111,9 @@ class Judgement:
     #: logits in that dtype (None: the reference could not compute them, and why in `baseline_reasons`)
     baselines: dict[str, list[torch.Tensor] | None] = field(default_factory=dict)
     baseline_reasons: dict[str, str] = field(default_factory=dict)
+    #: model dtype -> the reference's weight-only logits in float32 and how far its own in that dtype
+    #: lie from them (runner._exact_forward: only where an engine is beyond the fixed tolerance)
+    exact_forwards: dict[str, tuple[list[torch.Tensor], float] | None] = field(default_factory=dict)
     #: the tolerances of those other dtypes, by dtype (engine_tol)
     other_tols: dict[str, object] = field(default_factory=dict)
     #: the relations checked on each engine that loads it (harness.differential.relations)

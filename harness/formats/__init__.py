@@ -32,6 +32,7 @@ REGISTRY: dict[str, str] = {
     "mxfp4": "harness.formats.mxfp4:FORMAT",
     "gptq": "harness.formats.gptq:FORMAT",
     "awq": "harness.formats.awq:FORMAT",
+    "unquantized": "harness.formats.unquantized:FORMAT",
 }
 
 FORMAT_NAMES = tuple(REGISTRY)

@@ -60,6 +60,9 @@ class QuantFormat:
     optional: tuple[str, ...] = ()
     #: format parameters (block size, scale dtype, perturbation switches)
     knobs: Mapping[str, Knob] = {}
+    #: False for a format that stores weights as they are (`unquantized`): no scale and no
+    #: quantization config for a layout or perturbation to change
+    has_scales: bool = True
 
     def resolve_knobs(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
         values = {name: knob.default for name, knob in self.knobs.items()}

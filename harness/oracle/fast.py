@@ -517,7 +517,7 @@ class Mxfp4Kernel:
 
 
 #: built-in formats the fast path does not cover yet (their float64 reference is the only path)
-WITHOUT_KERNEL = ("gptq", "awq")
+WITHOUT_KERNEL = ("gptq", "awq", "unquantized")
 
 
 def kernel_for(fmt: QuantFormat) -> Fp8Kernel | Nvfp4Kernel | IntKernel | Mxfp4Kernel:

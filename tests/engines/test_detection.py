@@ -39,8 +39,9 @@ def kinds(result, engine):
     return {f.kind for f in result.findings if f.engine == engine}
 
 
-def test_reference_engine_agrees_with_the_truth(session, tmp_path):
-    result = evaluate(checkpoint(tmp_path, "fp8-block", "qwen2"), session, engines=["reference"])
+@pytest.mark.parametrize("fmt", ["fp8-block", "unquantized"])
+def test_reference_engine_agrees_with_the_truth(session, tmp_path, fmt):
+    result = evaluate(checkpoint(tmp_path, fmt, "qwen2"), session, engines=["reference"])
     assert result.outcomes["reference"].status == "loaded"
     assert result.findings == []
 
@@ -69,9 +70,10 @@ def test_dropped_scale_is_found(session, tmp_path):
     assert kinds(result, "reference") == set()
 
 
-def test_clobbered_bias_is_found(session, tmp_path):
+@pytest.mark.parametrize("fmt", ["fp8-block", "unquantized"])  # seed 000: an unquantized checkpoint's biases
+def test_clobbered_bias_is_found(session, tmp_path, fmt):
     engine = f"{DOUBLES}:ClobberedBiasEngine"
-    result = evaluate(checkpoint(tmp_path, "fp8-block", "qwen2"), session, engines=["reference", engine])
+    result = evaluate(checkpoint(tmp_path, fmt, "qwen2"), session, engines=["reference", engine])
     nonfinite = [f for f in result.findings if f.engine == engine and f.kind == "weight-nonfinite"]
     assert {f.module.rsplit(".", 2)[-2] for f in nonfinite} == {"q_proj", "k_proj", "v_proj"}
     assert "nonfinite-logits" in kinds(result, engine)
