@@ -39,7 +39,7 @@ from harness.differential.known_issues import KnownIssues
 from harness.differential.relations import CAMPAIGN_EVERY, sampled
 from harness.differential.runner import CheckpointResult, EngineSession, evaluate
 from harness.engines import judged_with_reference
-from harness.engines.options import CAMPAIGN_OPTIONS_EVERY, drawn_variant
+from harness.engines.options import CAMPAIGN_OPTIONS_EVERY, drawn_variant, format_variant
 
 #: evaluations one new signature may spend on shrinking (each is a load in every engine)
 SHRINK_EVALUATIONS = 12
@@ -114,6 +114,8 @@ class Campaign:
     coverage: dict[str, CellStats] = field(default_factory=dict)
     #: engine variant (harness.engines.options) -> examples it was drawn on
     options_drawn: dict[str, int] = field(default_factory=dict)
+    #: examples so far per format (harness.engines.options.format_variant)
+    format_examples: dict[str, int] = field(default_factory=dict)
 
     def cells_reached(self) -> int:
         return sum(1 for c in self.cells if self.coverage.get(c.name, CellStats()).examples)
@@ -352,7 +354,10 @@ class _Explorer:
         for name in relations:
             checked[name] = checked.get(name, 0) + 1
         relations += tuple(sorted(state.relations - set(relations))) if state.shrinking else ()
+        seen = campaign.format_examples[recipe.format] = campaign.format_examples.get(recipe.format, 0) + 1
         variant = drawn_variant(campaign.examples, self.options_every, self.session.engines)
+        if variant is None and self.options_every:  # `--options-every 0` draws none at all
+            variant = format_variant(seen, recipe.format, self.session.engines)
         try:
             result = evaluate(directory, self.session, self.known, relations=relations)
             if variant is not None:  # judged as its plain engine is; one result per example

@@ -17,7 +17,13 @@ from harness.commands.common import (
     start_engines,
 )
 from harness.core.errors import HarnessError
-from harness.engines.options import CAMPAIGN_OPTIONS_EVERY, CAMPAIGN_VARIANTS, base_engine
+from harness.engines.options import (
+    CAMPAIGN_OPTIONS_EVERY,
+    CAMPAIGN_VARIANTS,
+    FORMAT_VARIANTS,
+    FORMAT_VARIANTS_EVERY,
+    base_engine,
+)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h)?\s*$")
 
@@ -74,6 +80,12 @@ def command_run(args) -> int:
     if args.options_every < 0:
         raise HarnessError(f"--options-every expects a whole number of examples >= 0, got {args.options_every}")
     variants = [v for v in CAMPAIGN_VARIANTS if base_engine(v) in engines and v not in engines]
+    by_format = [
+        f"{v} ({fmt}: 1 example in {FORMAT_VARIANTS_EVERY})"
+        for fmt, drawn in FORMAT_VARIANTS.items()
+        for v in drawn
+        if base_engine(v) in engines and v not in engines
+    ]
     seconds = parse_duration(args.budget) if args.budget else None
     coverage, cells, mine = plan_cells(args)
     load_profile(args.profile)
@@ -92,6 +104,7 @@ def command_run(args) -> int:
             if variants and args.options_every
             else ""
         )
+        + (f"; {', '.join(by_format)}" if by_format and args.options_every else "")
     )
     with tempfile.TemporaryDirectory(prefix="harness-run-") as scratch:
         report = Path(args.report).resolve() if args.report else None

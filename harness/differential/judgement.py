@@ -114,6 +114,8 @@ class Judgement:
     #: model dtype -> the reference's weight-only logits in float32 and how far its own in that dtype
     #: lie from them (runner._exact_forward: only where an engine is beyond the fixed tolerance)
     exact_forwards: dict[str, tuple[list[torch.Tensor], float] | None] = field(default_factory=dict)
+    #: online scheme -> the truth with the decoder layers' Linears as that scheme applies them (engine_truth)
+    online_truths: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     #: the tolerances of those other dtypes, by dtype (engine_tol)
     other_tols: dict[str, object] = field(default_factory=dict)
     #: the relations checked on each engine that loads it (harness.differential.relations)
@@ -221,6 +223,38 @@ class Judgement:
         from harness.engines.options import model_dtype
 
         return model_dtype(engine) or self.dtype
+
+    def reference_variant(self, engine: str) -> str:
+        """The reference load `engine` is judged against (ReferenceEngine.load_variant): '' for the
+        checkpoint's own, `quantization=S` for an engine that quantizes it online, `dtype=D` for one
+        loaded in another model dtype (harness.engines.options)."""
+        from harness.engines.options import split_engine
+
+        scheme = split_engine(engine)[1].get("quantization")
+        if scheme:
+            return f"quantization={scheme}"
+        dtype = self.engine_dtype(engine)
+        return f"dtype={dtype}" if dtype != self.dtype else ""
+
+    def engine_truth(self, engine: str) -> dict[str, torch.Tensor]:
+        """What `engine` must hold: the truth, or for an engine that quantizes the checkpoint online
+        its decoder layers' Linears as the scheme applies them (harness.oracle.online), computed once
+        per scheme from the truth in the checkpoint's dtype."""
+        from harness.core.dtypes import MODEL_DTYPES
+        from harness.oracle import online
+
+        variant = self.reference_variant(engine)
+        if not variant.startswith("quantization="):
+            return self.truth
+        scheme = variant.partition("=")[2]
+        if scheme not in self.online_truths:
+            weights = {
+                n.removesuffix(".weight"): t for n, t in self.truth.items() if n.endswith(".weight") and t.dim() == 2
+            }
+            chosen = {name: weights[name].to(MODEL_DTYPES[self.dtype]) for name in online.quantized_linears(weights)}
+            applied = online.fake_quantized(chosen, scheme)
+            self.online_truths[scheme] = self.truth | {f"{name}.weight": w for name, w in applied.items()}
+        return self.online_truths[scheme]
 
     def engine_tol(self, engine: str):
         """The tolerances of `engine`'s model dtype for this checkpoint's format (read once per dtype)."""

@@ -22,6 +22,7 @@ from harness.differential.session import EngineSession
 from harness.differential.stand_in import judge_with_stand_in_kernels
 from harness.engines import REFERENCE
 from harness.engines.process import EngineError, EngineFailure, EngineProcess
+from harness.oracle.online import activation_scheme
 
 GENERATE_TOKENS = 8
 
@@ -93,7 +94,7 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
         held = worker.weights(judgement.scratch_file(engine, "weights"))
         # a module whose tensors the load report names as missing is that finding's consequence
         missing = {canonical_name(k).rpartition(".")[0] for k in outcome.report.get("missing", [])}
-        judged = {n: t for n, t in judgement.truth.items() if n.rpartition(".")[0] not in missing}
+        judged = {n: t for n, t in judgement.engine_truth(engine).items() if n.rpartition(".")[0] not in missing}
         judge_held_weights(judgement, engine, held, judged)
         explained = _logits_explained(judgement, engine, worker, anomalies)
         if explained:
@@ -103,10 +104,10 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
             _activation_candidate(judgement, worker)
             reference_probe(judgement, worker, outcome)
             reference_basis(judgement, worker)
-        elif judgement.engine_dtype(engine) != judgement.dtype:
+        elif judgement.reference_variant(engine):
             outcome.effective_weights = outcome.activation_probe = (
-                f"not run: the engine computes in {judgement.engine_dtype(engine)}, the probe's inputs are in "
-                f"the checkpoint's {judgement.dtype}"
+                f"not run: the engine is judged against the reference loaded with {judgement.reference_variant(engine)}; "
+                "the probes' inputs and references are the checkpoint's own"
             )
         else:
             judge_effective_weights(judgement, engine, worker, outcome, held)
@@ -116,7 +117,7 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
         if judgement.relations:  # last: the worker then holds the relations' loads, not this one
             check_relations(judgement, engine, worker, Load(outcome.report, held, rows))
         if engine == REFERENCE:  # after its relations: this loads the reference again
-            _other_dtype_references(judgement, worker)
+            _variant_references(judgement, worker)
         return rows
     except EngineFailure as failure:
         outcome.status, outcome.detail = "failed", str(failure)
@@ -235,34 +236,56 @@ def _option_candidates(judgement: Judgement, worker: EngineProcess, engines: lis
         judgement.option_candidates[engine] = (rows, bound, reason)
 
 
-def _other_dtype_references(judgement: Judgement, worker: EngineProcess) -> None:
-    """For the engines of the session loaded in another model dtype (`vllm[dtype=float32]`), the
-    reference loaded again in each such dtype: its weight-only logits (the engine's baseline), its
-    specified forward where the checkpoint specifies one, and its model of the engine's other
-    options. Where the reference cannot, the engine's logits are not judged, and why is said."""
-    by_dtype: dict[str, list[str]] = {}
+def _variant_references(judgement: Judgement, worker: EngineProcess) -> None:
+    """For the engines of the session judged against another load of the reference (another model
+    dtype, `vllm[dtype=float32]`; online quantization, `vllm[quantization=fp8_per_channel]`), the
+    reference loaded that way: its weight-only logits (the engine's baseline), its specified forward
+    where there is one (the checkpoint's, in that dtype; the online scheme's activations), and its
+    model of the engine's other options. Where the reference cannot, the engine's logits are not
+    judged, and why is said."""
+    by_variant: dict[str, list[str]] = {}
     for engine in judgement.engines:
-        if judgement.engine_dtype(engine) != judgement.dtype:
-            by_dtype.setdefault(judgement.engine_dtype(engine), []).append(engine)
-    for dtype, engines in sorted(by_dtype.items()):
+        if judgement.reference_variant(engine):
+            by_variant.setdefault(judgement.reference_variant(engine), []).append(engine)
+    for variant, engines in sorted(by_variant.items()):
+        online = variant.startswith("quantization=")
         try:
-            worker.load(judgement.directory, variant=f"dtype={dtype}")
-            rows = worker.logprobs(judgement.sequences, judgement.scratch_file(REFERENCE, f"logprobs-{dtype}"))
-            specified = None
-            if judgement.specified is not None:  # the checkpoint's own specified forward, in this dtype
-                file = judgement.scratch_file(REFERENCE, f"specified-{dtype}")
+            worker.load(judgement.directory, variant=variant)
+            rows = worker.logprobs(judgement.sequences, judgement.scratch_file(REFERENCE, f"logprobs-{variant}"))
+            specified, noise, reason = None, judgement.specified_noise, judgement.specified_reason
+            if online:  # the scheme's own activations, and its own noise floor
+                specified, noise = _specified_forwards(judgement, worker, variant)
+                scheme = variant.partition("=")[2]
+                reason = f"online {scheme}: {activation_scheme(scheme).describe()}"
+            elif judgement.specified is not None:  # the checkpoint's own specified forward, in this dtype
+                file = judgement.scratch_file(REFERENCE, f"specified-{variant}")
                 specified = worker.logprobs(judgement.sequences, file, "float64")
         except EngineError as error:
             for engine in engines:
                 judgement.baselines[engine] = None
-                judgement.baseline_reasons[engine] = f"the reference has no forward in {dtype}: {first_line(error)}"
+                judgement.baseline_reasons[engine] = f"the reference has no forward with {variant}: {first_line(error)}"
             continue
         for engine in engines:
             judgement.baselines[engine] = rows
             if specified is not None:
-                bound = max(judgement.engine_tol(engine).activation_max_abs_delta, 2 * judgement.specified_noise)
-                judgement.option_candidates[engine] = (specified, bound, judgement.specified_reason)
-        _option_candidates(judgement, worker, engines)
+                bound = max(judgement.engine_tol(engine).activation_max_abs_delta, 2 * noise)
+                judgement.option_candidates[engine] = (specified, bound, reason)
+        if not online:
+            _option_candidates(judgement, worker, engines)
+
+
+def _specified_forwards(judgement: Judgement, worker: EngineProcess, variant: str):
+    """The reference's current load's specified forward and its noise floor: how far the
+    definition's rounding variants (harness.oracle.specified.VARIANTS) land from it."""
+    from harness.oracle.specified import VARIANTS
+
+    sequences, tol = judgement.sequences, judgement.tol
+    forwards = {
+        name: worker.logprobs(sequences, judgement.scratch_file(REFERENCE, f"specified-{variant}-{name}"), name)
+        for name in VARIANTS
+    }
+    specified = forwards.pop("float64")
+    return specified, max(compare_logprobs(rows, specified, sequences, tol).max_abs_delta for rows in forwards.values())
 
 
 def _judge_hostile_load(judgement: Judgement, engine: str, worker: EngineProcess, report: dict) -> None:
@@ -355,7 +378,7 @@ def _judge_logits(judgement: Judgement, logprobs: dict[str, list[torch.Tensor]])
             # an FP8 KV cache: transformers, compressed-tensors and vLLM each 1 of 69 positions)
             diff = _judge_activations(judgement, engine, rows, own, diff, metrics)
         elif diff.max_abs_delta > tol.logprob_max_abs_delta and not _within_rounding(
-            judgement, rows, _exact_forward(judgement, judgement.engine_dtype(engine), own), tol, metrics
+            judgement, rows, _exact_forward(judgement, engine, own), tol, metrics
         ):
             judgement.finding(
                 engine,
@@ -379,12 +402,14 @@ def _judge_logits(judgement: Judgement, logprobs: dict[str, list[torch.Tensor]])
             )
 
 
-def _exact_forward(judgement: Judgement, dtype: str, rows: list[torch.Tensor]):
-    """The reference's weight-only logits in float32 and how far its own in `dtype` (`rows`) lie
-    from them: this checkpoint's sensitivity to rounding in `dtype`. None in float32, or where the
+def _exact_forward(judgement: Judgement, engine: str, rows: list[torch.Tensor]):
+    """The reference's weight-only logits in float32 and how far its own in the engine's dtype
+    (`rows`) lie from them: this checkpoint's sensitivity to rounding in that dtype. None in
+    float32, for an engine that quantizes online (its baseline is another model), or where the
     reference cannot. Computed where an engine is beyond the fixed tolerance only, once per dtype
     (a reload of the reference)."""
-    if dtype == "float32":
+    dtype = judgement.engine_dtype(engine)
+    if dtype == "float32" or judgement.reference_variant(engine).startswith("quantization="):
         return None
     if dtype not in judgement.exact_forwards:
         worker, found = judgement.session.process(REFERENCE), None
@@ -425,13 +450,13 @@ def _baseline(judgement: Judgement, engine: str, baseline):
     `baseline` (the reference's, None where non-finite) and the checkpoint dtype's, or for an engine
     loaded in another model dtype the reference's forward in that dtype and that dtype's. (None, _)
     where there is none, said in the engine's outcome where the reason is this dtype's."""
-    dtype = judgement.engine_dtype(engine)
-    if dtype == judgement.dtype:
+    variant = judgement.reference_variant(engine)
+    if not variant:
         return baseline, judgement.tol
     own = judgement.baselines.get(engine)
-    reason = judgement.baseline_reasons.get(engine, f"the reference computed no forward in {dtype}")
+    reason = judgement.baseline_reasons.get(engine, f"the reference computed no forward with {variant}")
     if own is not None and not all(torch.isfinite(r).all() for r in own):
-        reason, own = f"the reference's own logits in {dtype} are non-finite", None
+        reason, own = f"the reference's own logits with {variant} are non-finite", None
     if own is None:
         judgement.result.outcomes[engine].detail = f"logits not judged: {reason}"
     return own, judgement.engine_tol(engine)

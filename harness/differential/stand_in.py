@@ -17,7 +17,7 @@ import re
 
 from harness.core.errors import HarnessError, first_line
 from harness.core.findings import normalise
-from harness.engines.options import base_engine
+from harness.engines.options import base_engine, split_engine
 from harness.engines.process import EngineFailure
 from harness.engines.vllm.tensor_parallel import LaneRefused, lane_judges
 
@@ -48,7 +48,10 @@ def judge_with_stand_in_kernels(judgement, engine: str, outcome) -> None:
     relation = RELATIONS["tensor-parallel"]
     if base_engine(engine) not in (relation.engines or ()) or not missing_kernel(outcome.detail):
         return
-    if base_engine(engine) != engine:  # an engine option changes no loader: the plain engine's are judged
+    if "quantization" in split_engine(engine)[1]:  # online quantization's layer-wise loader is its own
+        outcome.detail += "; its online quantization was not run with stand-in kernels"
+        return
+    if base_engine(engine) != engine:  # another option changes no loader: the plain engine's are judged
         outcome.detail += f"; its loaders are judged with stand-in kernels as {base_engine(engine)}'s"
         return
     why = relation.inapplicable(judgement.config) or ("a hostile layout" if judgement.hazards else "")

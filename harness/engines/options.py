@@ -12,6 +12,8 @@ from harness.core.errors import HarnessError
 
 #: the `dtype` option's values: the checkpoint's own (auto), or a model dtype (harness.core.dtypes)
 MODEL_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+#: the `quantization` option's values: the online schemes the reference models (harness.oracle.online.SCHEMES)
+ONLINE_SCHEMES = ("fp8_per_channel", "fp8_per_block")
 NAMED = re.compile(r"^(?P<base>[^\[\]]+)\[(?P<options>[^\[\]]*)\]$")
 #: per engine, each option it takes and the values it accepts, in the engine's own spelling (vLLM's
 #: `LLM(...)`, transformers' `from_pretrained`); where they are used: harness/engines/vllm/engine.py
@@ -33,6 +35,11 @@ OPTIONS: dict[str, dict[str, tuple[str, ...]]] = {
         # in that dtype), with that dtype's tolerances; the probes of the applied weights, whose
         # inputs are the checkpoint dtype's, are not run for it
         "dtype": MODEL_DTYPE_CHOICES,
+        # online quantization of an unquantized checkpoint while loading (vLLM's shorthands): judged
+        # against the reference's model of the scheme (harness.oracle.online: the weights quantized as
+        # the scheme defines, activations quantized dynamically), weights and logits; the probes of the
+        # applied weights are not run for it. A quantized or mixture-of-experts checkpoint: unsupported
+        "quantization": ONLINE_SCHEMES,
     },
     # from_pretrained's `dtype`, judged as vLLM's is
     "transformers": {"dtype": MODEL_DTYPE_CHOICES},
@@ -101,6 +108,18 @@ CAMPAIGN_VARIANTS = (
 #: one example in CAMPAIGN_OPTIONS_EVERY also loads one drawn variant (0: none): a 10-minute main
 #: job (1800-1850 examples on the AMD AVX-512 kind, session 35) draws each once or twice
 CAMPAIGN_OPTIONS_EVERY = 250
+
+
+#: variants drawn on the examples of one format only, one of them on every FORMAT_VARIANTS_EVERY-th
+#: example of it, in turn: online quantization starts from an unquantized checkpoint (its block
+#: scheme has no kernel on a CPU without AMX: `unsupported`, in vLLM's words, at no cost)
+FORMAT_VARIANTS = {"unquantized": ("vllm[quantization=fp8_per_channel]", "vllm[quantization=fp8_per_block]")}
+FORMAT_VARIANTS_EVERY = 3
+
+
+def format_variant(seen: int, fmt: str, engines, every: int = FORMAT_VARIANTS_EVERY) -> str | None:
+    """The variant the `seen`-th example (1-based) of format `fmt` also loads (FORMAT_VARIANTS), or None."""
+    return drawn_variant(seen, every, engines, FORMAT_VARIANTS.get(fmt, ()))
 
 
 def drawn_variant(example: int, every: int, engines, variants=CAMPAIGN_VARIANTS) -> str | None:

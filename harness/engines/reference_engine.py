@@ -62,13 +62,41 @@ class ReferenceEngine(HFModelEngine):
 
     def load_variant(self, directory, variant):
         """`dtype=D`: the same oracle in model dtype D (D in harness.core.dtypes), the reference of an
-        engine loaded with that dtype option (harness.engines.options)."""
+        engine loaded with that dtype option; `quantization=S`: an unquantized checkpoint quantized
+        online as scheme S defines (harness.oracle.online), the reference of an engine loaded with
+        that option: its weights as the scheme applies them, its specified forward quantizing the
+        quantized Linears' inputs (harness.engines.options)."""
         from harness.core.dtypes import MODEL_DTYPES
+        from harness.oracle.online import SCHEMES
 
         key, _, value = variant.partition("=")
-        if key != "dtype" or value not in MODEL_DTYPES:
-            return super().load_variant(directory, variant)
-        return self.load(directory, MODEL_DTYPES[value])
+        if key == "dtype" and value in MODEL_DTYPES:
+            return self.load(directory, MODEL_DTYPES[value])
+        if key == "quantization" and value in SCHEMES:
+            report = self.load(directory)
+            self.quantize_online(value)
+            return report
+        return super().load_variant(directory, variant)
+
+    def quantize_online(self, scheme: str) -> None:
+        """Replace the loaded model's decoder-layer Linears by their weights as `scheme` applies them
+        (model dtype), and plan their inputs quantized as its kernel quantizes them."""
+        import torch
+
+        from harness.oracle import online
+        from harness.oracle.specified import Plan
+
+        if self.quantization_config:
+            raise EngineUnsupported(f"quantization={scheme}: the checkpoint is already quantized")
+        if online.is_moe(self.checkpoint.config):
+            raise EngineUnsupported(f"quantization={scheme} on a mixture-of-experts model: not modelled")
+        linears = {n: m for n, m in self.model.named_modules() if isinstance(m, torch.nn.Linear)}
+        chosen = online.quantized_linears(linears)
+        applied = online.fake_quantized({name: linears[name].weight.detach() for name in chosen}, scheme)
+        with torch.no_grad():
+            for name, weight in applied.items():
+                linears[name].weight.copy_(weight.to(linears[name].weight.dtype))
+        self.activations = Plan(online.activation_scheme(scheme), {name: None for name in chosen})
 
     def logprobs(self, sequences):
         if self.runs_specified and not isinstance(self.activations, str):

@@ -219,3 +219,47 @@ class MutatedKernelMethodsVllm(VllmEngine):
             stack.enter_context(halving(auto_gptq.AutoGPTQLinearMethod, "scales", 1))
             stack.enter_context(replaced(auto_awq, "_REVERSE_AWQ_PACK_ORDER", list(range(8))))
             return super().construct(directory, config)
+
+
+class PreFixMaterializeVllm(VllmEngine):
+    """Seed 000's bug class under online quantization: vLLM's layer-wise loader with the
+    materialize_layer of before PR #41424 put back (every tensor of the layer replaced, meta or not,
+    by uninitialised memory, here NaN): a bias loaded before its layer's loaders were wrapped stays
+    garbage. Load it with `[quantization=fp8_per_channel]`."""
+
+    name = "double-vllm-pre-fix-materialize"
+
+    def construct(self, directory, config):
+        import torch
+        from vllm.model_executor.model_loader.reload import layerwise, meta
+
+        def every_tensor(layer, info):  # BUG: not only the meta tensors
+            if layer.__class__.__name__ in meta.SKIP_MODULES:
+                return
+            with info.restore_device:
+                for name, tensor in meta.get_layer_tensors(layer).items():
+                    if name not in meta.SKIP_LOAD_TENSORS:
+                        setattr(layer, name, meta.materialize_meta_tensor(tensor))
+                        getattr(layer, name).data.fill_(torch.nan)
+
+        with replaced(layerwise, "materialize_layer", every_tensor):
+            return super().construct(directory, config)
+
+
+class OnlineScaleHalvedVllm(VllmEngine):
+    """Online FP8 per channel with every Linear's scale halved as its method stores it (the codes
+    right): the bug class of a scale read or written in the wrong convention after quantizing.
+    Load it with `[quantization=fp8_per_channel]`."""
+
+    name = "double-vllm-online-scale-halved"
+
+    def construct(self, directory, config):
+        from vllm.model_executor.layers.quantization.online import fp8
+
+        stored = fp8.replace_parameter
+
+        def halved(layer, name, value):
+            return stored(layer, name, value * 0.5 if name == "weight_scale" else value)  # BUG
+
+        with replaced(fp8, "replace_parameter", halved):
+            return super().construct(directory, config)

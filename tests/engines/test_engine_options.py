@@ -79,6 +79,24 @@ def test_a_campaign_draws_a_variant_on_every_nth_example_where_its_engine_runs()
     assert drawn_variant(3, 0, engines, variants) is None
 
 
+def test_online_quantization_is_drawn_on_unquantized_examples_only():
+    from harness.engines.options import FORMAT_VARIANTS, format_variant
+
+    engines = ["reference", "vllm"]
+    drawn = [format_variant(seen, "unquantized", engines, every=2) for seen in range(1, 7)]
+    assert drawn == [
+        None,
+        *FORMAT_VARIANTS["unquantized"][:1],
+        None,
+        *FORMAT_VARIANTS["unquantized"][1:2],
+        None,
+        drawn[5],
+    ]
+    assert drawn[5] == FORMAT_VARIANTS["unquantized"][0]
+    assert {format_variant(seen, "ct-fp8-channel", engines, every=1) for seen in range(1, 5)} == {None}
+    assert format_variant(2, "unquantized", ["reference", "transformers"], every=2) is None
+
+
 @needs_vllm
 @pytest.mark.slow
 def test_vllm_with_an_fp8_kv_cache_is_judged_or_unsupported_in_vllms_words(tmp_path, capsys):
@@ -157,3 +175,65 @@ def test_an_engine_loaded_in_another_dtype_is_judged_in_it(tmp_path, capsys, mon
     if dtype == "float32":  # bfloat16's forward is 0.03 from float32's here; from float16's, within 0.1
         assert "logprobs" in kinds, found
     assert {f["dtype"] for f in found} == {dtype}
+
+
+ONLINE_MUTANTS = "tests.doubles.vllm_mutants"
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_online_quantization_is_judged_against_the_reference_model_of_its_scheme(tmp_path, monkeypatch):
+    """An unquantized bfloat16 Qwen2 (q/k/v biases) loaded with vLLM's online FP8 per channel: the
+    weights it quantized are decoded and held to the scheme's own quantization of the truth, its
+    logits to the reference's forward with those weights and dynamic per-token FP8 activations; plain
+    and online vLLM are clean. Two deliberately buggy doubles are caught: seed 000's pre-fix
+    materialize_layer (k_proj's bias non-finite, the logits too) and every scale halved (every
+    quantized Linear's weights, by half)."""
+    from harness.differential.runner import EngineSession, evaluate
+    from harness.engines import options
+    from harness.engines.environments import variable_for
+
+    online = "[quantization=fp8_per_channel]"
+    engines = ["reference", "vllm", f"vllm{online}"]
+    engines += [f"{ONLINE_MUTANTS}:{double}{online}" for double in ("PreFixMaterializeVllm", "OnlineScaleHalvedVllm")]
+    for engine in engines[3:]:  # the doubles are vLLM: they take its options, in its interpreter
+        monkeypatch.setitem(options.OPTIONS, engine.partition("[")[0], options.OPTIONS["vllm"])
+        monkeypatch.setenv(variable_for(engine.partition("[")[0]), VLLM_PYTHON)
+    directory = tmp_path / "c"
+    generate(Recipe(format="unquantized", arch="qwen2", config={"num_hidden_layers": 1}), directory)
+    session = EngineSession(engines, tmp_path / "engines")
+    try:
+        result = evaluate(directory, session)
+    finally:
+        session.close()
+    kinds = {}
+    for finding in result.findings:
+        kinds.setdefault(finding.engine.rpartition(":")[2], []).append((finding.kind, finding.module))
+    assert result.outcomes[f"vllm{online}"].status == "loaded", result.outcomes[f"vllm{online}"].detail
+    assert not {"reference", "vllm", f"vllm{online}"} & set(kinds), kinds
+    materialized = kinds[f"PreFixMaterializeVllm{online}"]
+    biases = {module.rsplit(".", 2)[-2] for kind, module in materialized if kind == "weight-nonfinite"}
+    # the first q/k/v shard vLLM loads (k_proj, in the checkpoint's order) is loaded before its layer's
+    # loaders are wrapped, so it is not replayed (harness/fixes/materialize_meta_only.py)
+    assert biases == {"k_proj"} and ("nonfinite-logits", None) in materialized, materialized
+    halved = {module for kind, module in kinds[f"OnlineScaleHalvedVllm{online}"] if kind == "weight-mismatch"}
+    linears = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert {m.rsplit(".", 2)[-2] for m in halved} == linears, halved
+
+
+def test_online_schemes_are_the_references():
+    from harness.engines.options import ONLINE_SCHEMES
+    from harness.oracle.online import SCHEMES
+
+    assert ONLINE_SCHEMES == SCHEMES
+
+
+def test_online_quantization_of_a_quantized_checkpoint_is_unsupported_in_one_line():
+    from harness.engines.base import EngineUnsupported
+    from harness.engines.vllm.engine import refuse_online_quantization
+
+    with pytest.raises(EngineUnsupported, match="this one is already quantized .compressed-tensors."):
+        refuse_online_quantization({"quantization_config": {"quant_method": "compressed-tensors"}}, "fp8_per_channel")
+    with pytest.raises(EngineUnsupported, match="mixture-of-experts"):
+        refuse_online_quantization({"num_local_experts": 4}, "fp8_per_block")
+    refuse_online_quantization({"model_type": "llama"}, "fp8_per_channel")

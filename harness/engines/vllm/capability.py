@@ -167,13 +167,14 @@ def probe(fmt: str, construct) -> str | None:
     return None
 
 
-def unsupported_reason(fmt: str, construct, cache: CapabilityCache | None = None, dtype: str = "") -> str | None:
-    """`probe`'s answer for `fmt`, from the cache when this environment already asked. `dtype`: the
-    model dtype `construct` loads in where an engine option sets one (kernels differ per dtype: no
-    CPU int4 kernel computes in float32); the other options share the plain engine's answer (a
-    compiled probe would cost a compile per format, and a declined KV cache is said at its load)."""
+def unsupported_reason(fmt: str, construct, cache: CapabilityCache | None = None, setting: str = "") -> str | None:
+    """`probe`'s answer for `fmt`, from the cache when this environment already asked. `setting`:
+    the engine options `construct` loads with that choose other kernels, `key=value,...` (a model
+    dtype: no CPU int4 kernel computes in float32; online quantization: its scheme's FP8 kernel);
+    the other options share the plain engine's answer (a compiled probe would cost a compile per
+    format, and a declined KV cache is said at its load)."""
     cache = cache or CapabilityCache()
-    key, entry = environment_key(), f"{fmt}[dtype={dtype}]" if dtype else fmt
+    key, entry = environment_key(), f"{fmt}[{setting}]" if setting else fmt
     known, reason = cache.get(key, entry)
     if not known:
         reason = probe(fmt, construct)

@@ -22,7 +22,7 @@ import os
 import re
 import sys
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -52,6 +52,8 @@ EXPERT_GROUPS = {"w13": 2, "w2": 1}
 ROUTER_TENSORS = ("e_score_correction_bias",)
 #: vLLM's MoE kernel oracles, which log at DEBUG level why each backend does not fit
 MOE_ORACLES = ("fp8", "nvfp4", "mxfp4", "mxfp8", "int8", "int_wna16", "unquantized", "w4a8", "w4a8_int8")
+#: engine options that choose other kernels: their capability is probed on its own (capability.unsupported_reason)
+KERNEL_OPTIONS = ("dtype", "quantization")
 MAX_MODEL_LEN = 256
 KV_CACHE_BYTES = 32 * 2**20
 #: vLLM's start-up chatter about the host and its own re-imports, not about the checkpoint
@@ -127,6 +129,10 @@ class VllmEngine(Engine):
         self.vocab_size = 0
         self.snapshot: dict[str, torch.Tensor] = {}
         self.modules: dict[str, dict] = {}
+        #: online quantization (the `quantization` option): each Linear's codes and scales as its
+        #: method made them (layer -> name -> tensor), then by module name (record)
+        self.online_calls: dict = {}
+        self.online_held: dict[str, dict[str, torch.Tensor]] = {}
         self.forward_unsupported: str | None = None
         #: an `LLM` was built (or tried) since the last full collection (collect_between_engines)
         self.built_since_collection = False
@@ -134,8 +140,9 @@ class VllmEngine(Engine):
     def unsupported_reason(self, format_name):
         """What vLLM itself answers when a tiny checkpoint of the format is loaded and run here
         (harness.engines.vllm.capability; cached per environment). A probe replaces any loaded model."""
-        dtype = self.options.get("dtype", "auto")
-        return probed_unsupported_reason(format_name, self.probe_construct, dtype="" if dtype == "auto" else dtype)
+        chosen = {key: self.options[key] for key in KERNEL_OPTIONS if self.options.get(key, "auto") != "auto"}
+        setting = ",".join(f"{key}={value}" for key, value in sorted(chosen.items()))
+        return probed_unsupported_reason(format_name, self.probe_construct, setting=setting)
 
     def probe_construct(self, directory: str):
         self.unload()
@@ -151,8 +158,9 @@ class VllmEngine(Engine):
         if dtype == "auto":  # the checkpoint's, as the harness loads every engine
             dtype = config.get("dtype") or config.get("torch_dtype") or "auto"
         chosen = {"enforce_eager": self.options.get("enforce_eager", "true") == "true"}
-        if "kv_cache_dtype" in self.options:
-            chosen["kv_cache_dtype"] = self.options["kv_cache_dtype"]
+        for passed in ("kv_cache_dtype", "quantization"):
+            if passed in self.options:
+                chosen[passed] = self.options[passed]
         self.built_since_collection = True
         try:
             register_kernel_overrides_once()
@@ -180,6 +188,8 @@ class VllmEngine(Engine):
 
         config = checkpoint_config(directory)
         self.fmt, self.knobs = declared_format(directory) if "quantization_config" in config else (None, None)
+        if "quantization" in self.options:
+            refuse_online_quantization(config, self.options["quantization"])
         self.vocab_size = config["vocab_size"]
         self.config = config
         self.stored_names = stored_names(directory)
@@ -189,6 +199,7 @@ class VllmEngine(Engine):
             with (
                 captured_warnings(report.warnings),
                 self.capture_weights(),
+                online_quantization_recorded(self.online_calls) if "quantization" in self.options else nullcontext(),
                 moe_backend_reasons(backend_reasons),
             ):
                 self.llm = self.construct(directory, config)
@@ -267,6 +278,8 @@ class VllmEngine(Engine):
                 module.process_weights_after_loading = original
 
     def record(self, model) -> None:
+        self.online_held = {name: self.online_calls[m] for name, m in model.named_modules() if m in self.online_calls}
+        self.online_calls.clear()
         packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
         names: dict[int, tuple[torch.nn.Parameter, list[str]]] = {}
         for name, parameter in model.named_parameters(remove_duplicate=False):
@@ -341,7 +354,9 @@ class VllmEngine(Engine):
                 continue
             # GPTQ / AWQ hold `qweight` (int32 codes) and no `weight` at all
             packed = "weight_packed" in tensors or GPTQ_MARKER in tensors
-            if packed or ("weight" in tensors and tensors["weight"].dtype in PACKED_DTYPES):
+            if module in self.online_held:  # quantized while loading (the `quantization` option)
+                weights = {"weight": self.online_weight(module)}
+            elif packed or ("weight" in tensors and tensors["weight"].dtype in PACKED_DTYPES):
                 weights = self.dequantized_fused(module, tensors, info)
             else:
                 weights = {
@@ -360,6 +375,19 @@ class VllmEngine(Engine):
                 full = key if "." in key else f"{module}.{key}" if module else key
                 result[canonical_name(full)] = tensor.to(torch.float32)
         return unpermuted_rotary(self.config, result)
+
+    def online_weight(self, module: str) -> torch.Tensor:
+        """A Linear quantized online, decoded as its scheme defines (harness.oracle.online): the codes
+        and scales its method handed over before the kernel repacked them (per channel, vLLM holds
+        the codes transposed, [K, N])."""
+        from harness.oracle import online
+
+        held, scheme = self.online_held[module], self.options["quantization"]
+        scale = held.get("weight_scale", held.get("weight_scale_inv"))
+        if "weight" not in held or scale is None:
+            raise RuntimeError(f"{module}: vLLM's online {scheme} left {sorted(held)}, not a weight and its scale")
+        codes = held["weight"].t() if scheme == "fp8_per_channel" else held["weight"]
+        return online.decode(codes, scale, scheme)
 
     def expert_weights(self, module: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A FusedMoE layer's stacked tensors, cut per expert and part, under checkpoint names."""
@@ -538,10 +566,46 @@ class VllmEngine(Engine):
     def unload(self):
         with young_collections_only():  # vLLM's shutdown collects twice more
             self.llm = None
-            self.snapshot, self.modules = {}, {}
+            self.snapshot, self.modules, self.online_held = {}, {}, {}
         if self.built_since_collection:  # else there is nothing of an engine to collect
             collect_between_engines()
             self.built_since_collection = False
+
+
+def refuse_online_quantization(config: dict, scheme: str) -> None:
+    """Online quantization starts from an unquantized checkpoint of a dense model (its reference,
+    harness.oracle.online, models no other): EngineUnsupported, in one line, otherwise."""
+    from harness.oracle.online import is_moe
+
+    declared = config.get("quantization_config")
+    if declared:
+        method = declared.get("quant_method", "?") if isinstance(declared, dict) else "?"
+        raise EngineUnsupported(
+            f"quantization={scheme} quantizes an unquantized checkpoint while loading; this one is already "
+            f"quantized ({method})"
+        )
+    if is_moe(config):
+        raise EngineUnsupported(f"quantization={scheme} on a mixture-of-experts model: not modelled by the reference")
+
+
+@contextmanager
+def online_quantization_recorded(sink: dict):
+    """vLLM's online FP8 methods hand each Linear's codes and scales to `replace_parameter` before
+    their kernel's own processing repacks them: record CPU copies (layer -> name -> tensor) in `sink`
+    for the duration."""
+    from vllm.model_executor.layers.quantization.online import fp8
+
+    original = fp8.replace_parameter
+
+    def recording(layer, name, value):
+        sink.setdefault(layer, {})[name] = value.detach().to("cpu", copy=True)
+        return original(layer, name, value)
+
+    fp8.replace_parameter = recording
+    try:
+        yield
+    finally:
+        fp8.replace_parameter = original
 
 
 @contextmanager
