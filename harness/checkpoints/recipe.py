@@ -139,9 +139,21 @@ class Recipe:
         return ResolvedRecipe(self, settings, knobs, layout, perturb)
 
 
+#: architectures whose unquantized release stores its experts packed, one tensor per projection: a
+#: layout the generator writes per expert (as their quantized releases store them), which is not
+#: theirs unquantized (transformers reads per-expert names of an unquantized Llama-4 as unexpected)
+PACKED_WHEN_UNQUANTIZED = {"llama4": "feed_forward.experts.gate_up_proj [E, H, 2I] and down_proj [E, I, H]"}
+
+
 def pairing_refusal(fmt, arch) -> str | None:
     """Why this format is not written for this architecture, or None: gpt-oss ships only in its
-    own MXFP4 layout (experts packed), and that format exists only for it."""
+    own MXFP4 layout (experts packed), and that format exists only for it; an unquantized
+    Llama-4 stores its experts packed (PACKED_WHEN_UNQUANTIZED)."""
+    if not fmt.has_scales and arch.name in PACKED_WHEN_UNQUANTIZED:
+        return (
+            f"{arch.name} unquantized stores its experts packed ({PACKED_WHEN_UNQUANTIZED[arch.name]}), "
+            f"a layout the generator writes per expert only"
+        )
     if arch.only_formats and fmt.name not in arch.only_formats:
         return f"{arch.name} is written only in {', '.join(arch.only_formats)} (its release layout)"
     owners = [a.name for a in ARCHITECTURES.values() if fmt.name in a.only_formats]
