@@ -528,6 +528,11 @@ FIXED_VARIANTS = {
         "a bfloat16 model: GPTQModel's int4 kernel computes in the model's dtype, its zero points "
         "folded within two roundings; the v1 zeros and act-order's g_idx read right",
     ),
+    "tp-ct-int4-asym-whole-words": (
+        "vllm-ct-int-asym-zero-points-not-whole-words-misplaced",
+        {"config": {"head_dim": 32}},
+        "k/v of 64 rows: whole words of 8 zero points on every rank at tp 1, 2 and 4; each holds its slice",
+    ),
     "tp-fp8-whole-blocks": (
         "vllm-tp-fp8-block-fused-part-inside-a-block",
         {"config": {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128}},

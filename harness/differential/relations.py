@@ -245,7 +245,8 @@ def _check_shards(relation: Relation, judgement: Judgement, engine: str) -> str:
     if why or judgement.hazards:
         return f"not checked: {why or 'a hostile layout'}"
     if judgement.fmt is not None and not lane_judges(judgement.fmt, judgement.knobs or {}):
-        # asymmetric zero points packed across rows: the lane slices row-major tensors (and GPTQ/AWQ's)
+        # a format whose tensors the lane cannot slice: it reads row-major tensors, some packed across
+        # rows (ct's asymmetric zero points), and GPTQ/AWQ's
         return f"not checked: {judgement.fmt.name} does not store each output row on its own (its slices are not rows)"
     layers = sorted({0, first_sparse_layer(judgement.config) or 0})
     try:

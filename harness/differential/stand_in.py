@@ -56,7 +56,7 @@ def judge_with_stand_in_kernels(judgement, engine: str, outcome) -> None:
         return
     why = relation.inapplicable(judgement.config) or ("a hostile layout" if judgement.hazards else "")
     if not why and judgement.fmt is not None and not lane_judges(judgement.fmt, judgement.knobs or {}):
-        why = f"{judgement.fmt.name} does not store each output row on its own"  # ct asymmetric zero points
+        why = f"{judgement.fmt.name} does not store each output row on its own"  # a format the lane cannot slice
     if not why and judgement.expectation == "refuse":
         why = "the checkpoint must be refused (a full load judges that)"
     if why:

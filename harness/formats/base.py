@@ -139,6 +139,17 @@ class QuantFormat:
         the rows of a weight stacked from parts split back into each part's tensors."""
         return True
 
+    def packed_across_rows(self, knobs: Mapping[str, Any]) -> tuple[str, ...]:
+        """The suffixes whose stored tensor packs several output rows into one element (compressed-
+        tensors' asymmetric zero points: 8 int4 a word along the rows), the others holding each row on
+        its own: a slice of rows may begin inside an element, so it is judged by its values
+        (`unpack_rows`) and through the weight it decodes to, never by its bytes."""
+        return ()
+
+    def unpack_rows(self, suffix: str, tensor: torch.Tensor, rows: int, knobs: Mapping[str, Any]) -> torch.Tensor:
+        """A `packed_across_rows` tensor as `rows` rows of values, one row per output row."""
+        raise NotImplementedError(f"{self.name} packs no tensor across rows")
+
 
 #: False while an engine's held state is decoded (QuantFormat.dequantize_held)
 _FINITE_REQUIRED: ContextVar[bool] = ContextVar("finite_required", default=True)

@@ -234,7 +234,22 @@ class CtPackQuantized(QuantFormat):
         return 1, knobs["group_size"]
 
     def splits_by_rows(self, knobs):
-        return knobs.get("symmetric", True)  # zero points are packed across rows
+        return not self.packed_across_rows(knobs)
+
+    def packed_across_rows(self, knobs):
+        return () if knobs.get("symmetric", True) else ("weight_zero_point",)
+
+    def unpack_rows(self, suffix, tensor, rows, knobs):
+        if suffix not in self.packed_across_rows(knobs):
+            raise FormatError(f"{suffix} is not packed across rows")
+        require_dtype(suffix, tensor, (torch.int32,))
+        require_shape(
+            suffix,
+            tensor,
+            (int_packing.packed_extent(rows, self.bits), tensor.shape[1] if tensor.dim() == 2 else 1),
+            f"int{self.bits} packed along {rows} rows",
+        )
+        return unpack_codes(tensor, self.bits, rows, dim=0)
 
     def subnormal_amax(self, knobs, weight_amax):
         # scale = amax / ((qmax - qmin) / 2) = 2**-130: subnormal in bfloat16 and float32 (normal

@@ -275,3 +275,21 @@ def test_generated_checkpoint_dequantizes_to_truth(tmp_path, arch, sizes, group)
     partial = any(module["shape"][1] % group for module in manifest["modules"].values())
     assert partial == bool(hidden % group or intermediate % group)
     assert manifest["expectation"] == ("exact-or-refuse" if partial else "exact")
+
+
+@pytest.mark.parametrize("fmt", [FORMAT, INT8], ids=["int4", "int8"])
+def test_asymmetric_zero_points_are_the_one_tensor_packed_across_rows(fmt):
+    """The tensor-parallel lane slices every tensor by rows except those the format packs across rows
+    (compressed-tensors' asymmetric zero points, 32/b a word along the rows); `unpack_rows` gives
+    their values back one row per output row, so a slice that starts inside a word can be judged."""
+    symmetric = fmt.resolve_knobs({"group_size": 32})
+    asym = fmt.resolve_knobs({"group_size": 32, "symmetric": False})
+    assert fmt.packed_across_rows(symmetric) == () and fmt.splits_by_rows(symmetric)
+    assert fmt.packed_across_rows(asym) == ("weight_zero_point",) and not fmt.splits_by_rows(asym)
+    zeros = fmt.quantize(make_weight((36, 64)), asym, model_dtype=torch.bfloat16, activation_amax=1.0).tensors
+    rows = fmt.unpack_rows("weight_zero_point", zeros["weight_zero_point"], 36, asym)
+    assert rows.shape == (36, 2) and torch.equal(pack_codes(rows, fmt.bits, dim=0), zeros["weight_zero_point"])
+    with pytest.raises(FormatError, match="weight_zero_point has shape"):
+        fmt.unpack_rows("weight_zero_point", zeros["weight_zero_point"][:-1], 36, asym)
+    with pytest.raises(FormatError, match="not packed across rows"):
+        fmt.unpack_rows("weight_scale", zeros["weight_scale"], 36, asym)

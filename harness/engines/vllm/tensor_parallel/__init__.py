@@ -74,12 +74,14 @@ class TpResult:
 
 def lane_judges(fmt, knobs) -> bool:
     """Whether the lane can judge this format's shards: tensors that hold each output row on its own
-    (sliced and compared byte for byte, and through the weight they decode to), or GPTQ/AWQ's
-    (outputs along dim 1, packed along both axes: judged through the weight each rank's tensors
-    decode to). Not compressed-tensors' asymmetric zero points (packed across rows)."""
+    (sliced and compared byte for byte, and through the weight they decode to), with at most some
+    packed across rows (compressed-tensors' asymmetric zero points, 8 rows a word: a rank's rows can
+    start inside a word, so each rank's are judged by their unpacked values and through the weight
+    its tensors decode to), or GPTQ/AWQ's (outputs along dim 1, packed along both axes: judged
+    through the weight each rank's tensors decode to)."""
     from harness.engines.gptqmodel_modules import MARKER
 
-    return fmt.splits_by_rows(knobs) or fmt.marker == MARKER
+    return fmt.splits_by_rows(knobs) or bool(fmt.packed_across_rows(knobs)) or fmt.marker == MARKER
 
 
 def parse_tp_sizes(text: str, option: str = "--tp-sizes") -> list[int]:

@@ -392,12 +392,17 @@ def raw_problems(shard: Shard, part: Part, owned: Slice, truth: Truth) -> list[s
     layout = {p.name: (start, rows) for p, start, rows in part_rows(shard, _held_rows(shard))}
     start, rows = layout[part.name]
     problems = []
-    # GPTQ/AWQ hold outputs along dim 1, packed along both axes: judged through the dequantized weight
-    by_rows = truth.fmt.splits_by_rows(truth.knobs)
+    # GPTQ/AWQ hold outputs along dim 1, packed along both axes: judged through the dequantized weight;
+    # a tensor packed across rows (ct's asymmetric zero points) by its unpacked values
+    packed = truth.fmt.packed_across_rows(truth.knobs)
+    by_rows = truth.fmt.splits_by_rows(truth.knobs) or bool(packed)
     for suffix, held in shard.held.items():
         source = truth.raw.get(f"{module}.{suffix}")
         if source is None or held.dim() == 0 or (suffix != "bias" and held.dim() == 1):
             continue  # per-part scalars are judged through the dequantized weight
+        if suffix in packed:
+            problems += packed_rows_problems(shard, part, owned, truth, suffix)
+            continue
         if not by_rows and suffix in truth.fmt.suffixes:
             continue
         grid = shard.block and suffix not in ("bias", truth.fmt.suffixes[0]) and held.dim() == 2
@@ -423,6 +428,36 @@ def raw_problems(shard: Shard, part: Part, owned: Slice, truth: Truth) -> list[s
         elif not same_values(mine, wanted):
             problems.append(f"{part.name} {suffix} differs from the checkpoint's slice{dtype_note(mine, wanted)}")
     return problems
+
+
+def packed_rows_problems(shard: Shard, part: Part, owned: Slice, truth: Truth, suffix: str) -> list[str]:
+    """A tensor packed across output rows (8 int4 zero points a word): the rank's rows may start inside
+    a word, so its bytes are no slice of the checkpoint's; its values, unpacked over the fused rows it
+    holds, must be the checkpoint's unpacked slice (a row-parallel rank: every row, its groups)."""
+    held_rows = _held_rows(shard)
+    start, rows = {p.name: (s, r) for p, s, r in part_rows(shard, held_rows)}[part.name]
+    stored = truth.raw[f"{shard.linear.part_module(truth.layer, part)}.{suffix}"]
+    try:
+        mine = truth.fmt.unpack_rows(suffix, shard.held[suffix], held_rows, truth.knobs)[start : start + rows]
+    except FormatError as error:
+        return [f"{part.name} {suffix} cannot be read as {held_rows} rows: {error}"]
+    source = truth.fmt.unpack_rows(suffix, stored, part.rows, truth.knobs)
+    if owned.axis == 0:
+        wanted, first = source[owned.start : owned.stop], owned.start
+    else:
+        factor = columns_per_entry(source, shard.linear.input_size)
+        if factor is None or owned.start % factor or owned.stop % factor:
+            return [split_entry(part, suffix, mine, source, owned, factor)]
+        wanted, first = source[:, owned.start // factor : owned.stop // factor], 0
+    if mine.shape != wanted.shape:
+        return [f"{part.name} {suffix} holds {list(mine.shape)} unpacked, the rank's slice is {list(wanted.shape)}"]
+    wrong = (mine != wanted).any(dim=1).nonzero().flatten().tolist()
+    if not wrong:
+        return []
+    return [
+        f"{part.name} {suffix} (packed across rows) differs from the checkpoint's slice at checkpoint rows "
+        f"{ranges([first + row for row in wrong])}"
+    ]
 
 
 def split_entry(part: Part, suffix: str, held: torch.Tensor, source: torch.Tensor, owned: Slice, factor) -> str:

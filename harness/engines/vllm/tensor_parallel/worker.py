@@ -552,8 +552,10 @@ def load_twice(module, load) -> list[dict[str, torch.Tensor]]:
 
 
 def one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+    """vLLM's words on one line, all of them: a kernel chooser's first line ends in "Reasons:" and
+    each kernel's reason follows on its own line (CPUWNA16's "Output size (52) not supported ...")."""
+    text = " ".join(line.strip() for line in str(error).strip().splitlines() if line.strip())
+    return f"{type(error).__name__}: {text}".rstrip(": ")
 
 
 @contextmanager

@@ -43,6 +43,10 @@ KERNEL_CHOOSERS = (
 )  # fmt: skip
 #: vLLM modules that imported an int4 (WNA16) kernel chooser by name: it returns a kernel class
 MP_KERNEL_CHOOSERS = (
+    (
+        "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16",
+        "choose_mp_linear_kernel",
+    ),
     ("vllm.model_executor.layers.quantization.auto_gptq", "choose_mp_linear_kernel"),
     ("vllm.model_executor.layers.quantization.auto_awq", "choose_mp_linear_kernel"),
 )
@@ -217,19 +221,26 @@ def owned(linear, part, size, rank):
     return 0, rank * share, (rank + 1) * share
 
 
-def held_values(held, sizes):
+def held_values(held, sizes, columns):
     """Each part's rows of what a rank holds, dequantized as vLLM's kernel reads the fused weight:
-    row and block scales over the fused rows, per-part scalars (1-D, one per part) part by part."""
+    row and block scales over the fused rows, per-part scalars (1-D, one per part) part by part.
+    A held weight_shape is vLLM's bookkeeping of one part: the kernel reads the held rows and the
+    rank's `columns`, so that is the shape the definition is given."""
+    shaped = held.pop("weight_shape", None) is not None
     scalars = {n for n, t in held.items() if t.dim() <= 1 and t.numel() == len(sizes)}
+
+    def shape(rows):
+        return {"weight_shape": torch.tensor([rows, columns])} if shaped else {}
+
     if len(sizes) == 1 or not scalars:
-        whole = dequantize_definition(held)
+        whole = dequantize_definition(held | shape(sum(sizes)))
         return list(torch.split(whole, sizes))
     values, start = [], 0
     for part, size in enumerate(sizes):
         rows = {
             n: (t.reshape(-1)[part].reshape(1) if n in scalars else t[start : start + size]) for n, t in held.items()
         }
-        values.append(dequantize_definition(rows))
+        values.append(dequantize_definition(rows | shape(size)))
         start += size
     return values
 
@@ -253,7 +264,7 @@ def rank_problems(linear, size, rank, config, read, expected):
     held = {name: t[:, 0, :, 0] if t.dim() == 4 else t for name, t in held.items()}
     sizes = [int(s) for s in getattr(layer, "output_partition_sizes", [held[next(iter(held))].shape[0]])]
     try:
-        values = held_values(held, sizes)
+        values = held_values(dict(held), sizes, int(getattr(layer, "input_size_per_partition", linear["input_size"])))
     except (RuntimeError, ValueError, IndexError) as error:
         shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in held.items())
         return [f"{where}: what the rank holds cannot be read as the format defines ({shapes}): {error}"], None
