@@ -387,6 +387,8 @@ def test_config_problems(single):
     write_config(single, {"model_type": "llama"})
     checkpoint = Checkpoint(single)  # no quantization_config: an unquantized checkpoint, not a refusal
     assert checkpoint.quantization_config == {}
+    write_config(single, {"model_type": "llama", "quantization_config": None})  # null, as transformers reads it
+    assert Checkpoint(single).quantization_config == {}
     write_config(single, {"quantization_config": "fp8"})
     assert "not a JSON object" in refusal(lambda: Checkpoint(single).quantization_config).problem
     (single / "config.json").unlink()

@@ -385,7 +385,9 @@ class Checkpoint:
     def quantization_config(self) -> dict:
         """config.json's `quantization_config`; {} where it has none (an unquantized checkpoint,
         harness.formats.unquantized)."""
-        config = self.config.get("quantization_config", {})
+        config = self.config.get("quantization_config")
+        if config is None:  # absent or null, as transformers reads both
+            return {}
         if not isinstance(config, dict):
             raise CheckpointError(self.directory / CONFIG_FILE, "config.json quantization_config is not a JSON object")
         return config
@@ -535,7 +537,8 @@ def declared_format(directory: str | Path) -> tuple[Any, dict]:
     config = read_config(config_path)
     if not isinstance(config, dict):
         raise CheckpointError(config_path, "config.json is not a JSON object")
-    quant = config.get("quantization_config", {})  # none: an unquantized checkpoint
+    quant = config.get("quantization_config")
+    quant = {} if quant is None else quant  # absent or null: an unquantized checkpoint
     if not isinstance(quant, dict):
         raise CheckpointError(config_path, "config.json quantization_config is not a JSON object")
     try:

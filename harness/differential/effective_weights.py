@@ -46,11 +46,16 @@ FLOAT32_TINY = 2.0**-126
 
 def reference_basis(judgement, worker: EngineProcess) -> None:
     """The reference's basis inputs for the checkpoint it loaded (`judgement.basis`), or why none."""
+    judgement.basis, judgement.basis_reason = basis_of(judgement, worker, "basis")
+
+
+def basis_of(judgement, worker: EngineProcess, what: str) -> tuple[dict | None, str]:
+    """The basis inputs of the reference's current load, or (None, why there are none)."""
     try:
-        judgement.basis = worker.basis_reference(judgement.scratch_file("reference", "basis")) or None
-        judgement.basis_reason = "" if judgement.basis else "the model has no Linear"
+        basis = worker.basis_reference(judgement.scratch_file("reference", what)) or None
+        return basis, "" if basis else "the model has no Linear"
     except EngineError as error:
-        judgement.basis, judgement.basis_reason = None, first_line(error)
+        return None, first_line(error)
 
 
 def ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -137,13 +142,16 @@ def already_explained(judgement, engine: str, outcome) -> set[str]:
     return explained | {canonical_name(key).rpartition(".")[0] for key in reported}
 
 
-def judge_effective_weights(judgement, engine: str, worker: EngineProcess, outcome, held: dict) -> None:
+def judge_effective_weights(
+    judgement, engine: str, worker: EngineProcess, outcome, held: dict, basis: tuple[dict | None, str] | None = None
+) -> None:
     """Run the basis on `engine` (which holds `held`, its weights under checkpoint names) and judge
     what each Linear applies: one `post-load` finding naming every module that differs;
-    `outcome.effective_weights` says what was probed."""
-    basis = judgement.basis
+    `outcome.effective_weights` says what was probed. `basis`: (inputs, why none) of another load of
+    the reference (an engine option's, Judgement.variant_bases); default the checkpoint's own."""
+    basis, reason = basis if basis is not None else (judgement.basis, judgement.basis_reason)
     if basis is None:
-        outcome.effective_weights = f"not run: {judgement.basis_reason}"
+        outcome.effective_weights = f"not run: {reason}"
         return
     explained = already_explained(judgement, engine, outcome)
     names = sorted(key.removesuffix(".basis") for key in basis if key.endswith(".basis"))

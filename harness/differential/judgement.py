@@ -114,6 +114,9 @@ class Judgement:
     #: model dtype -> the reference's weight-only logits in float32 and how far its own in that dtype
     #: lie from them (runner._exact_forward: only where an engine is beyond the fixed tolerance)
     exact_forwards: dict[str, tuple[list[torch.Tensor], float] | None] = field(default_factory=dict)
+    #: a reference variant (reference_variant) -> the basis inputs of that load and why there are none
+    #: (harness.differential.effective_weights): the applied weights of an engine loaded with an option
+    variant_bases: dict[str, tuple[dict | None, str]] = field(default_factory=dict)
     #: online scheme -> the truth with the decoder layers' Linears as that scheme applies them (engine_truth)
     online_truths: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     #: the tolerances of those other dtypes, by dtype (engine_tol)

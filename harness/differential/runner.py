@@ -12,7 +12,7 @@ from harness.core.errors import HarnessError, first_line
 from harness.core.findings import WEIGHT_KINDS
 from harness.core.naming import canonical_name
 from harness.differential.compare import compare_logprobs, compare_weight, perplexity
-from harness.differential.effective_weights import judge_effective_weights, reference_basis
+from harness.differential.effective_weights import basis_of, judge_effective_weights, reference_basis
 from harness.differential.judgement import CheckpointResult, EngineOutcome, Judgement
 from harness.differential.known_issues import KnownIssues
 from harness.differential.kv_scales import judge_kv_scales
@@ -104,10 +104,13 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
             _activation_candidate(judgement, worker)
             reference_probe(judgement, worker, outcome)
             reference_basis(judgement, worker)
-        elif judgement.reference_variant(engine):
-            outcome.effective_weights = outcome.activation_probe = (
-                f"not run: the engine is judged against the reference loaded with {judgement.reference_variant(engine)}; "
-                "the probes' inputs and references are the checkpoint's own"
+        elif judgement.reference_variant(engine):  # the basis of the reference loaded as the option says
+            variant = judgement.reference_variant(engine)
+            basis = judgement.variant_bases.get(variant, (None, f"the reference has no load with {variant}"))
+            judge_effective_weights(judgement, engine, worker, outcome, held, basis)
+            outcome.activation_probe = (
+                f"not run: the engine is judged against the reference loaded with {variant}; the probe's "
+                "inputs and references are the checkpoint's own"
             )
         else:
             judge_effective_weights(judgement, engine, worker, outcome, held)
@@ -265,6 +268,7 @@ def _variant_references(judgement: Judgement, worker: EngineProcess) -> None:
                 judgement.baselines[engine] = None
                 judgement.baseline_reasons[engine] = f"the reference has no forward with {variant}: {first_line(error)}"
             continue
+        judgement.variant_bases[variant] = basis_of(judgement, worker, f"basis-{variant}")
         for engine in engines:
             judgement.baselines[engine] = rows
             if specified is not None:

@@ -263,3 +263,35 @@ class OnlineScaleHalvedVllm(VllmEngine):
 
         with replaced(fp8, "replace_parameter", halved):
             return super().construct(directory, config)
+
+
+class OnlineKernelLastPartHalvedVllm(VllmEngine):
+    """Online FP8 per channel, the codes and scales right as its method makes them, and a fused
+    Linear's last part (qkv's v, gate_up's up) scales halved just before its kernel's own processing:
+    the kernel applies other weights than those quantized. Load it with `[quantization=fp8_per_channel]`."""
+
+    name = "double-vllm-online-kernel-last-part-halved"
+
+    def construct(self, directory, config):
+        from vllm.model_executor.layers.quantization.online import fp8
+
+        method = fp8.Fp8PtpcOnlineLinearMethod
+        original = method.process_weights_after_loading
+
+        def halved_for_the_kernel(self, layer):
+            kernel_step = self.fp8_linear.process_weights_after_loading
+
+            def halve_then_process(layer):
+                widths = list(getattr(layer, "logical_widths", []))
+                if len(widths) > 1:
+                    layer.weight_scale.data[-widths[-1] :] *= 0.5  # BUG
+                return kernel_step(layer)
+
+            self.fp8_linear.process_weights_after_loading = halve_then_process
+            try:
+                return original(self, layer)
+            finally:
+                del self.fp8_linear.process_weights_after_loading
+
+        with replaced(method, "process_weights_after_loading", halved_for_the_kernel):
+            return super().construct(directory, config)

@@ -195,7 +195,8 @@ def test_online_quantization_is_judged_against_the_reference_model_of_its_scheme
 
     online = "[quantization=fp8_per_channel]"
     engines = ["reference", "vllm", f"vllm{online}"]
-    engines += [f"{ONLINE_MUTANTS}:{double}{online}" for double in ("PreFixMaterializeVllm", "OnlineScaleHalvedVllm")]
+    doubles = ("PreFixMaterializeVllm", "OnlineScaleHalvedVllm", "OnlineKernelLastPartHalvedVllm")
+    engines += [f"{ONLINE_MUTANTS}:{double}{online}" for double in doubles]
     for engine in engines[3:]:  # the doubles are vLLM: they take its options, in its interpreter
         monkeypatch.setitem(options.OPTIONS, engine.partition("[")[0], options.OPTIONS["vllm"])
         monkeypatch.setenv(variable_for(engine.partition("[")[0]), VLLM_PYTHON)
@@ -219,6 +220,15 @@ def test_online_quantization_is_judged_against_the_reference_model_of_its_scheme
     halved = {module for kind, module in kinds[f"OnlineScaleHalvedVllm{online}"] if kind == "weight-mismatch"}
     linears = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert {m.rsplit(".", 2)[-2] for m in halved} == linears, halved
+    # the kernel's own processing: the weights quantized right, the applied ones not (the basis of the
+    # reference loaded with the scheme)
+    kernel = f"{ONLINE_MUTANTS}:OnlineKernelLastPartHalvedVllm{online}"
+    assert not [k for k, _ in kinds[f"OnlineKernelLastPartHalvedVllm{online}"] if k.startswith("weight")], kinds
+    (post,) = [f for f in result.findings if f.engine == kernel and f.kind == "post-load"]
+    assert sorted(m.rsplit(".", 1)[-1] for m in post.metrics["modules"]) == ["up_proj", "v_proj"]
+    assert post.metrics["worst"]["ratio"] == pytest.approx(0.5, rel=1e-2)
+    applied = result.outcomes[f"vllm{online}"].effective_weights  # the LM head is the sampler's, not run
+    assert applied.startswith("7/7 Linear(s) apply the weights placed"), applied
 
 
 def test_online_schemes_are_the_references():
