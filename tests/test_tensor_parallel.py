@@ -826,3 +826,64 @@ def evaluate_with_the_relation(recipe, tmp_path, session):
     """`recipe` generated and evaluated by the reference and vLLM with the tensor-parallel relation."""
     generate(recipe, tmp_path / "ckpt")
     return evaluate(tmp_path / "ckpt", session, KnownIssues.load(), relations=("tensor-parallel",))
+
+
+@pytest.fixture(scope="module")
+def unquantized_checkpoint(tmp_path_factory):
+    """A bfloat16 Qwen2 without quantization_config: q/k/v biases, which online FP8 once clobbered."""
+    directory = tmp_path_factory.mktemp("tp") / "unquantized"
+    recipe = apply_settings(
+        Recipe(format="unquantized", arch="qwen2", seed=4),
+        ["hidden_size=256", "intermediate_size=512", "num_hidden_layers=1", "num_attention_heads=4"],
+    )
+    generate(recipe, directory)
+    return directory
+
+
+def unquantized_shards(truth, tp: int, rank_of_bias=lambda rank: rank) -> list[Shard]:
+    """TEST DOUBLE: what a correct loader holds of an unquantized layer per rank (weights and biases
+    sliced as vLLM's parallel Linears slice them); `rank_of_bias` other than the identity gives a rank
+    another rank's bias rows, a deliberately wrong loader."""
+    shards = []
+    for linear in decoder_linears(truth.config):
+        for rank in range(tp):
+            held, sizes = {}, []
+            for suffix in ("weight", "bias"):
+                pieces = []
+                for part in linear.parts:
+                    source = truth.raw.get(f"{linear.part_module(truth.layer, part)}.{suffix}")
+                    if source is None:
+                        continue
+                    owned = owned_slice(
+                        linear, part, tp, rank_of_bias(rank) if suffix == "bias" else rank, truth.config
+                    )
+                    if suffix == "bias" and owned.axis == 1:
+                        pieces.append(source)  # a row-parallel bias: every rank holds all of it
+                    else:
+                        pieces.append(source.narrow(owned.axis, owned.start, owned.stop - owned.start))
+                    if suffix == "weight":
+                        sizes.append(pieces[-1].shape[0])
+                if pieces:
+                    held[suffix] = torch.cat(pieces)
+            shards.append(Shard(tp, rank, linear, sizes if linear.kind != "row" else [], None, held))
+    return shards
+
+
+def test_unquantized_shards_and_their_biases_are_judged(unquantized_checkpoint):
+    truth = load_truth(unquantized_checkpoint, 0)
+    for tp in (2, 4):
+        verdicts = judge(unquantized_shards(truth, tp), truth)
+        assert {v.status for v in verdicts} == {EXACT}, [v.line() for v in verdicts if v.status != EXACT]
+    wrong = {(v.rank, v.module): v for v in judge(unquantized_shards(truth, 2, rank_of_bias=lambda rank: 0), truth)}
+    assert wrong[0, "qkv_proj"].status == EXACT and wrong[1, "qkv_proj"].status == FINDING
+    assert any("bias" in detail for detail in wrong[1, "qkv_proj"].details), wrong[1, "qkv_proj"].details
+
+
+@needs_vllm
+def test_vllm_unquantized_shards_are_exact_at_tp_2_and_4(unquantized_checkpoint, tp_worker):
+    """vLLM's unquantized parallel Linears, biases included: exact where the heads divide."""
+    result = check_tensor_parallel(unquantized_checkpoint, [2, 4], process=tp_worker)
+    assert [(o.tp, o.status) for o in result.outcomes] == [(2, EXACT), (4, EXACT)], [
+        line for o in result.outcomes for line in o.reasons + o.findings
+    ]
+    assert len(result.verdicts) == (2 + 4) * 6

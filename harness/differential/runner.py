@@ -185,21 +185,15 @@ def _activation_candidate(judgement: Judgement, worker: EngineProcess) -> None:
     """The reference's second candidate: its forward with activations quantized as specified, and
     its noise floor: how far the specified forward's rounding variants land from it."""
     from harness.oracle.kv_cache import declares_fp8_kv_cache
-    from harness.oracle.specified import VARIANTS, describe
+    from harness.oracle.specified import describe
 
-    sequences = judgement.sequences
     try:
-        forwards = {
-            variant: worker.logprobs(sequences, judgement.scratch_file(REFERENCE, f"specified-{variant}"), variant)
-            for variant in VARIANTS
-        }
+        judgement.specified, floor = _specified_forwards(judgement, worker, "checkpoint")
     except EngineError as error:
         judgement.specified, judgement.specified_reason = None, first_line(error)
         _option_candidates(judgement, worker)
         return
     tol, config = judgement.tol, judgement.config["quantization_config"]
-    judgement.specified = forwards.pop("float64")
-    floor = max(compare_logprobs(rows, judgement.specified, sequences, tol).max_abs_delta for rows in forwards.values())
     bound = tol.activation_kv_max_abs_delta if declares_fp8_kv_cache(config) else tol.activation_max_abs_delta
     judgement.specified_noise = floor
     judgement.specified_bound = max(bound, 2 * floor)  # a checkpoint whose logits amplify rounding
@@ -278,14 +272,15 @@ def _variant_references(judgement: Judgement, worker: EngineProcess) -> None:
             _option_candidates(judgement, worker, engines)
 
 
-def _specified_forwards(judgement: Judgement, worker: EngineProcess, variant: str):
-    """The reference's current load's specified forward and its noise floor: how far the
-    definition's rounding variants (harness.oracle.specified.VARIANTS) land from it."""
+def _specified_forwards(judgement: Judgement, worker: EngineProcess, load: str):
+    """The specified forward of the reference's current load (named `load` in its scratch files)
+    and its noise floor: how far the definition's rounding variants (harness.oracle.specified.VARIANTS)
+    land from it."""
     from harness.oracle.specified import VARIANTS
 
     sequences, tol = judgement.sequences, judgement.tol
     forwards = {
-        name: worker.logprobs(sequences, judgement.scratch_file(REFERENCE, f"specified-{variant}-{name}"), name)
+        name: worker.logprobs(sequences, judgement.scratch_file(REFERENCE, f"specified-{load}-{name}"), name)
         for name in VARIANTS
     }
     specified = forwards.pop("float64")

@@ -575,8 +575,10 @@ def vllm_context(directory: str, config: dict, notes: list[str]):
         # (a check of the method, or of the quantization config: INC's "Unsupported data_type: nv_fp")
         raise EngineRefuses(config_refusal(error) or f"vLLM: {first_line(error)}") from error
     with set_current_vllm_config(vllm_config):
-        quant_config = get_quant_config(model_config, LoadConfig())
-        quant_config.packed_modules_mapping = dict(PACKED_MODULES)
+        quant_config = None  # an unquantized checkpoint: vLLM's unquantized Linear methods
+        if config.get("quantization_config"):
+            quant_config = get_quant_config(model_config, LoadConfig())
+            quant_config.packed_modules_mapping = dict(PACKED_MODULES)
         with stand_in_kernels(notes):
             yield quant_config, dtype
 
