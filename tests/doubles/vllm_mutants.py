@@ -231,18 +231,18 @@ class PreFixMaterializeVllm(VllmEngine):
 
     def construct(self, directory, config):
         import torch
-        from vllm.model_executor.model_loader.reload import layerwise, meta
+        from vllm.model_executor.model_loader.reload import layerwise
 
-        def every_tensor(layer, info):  # BUG: not only the meta tensors
-            if layer.__class__.__name__ in meta.SKIP_MODULES:
-                return
-            with info.restore_device:
-                for name, tensor in meta.get_layer_tensors(layer).items():
-                    if name not in meta.SKIP_LOAD_TENSORS:
-                        setattr(layer, name, meta.materialize_meta_tensor(tensor))
-                        getattr(layer, name).data.fill_(torch.nan)
+        from tests.fixes.vllm_materialize_run import prefix_materialize_layer
 
-        with replaced(layerwise, "materialize_layer", every_tensor):
+        def every_tensor_as_nan(layer, info):  # BUG: every tensor replaced, not only the meta ones
+            before = {id(t) for t in [*layer._parameters.values(), *layer._buffers.values()] if t is not None}
+            prefix_materialize_layer(layer, info)
+            for tensor in [*layer._parameters.values(), *layer._buffers.values()]:
+                if tensor is not None and id(tensor) not in before and tensor.is_floating_point():
+                    tensor.data.fill_(torch.nan)  # uninitialised memory, made deterministic
+
+        with replaced(layerwise, "materialize_layer", every_tensor_as_nan):
             return super().construct(directory, config)
 
 
