@@ -242,7 +242,7 @@ def _variant_references(judgement: Judgement, worker: EngineProcess) -> None:
     judged, and why is said."""
     by_variant: dict[str, list[str]] = {}
     for engine in judgement.engines:
-        if judgement.reference_variant(engine):
+        if judgement.reference_variant(engine) and not _unsupported_here(judgement, engine):
             by_variant.setdefault(judgement.reference_variant(engine), []).append(engine)
     for variant, engines in sorted(by_variant.items()):
         online = variant.startswith("quantization=")
@@ -270,6 +270,16 @@ def _variant_references(judgement: Judgement, worker: EngineProcess) -> None:
                 judgement.option_candidates[engine] = (specified, bound, reason)
         if not online:
             _option_candidates(judgement, worker, engines)
+
+
+def _unsupported_here(judgement: Judgement, engine: str) -> bool:
+    """Whether `engine` says at once that it cannot run this checkpoint's format here (its cached
+    capability): no reference load is made for it (online FP8 per block without AMX)."""
+    worker = judgement.session.process(engine)
+    try:
+        return worker is None or bool(worker.unsupported(judgement.fmt.name))
+    except (EngineError, EngineFailure):
+        return False  # its own load says so, where it is judged
 
 
 def _specified_forwards(judgement: Judgement, worker: EngineProcess, load: str):

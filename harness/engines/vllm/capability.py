@@ -179,4 +179,5 @@ def unsupported_reason(fmt: str, construct, cache: CapabilityCache | None = None
     if not known:
         reason = probe(fmt, construct)
         cache.put(key, entry, reason)
-    return None if reason is None else f"vLLM has no kernel for {fmt} here: {reason}"
+    where = f"{fmt} with {setting}" if setting else fmt
+    return None if reason is None else f"vLLM has no kernel for {where} here: {reason}"
