@@ -23,9 +23,12 @@ from harness.formats import FORMAT_NAMES
 
 GOLDEN_ROOT = GOLDEN_DIR
 #: every registered format the tiny (dense llama/qwen2) models can be written in has goldens: not
-#: one that exists for another architecture only (mxfp4: gpt-oss's). The registries import no
-#: torch, so the CLI parser stays light.
-GOLDEN_FORMATS = tuple(f for f in FORMAT_NAMES if not any(f in a.only_formats for a in ARCHITECTURES.values()))
+#: one that exists for another architecture only (mxfp4: gpt-oss's), nor `unquantized` (that variant
+#: is the model itself; its bf16 goldens are the originals', golden/MODEL/bf16, read by the fix
+#: gates). The registries import no torch, so the CLI parser stays light.
+GOLDEN_FORMATS = tuple(
+    f for f in FORMAT_NAMES if f != "unquantized" and not any(f in a.only_formats for a in ARCHITECTURES.values())
+)
 
 #: goldens read outside the model x format x engine matrix, and by what
 OTHER_READERS = {
