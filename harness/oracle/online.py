@@ -1,6 +1,6 @@
 """Online quantization: what an engine that quantizes an unquantized checkpoint while loading must
 hold and compute, as the reference models it. The schemes are vLLM's (`LLM(quantization=...)`,
-vllm/model_executor/layers/quantization/online/fp8.py and docs/features/quantization/online.md,
+vllm/model_executor/layers/quantization/online/fp8.py and vLLM's online quantization guide,
 vLLM 0.32), written here from that definition, float32 arithmetic where the definition computes
 in float32:
 
