@@ -52,7 +52,7 @@ HOST_NOISE = (
     "Triton is not supported on current platform",
 )
 #: a module SGLang built with a quantization method that processes nothing
-UNQUANTIZED = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod")
+UNQUANTIZED = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod", "NoneType")
 
 
 class SglangEngine(VllmEngine):
@@ -91,8 +91,8 @@ class SglangEngine(VllmEngine):
                 raise EngineRefuses(f"SGLang: {refusal}") from error
             raise
         self.processed = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
-        self.methods = {
-            name: type(module.quant_method).__name__
+        self.methods = {  # a compressed-tensors Linear's scheme says more than its method
+            name: type(getattr(module, "scheme", None) or module.quant_method).__name__
             for name, module in model.named_modules()
             if getattr(module, "quant_method", None) is not None
         }
@@ -175,13 +175,17 @@ class SglangEngine(VllmEngine):
                 self.applied[name] = applied[start : start + rows].to(torch.float32)
                 start += rows
             notes.append(f"{module} ({method}): after process_weights_after_loading it {problem}")
-        notes += [f"{method}: its processed layout is not read here; its placed weights are judged" for method in unread]
+        notes += [
+            f"{method}: its processed layout is not read here; its placed weights are judged" for method in unread
+        ]
         return notes
 
     @staticmethod
     def tensors_of(parameters: dict[str, torch.Tensor], module: str) -> dict[str, torch.Tensor]:
         prefix = f"{module}."
-        return {n[len(prefix) :]: t for n, t in parameters.items() if n.startswith(prefix) and "." not in n[len(prefix) :]}
+        return {
+            n[len(prefix) :]: t for n, t in parameters.items() if n.startswith(prefix) and "." not in n[len(prefix) :]
+        }
 
     def checkpoint_names(self, module: str) -> list[str]:
         parts = self.modules.get(module, {}).get("parts")
@@ -252,7 +256,9 @@ def join_world_of_one() -> None:
     if not torch.distributed.is_initialized():
         parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
     reset_context()
-    publish(ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1), role="test", ranks=SpawnRanks(world_rank=0))
+    publish(
+        ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1), role="test", ranks=SpawnRanks(world_rank=0)
+    )
     if parallel_state._WORLD is not None:
         get_parallel().override_permanently(world_group=parallel_state._WORLD)
     parallel_state.initialize_model_parallel(backend="gloo")

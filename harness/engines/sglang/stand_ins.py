@@ -35,10 +35,9 @@ def capability() -> int:
 def stood_in(used: list[str]):
     """While active, SGLang's driver-bound kernel choices answer as above; each one SGLang asked
     is appended to `used` once, in words."""
-    from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
-
     import sglang.kernels.ops.quantization.fp8_kernel as fp8_kernel
     import sglang.srt.layers.rotary_embedding.base as rotary
+    from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
     def note(text: str) -> None:
         if text not in used:
