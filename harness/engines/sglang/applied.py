@@ -32,10 +32,10 @@ def held_as_placed(processed: dict[str, torch.Tensor], placed: dict[str, torch.T
             result[suffix] = tensor
         elif suffix == "weight_scale" and tensor.dtype == torch.float8_e4m3fn and _swizzled(tensor, before):
             result[suffix] = unswizzled(tensor, *before.shape)
-        elif tensor.shape == before.shape and tensor.is_contiguous():
+        elif tensor.t().shape == before.shape and tensor.t().is_contiguous() and not tensor.is_contiguous():
+            result[suffix] = tensor.t().contiguous()  # `Parameter(weight.t())`: the kernel's [in, out] view
+        elif tensor.shape == before.shape:
             result[suffix] = tensor
-        elif tensor.t().shape == before.shape and tensor.t().is_contiguous():
-            result[suffix] = tensor.t().contiguous()  # the kernel's [in, out]
         else:
             return None
     return result
