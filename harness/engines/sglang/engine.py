@@ -51,6 +51,16 @@ HOST_NOISE = (
     "is deprecated",
     "Triton is not supported on current platform",
 )
+#: SGLang's words where what it would run depends on a GPU it asks for and this machine lacks: a
+#: limit of the machine (unsupported), not a finding. Each met on the AVX-512 kind with sglang 0.5.23:
+MACHINE_LIMITS = (
+    "Found no NVIDIA driver",  # a capability query no stand-in answers (compressed-tensors int4/int8)
+    "Current platform does not support",  # NVFP4 MoE: "Please use Blackwell and above"
+    "require SM",  # ModelOpt NVFP4's dense GEMM backends "require SM100+"
+    "Unknown quantization method",  # gptq: SGLang maps it to gptq_marlin only where a GPU says so
+    "is not supported for quantization method",  # awq in bfloat16: awq_marlin is chosen by the GPU too
+    "No compressed-tensors compatible scheme",  # MXFP4: no scheme without the GPU's capability
+)
 #: a module SGLang built with a quantization method that processes nothing
 UNQUANTIZED = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod", "NoneType")
 
@@ -86,6 +96,8 @@ class SglangEngine(VllmEngine):
                 model = build_and_load(directory)
         except BaseException as error:
             self.unload()
+            if any(limit in str(error) for limit in MACHINE_LIMITS):
+                raise EngineUnsupported(f"SGLang cannot load this checkpoint here: {first_line(error)}") from error
             refusal = sglang_refusal(error)
             if refusal:
                 raise EngineRefuses(f"SGLang: {refusal}") from error
