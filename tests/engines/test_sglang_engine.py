@@ -138,3 +138,28 @@ def test_a_quantized_head_is_found_loaded_as_its_codes(sglang_session, tmp_path)
     assert all(f.known_issue == "sglang-quantized-lm-head-loaded-as-codes" for f in found)
     mismatch = next(f for f in found if f.kind == "weight-mismatch")
     assert mismatch.module == "lm_head.weight" and "max |err| 448" in mismatch.message
+
+
+@needs_sglang
+def test_an_nvfp4_head_is_found_never_written(sglang_session, tmp_path):
+    """NVFP4's quantized head has no `lm_head.weight` for SGLang's bfloat16 parameter: loaded into
+    NaN-filled parameters (the sentinel relation) it stays NaN, and the relation finding is the
+    known issue's."""
+    from harness.differential.known_issues import KnownIssues
+    from harness.differential.runner import evaluate
+
+    recipe = Recipe(
+        format="ct-nvfp4",
+        arch="llama",
+        seed=0,
+        config={"num_hidden_layers": 1},
+        layout={"fused_scales": "shared", "quantize_lm_head": True},
+    )
+    generate(recipe, tmp_path / "ckpt")
+    result = evaluate(tmp_path / "ckpt", sglang_session, KnownIssues.load(), relations=("sentinel",))
+    assert result.outcomes["sglang"].relations["sentinel"] == "does not hold"
+    relation = [f for f in result.findings if f.engine == "sglang" and f.kind == "relation"]
+    assert len(relation) == 1 and "lm_head.weight left unwritten" in relation[0].message
+    assert all(
+        f.known_issue == "sglang-quantized-lm-head-loaded-as-codes" for f in result.findings if f.engine == "sglang"
+    )

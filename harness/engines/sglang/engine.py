@@ -234,7 +234,13 @@ class SglangEngine(VllmEngine):
         return result
 
     def load_variant(self, directory, variant):
-        return Engine.load_variant(self, directory, variant)
+        """`sentinel`: SGLang's model built with every parameter's bytes 0xFF (NaN in every float dtype)
+        before its loader writes any, as vLLM's reload tests fill them: a parameter no loader writes
+        (a quantized head's, whose checkpoint tensors have no parameter) stays NaN."""
+        if variant != "sentinel":
+            return Engine.load_variant(self, directory, variant)
+        with sentinel_parameters():
+            return self.load(directory)
 
     def logprobs(self, sequences):
         raise EngineUnsupported(self.forward_unsupported or forward_unsupported())
@@ -251,6 +257,28 @@ class SglangEngine(VllmEngine):
     def unload(self):
         self.snapshot, self.modules, self.processed, self.methods, self.applied = {}, {}, {}, {}, {}
         gc.collect()
+
+
+@contextmanager
+def sentinel_parameters():
+    """While active, every model SGLang's loader builds (`_initialize_model`, before load_weights) has
+    each parameter's bytes set to 0xFF."""
+    from sglang.srt.model_loader import loader
+
+    original = loader._initialize_model
+
+    def build_then_fill(*args, **kwargs):
+        model = original(*args, **kwargs)
+        with torch.no_grad():
+            for parameter in filter(torch.numel, model.parameters()):  # contiguous as built: a flat view
+                parameter.data.view(-1).view(torch.uint8).fill_(0xFF)
+        return model
+
+    loader._initialize_model = build_then_fill
+    try:
+        yield
+    finally:
+        loader._initialize_model = original
 
 
 def join_world_of_one() -> None:
