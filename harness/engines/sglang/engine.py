@@ -12,7 +12,8 @@ ask a CUDA driver stood in (`stand_ins`). The weights are read twice: as placed,
 vllm engine's reading. Where a Linear's processing leaves it applying other weights than it placed
 (beyond one float32 rounding, and the one E4M3 requantization a per-tensor FP8 method does under its
 kept scale), the processed weights are the ones reported, and the load report says so. The forward
-is unsupported, in SGLang's own words.
+is unsupported, in SGLang's own words. (Importing the vllm engine's reading also runs its
+`setdefault` of VLLM_ENABLE_V1_MULTIPROCESSING in this worker, which nothing of SGLang reads.)
 """
 
 from __future__ import annotations
