@@ -59,8 +59,10 @@ MACHINE_LIMITS = (
     "Current platform does not support",  # NVFP4 MoE: "Please use Blackwell and above"
     "require SM",  # ModelOpt NVFP4's dense GEMM backends "require SM100+"
     "Unknown quantization method",  # gptq: SGLang maps it to gptq_marlin only where a GPU says so
-    "is not supported for quantization method",  # awq in bfloat16: awq_marlin is chosen by the GPU too
+    "is not supported for quantization method awq.",  # awq in bfloat16: awq_marlin is chosen by the GPU too
     "No compressed-tensors compatible scheme",  # MXFP4: no scheme without the GPU's capability
+    "non-Marlin GPTQ CUDA kernel has been removed",  # AutoRound's gptq config: Marlin is chosen by the GPU
+    "is implemented only for",  # int8 W8A8 MoE: "implemented only for NPU for now"
 )
 #: a module SGLang built with a quantization method that processes nothing
 UNQUANTIZED = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod", "NoneType")
@@ -94,7 +96,7 @@ class SglangEngine(VllmEngine):
         join_world_of_one()
         try:
             with captured_warnings(report.warnings, loggers=("sglang",)), stood_in(used), self.capture_weights():
-                model = build_and_load(directory)
+                model = build_and_load(directory, config.get("dtype") or config.get("torch_dtype") or "auto")
         except BaseException as error:
             self.unload()
             if any(limit in str(error) for limit in MACHINE_LIMITS):
@@ -305,14 +307,16 @@ def join_world_of_one() -> None:
     parallel_state.initialize_model_parallel(backend="gloo")
 
 
-def build_and_load(directory: str):
-    """SGLang's engine's own path: ModelConfig of the checkpoint (its dtype), DefaultModelLoader."""
+def build_and_load(directory: str, dtype: str):
+    """SGLang's engine's own path: ModelConfig of the checkpoint, DefaultModelLoader. The dtype is the
+    checkpoint's, as the harness loads every engine: SGLang's "auto" loads a float32 checkpoint in
+    float16 (measured: its embeddings and norms rounded to float16)."""
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
-    model_config = ModelConfig(directory, trust_remote_code=False, dtype="auto")
+    model_config = ModelConfig(directory, trust_remote_code=False, dtype=dtype)
     with torch.no_grad():
         return DefaultModelLoader(LoadConfig()).load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
 
