@@ -159,7 +159,7 @@ class SglangEngine(VllmEngine):
         where they differ beyond one float32 rounding and one E4M3 requantization under the one scale
         it kept, the processed ones are what `weights` reports; a line per such Linear, and one per
         method whose processed layout is not read here."""
-        placed = super().weights()
+        placed = self.vocabulary_rows(super().weights())
         notes, unread = [], set()
         for module, method in sorted(self.methods.items()):
             if method in UNQUANTIZED:
@@ -176,6 +176,7 @@ class SglangEngine(VllmEngine):
             if not all(n in placed for n in names):
                 continue
             expected = torch.cat([placed[n].to(torch.float64) for n in names])
+            applied = applied[: expected.shape[0]]  # a padded vocabulary's rows past it
             scale = after.get("weight_scale")
             bound = FLOAT32_ROUNDING * expected.abs()
             if after.get("weight", torch.empty(0)).dtype == torch.float8_e4m3fn and scale is not None:
@@ -210,7 +211,16 @@ class SglangEngine(VllmEngine):
         return [canonical_name(f"{parent}.{part}.weight") for part, _ in parts]
 
     def weights(self):
-        return super().weights() | self.applied
+        return self.vocabulary_rows(super().weights()) | self.applied
+
+    def vocabulary_rows(self, held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A vocabulary-parallel module's rows past the vocabulary (SGLang pads to a multiple of 64)
+        dropped, a quantized one's too (vLLM's reading drops them for unquantized weights only)."""
+        for module, info in self.modules.items():
+            name = canonical_name(f"{module}.weight")
+            if "vocab" in info and name in held and held[name].shape[0] > info["vocab"]:
+                held[name] = held[name][: info["vocab"]]
+        return held
 
     def dequantized_parts(self, module: str, tensors: dict, info: dict) -> dict[str, torch.Tensor]:
         """vLLM's reading, except that a fused Linear holding one entry per part of a tensor other than
