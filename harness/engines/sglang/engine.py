@@ -99,7 +99,7 @@ class SglangEngine(VllmEngine):
                 model = build_and_load(directory, config.get("dtype") or config.get("torch_dtype") or "auto")
         except BaseException as error:
             self.unload()
-            if any(limit in str(error) for limit in MACHINE_LIMITS):
+            if asks_for_a_gpu(error):
                 raise EngineUnsupported(f"SGLang cannot load this checkpoint here: {first_line(error)}") from error
             refusal = sglang_refusal(error)
             if refusal:
@@ -329,6 +329,15 @@ def build_and_load(directory: str, dtype: str):
     model_config = ModelConfig(directory, trust_remote_code=False, dtype=dtype)
     with torch.no_grad():
         return DefaultModelLoader(LoadConfig()).load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
+
+
+def asks_for_a_gpu(error: BaseException) -> bool:
+    """SGLang's words say what it would run needs a GPU (MACHINE_LIMITS), or it failed on the line
+    where it reads the GPU's capability (moe_wna16's `capability_tuple[0] * 10`: None on CPU)."""
+    if any(limit in str(error) for limit in MACHINE_LIMITS):
+        return True
+    frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
+    return bool(frames) and "capability" in (frames[-1].line or "")
 
 
 def forward_unsupported() -> str:
