@@ -34,7 +34,8 @@ def test_cpu_engines_hide_gpus_and_inherit_everything_else(tmp_path, monkeypatch
 
 
 def test_only_the_cpu_engines_override_anything():
+    """sglang too: its loaders run on CPU with stand-in kernel choices (harness.engines.sglang)."""
     overriding = {name: dict(entry.overrides) for name, entry in ENGINES.items() if entry.overrides}
     assert overriding == {
-        name: {"CUDA_VISIBLE_DEVICES": ""} for name in ("reference", "transformers", "compressed-tensors")
+        name: {"CUDA_VISIBLE_DEVICES": ""} for name in ("reference", "transformers", "compressed-tensors", "sglang")
     }

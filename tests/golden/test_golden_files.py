@@ -186,13 +186,15 @@ def test_every_golden_format_has_a_policy():
 
 
 def test_the_cli_parser_and_the_registries_import_no_torch():
-    """Format and engine names are listed once, in registries the CLI reads without torch."""
+    """Format and engine names are listed once, in registries the CLI reads without torch (an engine
+    package's face, such as harness.engines.sglang's, imports none either)."""
     import subprocess
     import sys
 
     code = (
         "import sys; from harness.commands.cli import build_parser; build_parser(); "
-        "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
+        "import harness.engines.sglang, harness.engines.sglang.environment; "
+        "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'sglang') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
