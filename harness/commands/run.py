@@ -60,6 +60,22 @@ def plan_cells(args):
     return coverage, cells, mine
 
 
+def drawn_options(engines: list[str], every: int) -> str:
+    """What the campaign's header says of the engine variants it draws ('' where none)."""
+    variants = [v for v in CAMPAIGN_VARIANTS if base_engine(v) in engines and v not in engines]
+    by_format = [
+        f"{v} ({fmt}: 1 example in {FORMAT_VARIANTS_EVERY})"
+        for fmt, drawn in FORMAT_VARIANTS.items()
+        for v in drawn
+        if base_engine(v) in engines and v not in engines
+    ]
+    if not every:
+        return ""
+    return (f"; engine options {', '.join(variants)}, one on 1 example in {every}" if variants else "") + (
+        f"; {', '.join(by_format)}" if by_format else ""
+    )
+
+
 def command_run(args) -> int:
     import hypothesis
 
@@ -79,13 +95,6 @@ def command_run(args) -> int:
         raise HarnessError(f"--relations-every expects a whole number of examples >= 1, got {args.relations_every}")
     if args.options_every < 0:
         raise HarnessError(f"--options-every expects a whole number of examples >= 0, got {args.options_every}")
-    variants = [v for v in CAMPAIGN_VARIANTS if base_engine(v) in engines and v not in engines]
-    by_format = [
-        f"{v} ({fmt}: 1 example in {FORMAT_VARIANTS_EVERY})"
-        for fmt, drawn in FORMAT_VARIANTS.items()
-        for v in drawn
-        if base_engine(v) in engines and v not in engines
-    ]
     seconds = parse_duration(args.budget) if args.budget else None
     coverage, cells, mine = plan_cells(args)
     load_profile(args.profile)
@@ -99,12 +108,7 @@ def command_run(args) -> int:
         f"profile {args.profile}, {' or '.join(bounds)}"
         + ("" if args.shrink else ", no shrinking")
         + (f"; relations {', '.join(relations)}, one on 1 example in {args.relations_every}" if relations else "")
-        + (
-            f"; engine options {', '.join(variants)}, one on 1 example in {args.options_every}"
-            if variants and args.options_every
-            else ""
-        )
-        + (f"; {', '.join(by_format)}" if by_format and args.options_every else "")
+        + drawn_options(engines, args.options_every)
     )
     with tempfile.TemporaryDirectory(prefix="harness-run-") as scratch:
         report = Path(args.report).resolve() if args.report else None
