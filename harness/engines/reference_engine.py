@@ -86,10 +86,9 @@ class ReferenceEngine(HFModelEngine):
         from harness.oracle import online
         from harness.oracle.specified import Plan
 
-        if self.quantization_config:
-            raise EngineUnsupported(f"quantization={scheme}: the checkpoint is already quantized")
-        if online.is_moe(self.checkpoint.config):
-            raise EngineUnsupported(f"quantization={scheme} on a mixture-of-experts model: not modelled")
+        reason = online.refusal(self.checkpoint.config, scheme)
+        if reason:
+            raise EngineUnsupported(reason)
         linears = {n: m for n, m in self.model.named_modules() if isinstance(m, torch.nn.Linear)}
         chosen = online.quantized_linears(linears)
         applied = online.fake_quantized({name: linears[name].weight.detach() for name in chosen}, scheme)

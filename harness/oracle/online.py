@@ -116,6 +116,19 @@ def fake_quantized(weights: Mapping[str, torch.Tensor], scheme: str) -> dict[str
     return result
 
 
+def refusal(config: Mapping, scheme: str) -> str | None:
+    """Why online quantization with `scheme` is not modelled for a checkpoint with `config.json`
+    `config` (the engine's and the reference's one reason), or None: it starts from an unquantized
+    checkpoint of a dense model."""
+    declared = config.get("quantization_config")
+    if declared:
+        method = declared.get("quant_method", "?") if isinstance(declared, Mapping) else "?"
+        return f"quantization={scheme} quantizes an unquantized checkpoint while loading; this one is already quantized ({method})"
+    if is_moe(config):
+        return f"quantization={scheme} on a mixture-of-experts model: not modelled by the reference"
+    return None
+
+
 def is_moe(config: Mapping) -> bool:
     """Whether the model has routed experts (the schemes' MoE methods are not modelled here)."""
     text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config

@@ -573,19 +573,13 @@ class VllmEngine(Engine):
 
 
 def refuse_online_quantization(config: dict, scheme: str) -> None:
-    """Online quantization starts from an unquantized checkpoint of a dense model (its reference,
-    harness.oracle.online, models no other): EngineUnsupported, in one line, otherwise."""
-    from harness.oracle.online import is_moe
+    """EngineUnsupported, in one line, where the reference does not model online quantization of
+    this checkpoint (harness.oracle.online.refusal)."""
+    from harness.oracle.online import refusal
 
-    declared = config.get("quantization_config")
-    if declared:
-        method = declared.get("quant_method", "?") if isinstance(declared, dict) else "?"
-        raise EngineUnsupported(
-            f"quantization={scheme} quantizes an unquantized checkpoint while loading; this one is already "
-            f"quantized ({method})"
-        )
-    if is_moe(config):
-        raise EngineUnsupported(f"quantization={scheme} on a mixture-of-experts model: not modelled by the reference")
+    reason = refusal(config, scheme)
+    if reason:
+        raise EngineUnsupported(reason)
 
 
 @contextmanager
