@@ -116,6 +116,8 @@ class Campaign:
     options_drawn: dict[str, int] = field(default_factory=dict)
     #: examples so far per format (harness.engines.options.format_variant)
     format_examples: dict[str, int] = field(default_factory=dict)
+    #: known issue -> what replaying its reproducer first showed (`run --known-first`): not exploration
+    replayed: dict[str, str] = field(default_factory=dict)
 
     def cells_reached(self) -> int:
         return sum(1 for c in self.cells if self.coverage.get(c.name, CellStats()).examples)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from harness.checkpoints.recipe import Recipe
@@ -63,3 +64,37 @@ def _cannot_show_here(issue: KnownIssue, outcome) -> bool:
     kv_cache = issue.reproducer.get("layout", {}).get("kv_scales", "none") != "none"  # judged on the cache's scales
     seen_in_forward = kv_cache or any(kind in SEEN_IN_FORWARD for kind in issue.kinds)
     return outcome.detail.startswith("partly unsupported") and seen_in_forward
+
+
+def issues_to_replay(
+    known: KnownIssues, engines: list[str], formats=None, archs=None, shard=(1, 1)
+) -> list[KnownIssue]:
+    """The known issues `run --known-first` replays: those of `engines` whose reproducer's format and
+    architecture are in the run's selection (all where None), this shard's share (every N-th by id)."""
+    chosen = sorted(
+        (
+            issue
+            for issue in known.issues
+            if issue.engine in engines
+            and (not formats or issue.reproducer.get("format") in formats)
+            and (not archs or issue.reproducer.get("arch") in archs)
+        ),
+        key=lambda issue: issue.id,
+    )
+    index, count = shard
+    return [issue for position, issue in enumerate(chosen) if position % count == index - 1]
+
+
+def replay_known_issues(issues: list[KnownIssue], session: EngineSession, work: Path, spent=None) -> dict[str, str]:
+    """Each issue's reproducer replayed (reproduce_known_issue): id -> 'reproduced', 'gone' or
+    'skipped: why'. `spent()` says why to stop before the next one ('' to go on); the issues left
+    are then 'skipped: not replayed (the budget ran out)'."""
+    statuses: dict[str, str] = {}
+    for issue in issues:
+        stop = spent() if spent else ""
+        if stop:
+            statuses[issue.id] = f"skipped: not replayed ({stop} spent)"
+            continue
+        statuses[issue.id] = reproduce_known_issue(issue, session, work)[0]
+        shutil.rmtree(work / issue.id, ignore_errors=True)
+    return statuses

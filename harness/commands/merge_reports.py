@@ -223,13 +223,17 @@ def command_merge_reports(args) -> int:
         print(f"NEW {item['engine']} {item['kind']} ({item['format']}): {item['message']}")
         if item.get("command"):
             print(f"    reproduce: {item['command']}")
+    replayed = payload.get("known_issues_replayed")
+    gone = [i for i, status in replayed.items() if status == "gone"] if isinstance(replayed, dict) else []
+    for issue in gone:
+        print(f"GONE {issue}: its reproducer no longer shows it (upstream fixed it?)")
     examples = f", {payload['examples']} examples" if "examples" in payload else ""
     print(
         f"merged {len(args.reports)} report(s){examples}: {len(payload['findings'])} finding(s), {len(new)} new; "
         f"report: {Path(args.out) / 'report.json'} and report.md"
     )
     sys.stdout.flush()
-    return EXIT_FINDING if new else EXIT_OK
+    return EXIT_FINDING if new or gone else EXIT_OK
 
 
 def add_parser(commands) -> None:
@@ -238,7 +242,7 @@ def add_parser(commands) -> None:
         help="merge the reports of a sharded campaign into one; exit 1 when a merged finding is new",
         description="Merge report directories (or report.json files) into OUT/report.json and report.md: "
         "findings and checkpoints concatenated, engines united, coverage and examples summed, heatmaps copied. "
-        "Exit 0 no new finding, 1 a new finding, 2 unreadable input.",
+        "Exit 0 no new finding, 1 a new finding or a known issue gone (run --known-first), 2 unreadable input.",
     )
     merge.add_argument("out", help="output directory (created); must not be one of the reports")
     merge.add_argument("reports", nargs="+", metavar="report", help="a report directory or its report.json")

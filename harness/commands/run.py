@@ -118,6 +118,7 @@ def command_run(args) -> int:
         try:
             start_engines(session, engines, optional)
             budget = Budget(max_examples, seconds)  # from now: starting the engines is not the campaign's time
+            replayed = replay_first(args, known, session, engines, budget, work) if args.known_first else {}
             bar = _progress_bar(budget, len(mine))
             campaign = run_campaign(
                 mine,
@@ -132,6 +133,7 @@ def command_run(args) -> int:
                 args.relations_every,
                 args.options_every,
             )
+            campaign.replayed = replayed
         finally:
             session.close()
             if bar:
@@ -144,13 +146,42 @@ def command_run(args) -> int:
         print(where_the_time_went(spent, budget.elapsed()))
         if report:
             write_campaign_report(report, campaign, findings, session, engines, args, spent)
-    new = campaign.new_signatures()
+    new, gone = campaign.new_signatures(), gone_issues(campaign.replayed)
     print(
         f"{campaign.examples} examples ({campaign.shrink_examples} while shrinking) in "
         f"{budget.elapsed():.0f} s, stopped at: {campaign.stopped}; {len(campaign.counts)} finding signature(s), "
-        f"{new} new"
+        f"{new} new" + (f"; {len(gone)} known issue(s) gone" if gone else "")
     )
-    return EXIT_FINDING if new else EXIT_OK
+    return EXIT_FINDING if new or gone else EXIT_OK
+
+
+def replay_first(args, known, session, engines: list[str], budget, work: Path) -> dict[str, str]:
+    """`--known-first`: replay the reproducer of each known issue of the run's engines, formats and
+    architectures (this shard's share) within the budget, before exploring: id -> status."""
+    from harness.campaign.cells import parse_shard
+    from harness.campaign.replay import issues_to_replay, replay_known_issues
+
+    shard = parse_shard(args.shard) if args.shard else (1, 1)
+    issues = issues_to_replay(known, engines, _names(args.formats), _names(args.archs), shard)
+    print(f"known issues first: replaying {len(issues)} reproducer(s)", flush=True)
+    return replay_known_issues(issues, session, work / "known-first", lambda: budget.spent(0))
+
+
+def gone_issues(replayed: dict[str, str]) -> list[str]:
+    return [issue for issue, status in replayed.items() if status == "gone"]
+
+
+def replay_summary(replayed: dict[str, str]) -> list[str]:
+    """The lines `run --known-first` prints: how many reproduced, and each one gone or skipped."""
+    reproduced = sum(1 for status in replayed.values() if status == "reproduced")
+    lines = [f"known issues replayed first: {reproduced}/{len(replayed)} reproduced"]
+    for issue in gone_issues(replayed):
+        lines.append(
+            f"    GONE {issue}: its reproducer no longer shows it (upstream fixed it? narrow its `versions` "
+            "in cases/known_issues.toml)"
+        )
+    lines += [f"    {issue}: {status}" for issue, status in replayed.items() if status.startswith("skipped")]
+    return lines
 
 
 def where_the_time_went(spent: dict[str, dict[str, float]], elapsed: float) -> str:
@@ -175,15 +206,19 @@ def _progress_bar(budget, cells: int):
     return ProgressBar(budget, cells)
 
 
-def applicable_issues(known, session, engines: list[str]) -> list:
-    """The known issues of the engines that ran, at the versions they ran; one whose reproducer
-    loads its engine with options (a model dtype) only where a drawn variant ran with them."""
+def applicable_issues(known, session, engines: list[str], cells=()) -> list:
+    """The known issues of the engines that ran, at the versions they ran, on a format and an
+    architecture of the `cells` explored (any where none are given); one whose reproducer loads its
+    engine with options (a model dtype) only where a drawn variant ran with them."""
+    formats, archs = {c.format for c in cells}, {c.arch for c in cells}
     return [
         issue
         for issue in known.issues
         if issue.engine in engines
         and issue.engine_name in session.versions
         and issue.applies_to(issue.engine, session.versions[issue.engine_name])
+        and (not formats or formats & set(issue.formats))
+        and (not archs or not issue.archs or archs & set(issue.archs))
     ]
 
 
@@ -224,13 +259,15 @@ def summarise(campaign, session, engines: list[str], known, report: Path | None)
             if minimal:
                 print(f"    reproduce: {items[0].command}")
         findings.extend(items)
-    issues = applicable_issues(known, session, engines)
+    issues = applicable_issues(known, session, engines, campaign.cells)
     found = campaign.known_issue_ids()
     missed = [i.id for i in issues if i.id not in found]
     print(
         f"known issues rediscovered from scratch: {len(issues) - len(missed)}/{len(issues)} of the engines that ran"
         + (f" (not this time: {', '.join(missed)})" if missed else "")
     )
+    if campaign.replayed:
+        print("\n".join(replay_summary(campaign.replayed)))
     never = [c.name for c in campaign.cells if not campaign.coverage.get(c.name)]
     print(
         f"cells reached: {campaign.cells_reached()}/{len(campaign.cells)}" + (f" ({len(never)} never)" if never else "")
@@ -257,6 +294,7 @@ def write_campaign_report(
         "engine_options_drawn": dict(sorted(campaign.options_drawn.items())),
         "counts": [{"signature": list(s), "seen": n, "new": s in campaign.minimal} for s, n in campaign.counts.items()],
         "known_issues_rediscovered": sorted(campaign.known_issue_ids()),
+        "known_issues_replayed": dict(sorted(campaign.replayed.items())),
         "seconds_per_worker_op": {k: {op: round(s, 3) for op, s in ops.items()} for k, ops in (spent or {}).items()},
     }
     path = write_report(
@@ -290,6 +328,12 @@ def add_parser(commands) -> None:
     run.add_argument("--shard", help="I/N: explore only shard I (1-based) of N; merge with merge-reports")
     run.add_argument("--report", help="write OUTDIR/report.json, report.md and repro/ here")
     run.add_argument("--no-shrink", dest="shrink", action="store_false", help="skip shrinking new findings")
+    run.add_argument(
+        "--known-first",
+        action="store_true",
+        help="first replay the reproducer of each known issue of these engines, formats and architectures, within "
+        "the budget: reproduced, skipped with why, or gone (exit 1: upstream fixed it?); then explore",
+    )
     run.add_argument(
         "--relations",
         default=",".join(CAMPAIGN_DEFAULT),
