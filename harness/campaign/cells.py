@@ -13,6 +13,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.campaign.strategies import kernel_aligned_first
 from harness.checkpoints import disagreements
 from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.recipe import (
@@ -135,6 +136,8 @@ class Coverage:
                 values = tuple(v for v in values if not layout_refusal(name, v, fmt, ARCHITECTURES[cell.arch], {}))
             if section == "perturb":
                 values = tuple(v for v in values if not perturb_refusal(name, v, fmt))
+            if key == "sizes.alignment" and not kernel_aligned_first(cell.format):
+                return None  # the other formats' draws hold no kernel multiple to free them of
             if key == "perturb.disagreement":  # kinds this format can carry (two shards are always given,
                 # and a static input scale where the format can store one: recipes repair both)
                 static = {"input_scale": True} if "input_scale" in fmt.knobs else {}

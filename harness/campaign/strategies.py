@@ -151,13 +151,22 @@ def model_sizes(
     """
     rows, cols = block
     hidden = draw(dimensions(cols, column_multiple))
-    intermediate = draw(dimensions(rows, column_multiple))
-    heads, kv_heads = draw(st.sampled_from(tuple(h for h in HEAD_COUNTS if hidden % h[0] == 0)))
-    width_multiple = max(2 * heads, column_multiple)  # powers of two: this is their lcm
+    # attention "free" (the unaligned-sizes family): the intermediate size, down_proj's K, in whole
+    # words only too, so that gate/up outputs that are not multiples of 16 are drawn
+    intermediate = draw(dimensions(rows, column_multiple if attention != "free" else FREE_COLUMN_MULTIPLE))
+    counts = tuple(h for h in HEAD_COUNTS if hidden % h[0] == 0)
+    if attention == "free":  # grouped key-value heads first: k/v outputs narrower than q's width
+        counts = tuple(sorted(counts, key=lambda h: h[1] == h[0]))
+    heads, kv_heads = draw(st.sampled_from(counts))
+    # powers of two: this is their lcm (attention "free": o_proj's K in whole int32 words of 4-bit codes
+    # only, so that q/k/v widths of any such size, k/v's outputs not whole words, are drawn)
+    width_multiple = max(2 * heads, column_multiple if attention != "free" else FREE_COLUMN_MULTIPLE)
     # head sizes vLLM runs, whose width (o_proj's K) is a multiple too, other than hidden_size
     dims = [d for d in ENGINE_HEAD_DIMS if heads * d != hidden and heads * d % column_multiple == 0]
     # a head size vLLM runs comes first: it is what a cell's simplest example and a shrunk one get
-    ways = ("engine-head-dim", "tied", "free") if attention != "untied" else ("engine-head-dim", "free")
+    # (attention "free": the unaligned-sizes family, any width its multiple allows, none first)
+    ways = {"any": ("engine-head-dim", "tied", "free"), "untied": ("engine-head-dim", "free"), "free": ("free",)}
+    ways = ways[attention]
     how = draw(st.sampled_from(ways))
     if how == "tied" and hidden % width_multiple == 0:
         width = hidden
@@ -288,6 +297,20 @@ def whole_blocks_loadable(name: str) -> bool:
     first, keep every K a whole number of blocks, so that engines load them and what follows the
     load is judged (every draw of a free K, engines refuse)."""
     return partial_block(name)[1] == "exact-or-refuse"
+
+
+def kernel_aligned_first(name: str) -> bool:
+    """Whether the format's draws keep every K the kernel's multiple first (KERNEL_COLUMN_MULTIPLES):
+    the formats the unaligned-sizes family frees of it (cases/coverage.toml)."""
+    return name in KERNEL_COLUMN_MULTIPLES
+
+
+#: what the unaligned-sizes family keeps the attention width and the intermediate size (o_proj's and
+#: down_proj's K) a multiple of: whole int32 words of 4-bit codes (a K that is not is padded,
+#: `exact-or-refuse`: harness/formats/gptq.py); hidden_size keeps the kernel's multiple
+#: (KERNEL_COLUMN_MULTIPLES: vLLM's loaders are judged with stand-in kernels where its kernel refuses
+#: an output size, not where it refuses an input size, so q/k/v and gate/up are judged)
+FREE_COLUMN_MULTIPLE = 8
 
 
 #: formats whose partial last group a correct loader must load (not refuse), and the inputs vLLM's CPU
@@ -435,12 +458,14 @@ def _recipes(draw, formats: tuple[str, ...], archs: tuple[str, ...], force: Forc
     event(f"format: {name}")
     knobs = draw(format_knobs(name, force))
     attention = draw(st.sampled_from(dict(force).get("sizes.attention", ("any",))))
+    free = draw(st.sampled_from(dict(force).get("sizes.alignment", ("any",)))) == "free"
+    attention = "free" if free and attention == "any" else attention
     edges, multiple = size_edges(name, knobs), column_multiple(name)
-    if whole_blocks_loadable(name) and not draw(st.booleans()):  # whole blocks come first
+    if whole_blocks_loadable(name) and not free and not draw(st.booleans()):  # whole blocks come first
         multiple = edges[1]
         edges = (edges[0] if edges[0] % multiple == 0 else multiple, edges[1])
         event(f"{name}: every K a whole number of blocks (engines load it)")
-    elif name in KERNEL_COLUMN_MULTIPLES and multiple == 1 and not draw(st.booleans()):  # these come first
+    elif name in KERNEL_COLUMN_MULTIPLES and multiple == 1 and (free or not draw(st.booleans())):  # these first
         multiple = KERNEL_COLUMN_MULTIPLES[name]
         edges = (math.lcm(edges[0], multiple), math.lcm(edges[1], multiple))
         event(f"{name}: every K a multiple of {multiple} (vLLM's CPU kernel runs it)")

@@ -122,3 +122,30 @@ def test_a_family_spans_its_own_archs_and_dtypes(tmp_path):
     assert {(c.arch, c.dtype) for c in cells if c.family == "a"} == {("llama", "bfloat16"), ("llama", "float16")}
     assert {(c.arch, c.dtype) for c in cells if c.family == "b"} == {("mixtral", "float32"), ("phi3", "float32")}
     assert {c.arch for c in Coverage.load(path).cells(formats=["fp8-block"], archs=["phi3"])} == {"phi3"}
+
+
+UNALIGNED = [c for c in CELLS if c.family == "unaligned-sizes"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_the_unaligned_sizes_family_frees_head_widths_and_keeps_the_kernels_inputs(data):
+    """Its cells are GPTQ's and AWQ's (the formats whose draws keep the kernel's multiple first);
+    every recipe keeps hidden_size a multiple of 32 (vLLM's CPU kernel takes q/k/v's and gate/up's
+    inputs), the attention width and intermediate size whole 8-code words."""
+    assert {c.format for c in UNALIGNED} == {"gptq", "awq"}
+    cell = data.draw(st.sampled_from(UNALIGNED))
+    config = data.draw(recipes((cell.format,), (cell.arch,), COVERAGE.force(cell))).config
+    width = config["num_attention_heads"] * config["head_dim"]
+    assert config["hidden_size"] % 32 == 0 and width % 8 == 0 and config["intermediate_size"] % 8 == 0, config
+
+
+@pytest.mark.parametrize("cell", UNALIGNED[:4], ids=lambda c: c.name)
+def test_an_unaligned_sizes_cells_first_visit_draws_kv_outputs_that_are_not_whole_words(cell):
+    """A visit's first example is its simplest: grouped key-value heads, k/v outputs not whole words,
+    gate/up outputs not multiples of 16."""
+    from hypothesis import find
+
+    simplest = find(recipes((cell.format,), (cell.arch,), COVERAGE.force_on_visit(cell, 0)), lambda r: True).config
+    assert simplest["num_key_value_heads"] < simplest["num_attention_heads"], simplest
+    assert simplest["num_key_value_heads"] * simplest["head_dim"] % 8 and simplest["intermediate_size"] % 16, simplest
