@@ -9,7 +9,7 @@ from harness.checkpoints.recipe import Recipe
 from harness.checkpoints.writer import generate
 from harness.core.findings import CONSEQUENCE_KINDS, Finding
 from harness.differential.known_issues import KnownIssue, KnownIssues
-from harness.differential.relations import RELATION_NAMES
+from harness.differential.relations import RELATION_NAMES, relation_named
 from harness.differential.runner import CheckpointResult, EngineSession, evaluate
 from harness.engines import judged_with_reference
 
@@ -44,7 +44,9 @@ def reproduce_known_issue(issue: KnownIssue, session: EngineSession, work: Path)
         return f"skipped: {issue.outside_this_machine()}", []
     recipe = Recipe.from_json({"seed": 0, **issue.reproducer})
     engines = judged_with_reference(engine)
-    relations = RELATION_NAMES if "relation" in issue.kinds else ()  # a relation finding shows only when checked
+    # a relation finding shows only when its relation is checked: the one its message names, else all
+    named = relation_named(issue.message or "") if "relation" in issue.kinds else None
+    relations = ((named,) if named else RELATION_NAMES) if "relation" in issue.kinds else ()
     result = replay_recipe(recipe, work / issue.id, session, KnownIssues([issue]), engines, relations)
     matching = [f for f in result.findings if f.known_issue == issue.id]
     if not matching and _cannot_show_here(issue, result.outcomes.get(engine)):

@@ -164,7 +164,9 @@ def replay_first(args, known, session, engines: list[str], budget, work: Path) -
     shard = parse_shard(args.shard) if args.shard else (1, 1)
     issues = issues_to_replay(known, engines, _names(args.formats), _names(args.archs), shard)
     print(f"known issues first: replaying {len(issues)} reproducer(s)", flush=True)
-    return replay_known_issues(issues, session, work / "known-first", lambda: budget.spent(0))
+    statuses = replay_known_issues(issues, session, work / "known-first", lambda: budget.spent(0))
+    print(f"known issues first: {len(issues)} replayed in {budget.elapsed():.0f} s; exploring", flush=True)
+    return statuses
 
 
 def gone_issues(replayed: dict[str, str]) -> list[str]:

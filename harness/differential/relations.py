@@ -143,6 +143,13 @@ CAMPAIGN_EVERY = 2
 CAMPAIGN_DEFAULT = RELATION_NAMES
 
 
+def relation_named(message: str) -> str | None:
+    """The relation a relation finding's message, or a known issue's regex for it, begins with
+    ("round-trip: ...", "^dequantize: ...")."""
+    name = message.removeprefix("^").partition(":")[0]
+    return name if name in RELATION_NAMES else None
+
+
 def parse_relations(text: str | None) -> tuple[str, ...]:
     """`--relations`: comma-separated names, `all`, or `none` (also empty)."""
     names = [n.strip() for n in (text or "").split(",") if n.strip()]

@@ -10,6 +10,7 @@ from pathlib import Path
 from harness.checkpoints.recipe import Recipe
 from harness.core.errors import HarnessError
 from harness.differential.known_issues import KnownIssue, KnownIssues
+from harness.differential.relations import relation_named
 from harness.engines.options import split_engine
 
 #: the engines a standalone script can drive (harness/lanes/upstream/parts/engine_*.py)
@@ -38,15 +39,6 @@ class Reproducer:
     relation: str | None = None
     #: the options the engine is loaded with (harness.engines.options), e.g. {"dtype": "float16"}
     engine_options: dict[str, str] = field(default_factory=dict)
-
-
-def relation_named(message: str) -> str | None:
-    """The relation a relation finding's message, or a known issue's regex for it, begins with
-    ("round-trip: ...", "^dequantize: ...")."""
-    from harness.differential.relations import RELATION_NAMES
-
-    name = message.removeprefix("^").partition(":")[0]
-    return name if name in RELATION_NAMES else None
 
 
 def require_engine(engine: str, where: str) -> None:
