@@ -116,7 +116,7 @@ class Campaign:
     options_drawn: dict[str, int] = field(default_factory=dict)
     #: examples so far per format (harness.engines.options.format_variant)
     format_examples: dict[str, int] = field(default_factory=dict)
-    #: known issue -> what replaying its reproducer first showed (`run --known-first`): not exploration
+    #: known issue -> what replaying its reproducer showed (`run --confirm-known`, after exploring): not exploration
     replayed: dict[str, str] = field(default_factory=dict)
 
     def cells_reached(self) -> int:

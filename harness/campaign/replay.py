@@ -71,7 +71,7 @@ def _cannot_show_here(issue: KnownIssue, outcome) -> bool:
 def issues_to_replay(
     known: KnownIssues, engines: list[str], formats=None, archs=None, shard=(1, 1)
 ) -> list[KnownIssue]:
-    """The known issues `run --known-first` replays: those of `engines` whose reproducer's format and
+    """The known issues `run --confirm-known` may replay: those of `engines` whose reproducer's format and
     architecture are in the run's selection (all where None), this shard's share (every N-th by id)."""
     chosen = sorted(
         (

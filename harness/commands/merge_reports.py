@@ -242,7 +242,7 @@ def add_parser(commands) -> None:
         help="merge the reports of a sharded campaign into one; exit 1 when a merged finding is new",
         description="Merge report directories (or report.json files) into OUT/report.json and report.md: "
         "findings and checkpoints concatenated, engines united, coverage and examples summed, heatmaps copied. "
-        "Exit 0 no new finding, 1 a new finding or a known issue gone (run --known-first), 2 unreadable input.",
+        "Exit 0 no new finding, 1 a new finding or a known issue gone (run --confirm-known), 2 unreadable input.",
     )
     merge.add_argument("out", help="output directory (created); must not be one of the reports")
     merge.add_argument("reports", nargs="+", metavar="report", help="a report directory or its report.json")

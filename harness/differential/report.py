@@ -117,7 +117,7 @@ def render_markdown(payload: dict) -> str:
     if payload.get("coverage") is not None:
         lines += ["", *render_coverage(payload["coverage"], list(payload["engines"]))]
     if payload.get("known_issues_replayed"):
-        lines += ["", "## Known issues replayed first", "", "| known issue | status |", "|---|---|"]
+        lines += ["", "## Known issues replayed from their reproducers", "", "| known issue | status |", "|---|---|"]
         lines += [f"| {issue} | {status} |" for issue, status in payload["known_issues_replayed"].items()]
     lines += render_checkpoints(payload)
     if payload["findings"]:

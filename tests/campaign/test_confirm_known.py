@@ -1,7 +1,7 @@
-"""`run --known-first`: before exploring, the campaign replays the reproducer of each known issue of
-its engines, formats and architectures, and says which still show, which were skipped and why, and
-which are gone (exit 1: upstream fixed it?). Replayed issues are reported apart from the ones
-exploration rediscovers from scratch."""
+"""`run --confirm-known`: after exploring, the campaign replays the reproducer of each known issue of
+its engines, formats and architectures that exploration did not rediscover, and says which still
+show, which were skipped and why, and which are gone (exit 1: upstream fixed it?). Replayed issues
+are reported apart from the ones exploration rediscovers from scratch."""
 
 from __future__ import annotations
 
@@ -17,24 +17,25 @@ from tests.cli import run_cli as cli
 pytest.importorskip("transformers")
 
 
-def test_known_first_replays_the_selections_issues_before_exploring(tmp_path):
+def test_confirm_known_replays_the_issues_exploration_did_not_rediscover(tmp_path):
     result = cli(
         "run", "--engines", "reference,transformers", "--formats", "fp8-block", "--archs", "llama",
-        "--known-first", "--max-examples", "1", "--no-shrink", "--report", tmp_path / "r",
+        "--confirm-known", "--max-examples", "1", "--no-shrink", "--report", tmp_path / "r",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "r" / "report.json").read_text())
-    expected = issues_to_replay(KnownIssues.load(), ["reference", "transformers"], ("fp8-block",), ("llama",))
-    replayed = report["known_issues_replayed"]
-    assert sorted(replayed) == sorted(i.id for i in expected) and len(replayed) >= 2
+    selection = issues_to_replay(KnownIssues.load(), ["reference", "transformers"], ("fp8-block",), ("llama",))
+    rediscovered, replayed = set(report["known_issues_rediscovered"]), report["known_issues_replayed"]
+    # every issue of the selection is accounted for once: rediscovered by exploration, or replayed
+    assert sorted(replayed) == sorted(i.id for i in selection if i.id not in rediscovered)
+    assert len(replayed) >= 2 and not rediscovered & set(replayed)
     assert all(status == "reproduced" or status.startswith("skipped: ") for status in replayed.values()), replayed
     assert "reproduced" in replayed.values()
-    assert (
-        f"known issues replayed first: {list(replayed.values()).count('reproduced')}/{len(replayed)}" in result.stdout
-    )
-    assert "## Known issues replayed first" in (tmp_path / "r" / "report.md").read_text()
-    # what the replay showed is not counted as rediscovered by exploration
-    assert report["examples"] == 1 and not set(report["known_issues_rediscovered"]) - {
+    reproduced = list(replayed.values()).count("reproduced")
+    assert f"replayed from their reproducers: {reproduced}/{len(replayed)} reproduced" in result.stdout
+    assert "## Known issues replayed from their reproducers" in (tmp_path / "r" / "report.md").read_text()
+    # what exploration rediscovered, it showed on its own examples
+    assert report["examples"] == 1 and rediscovered <= {
         c["signature"][3].removeprefix("known: ") for c in report["counts"]
     }
 
