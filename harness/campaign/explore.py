@@ -118,6 +118,8 @@ class Campaign:
     format_examples: dict[str, int] = field(default_factory=dict)
     #: known issue -> what replaying its reproducer showed (`run --confirm-known`, after exploring): not exploration
     replayed: dict[str, str] = field(default_factory=dict)
+    #: how many known issues `run --confirm-known` accounts for: those it replayed and those exploration rediscovered
+    replay_selection: int = 0
 
     def cells_reached(self) -> int:
         return sum(1 for c in self.cells if self.coverage.get(c.name, CellStats()).examples)

@@ -68,21 +68,20 @@ def _cannot_show_here(issue: KnownIssue, outcome) -> bool:
     return outcome.detail.startswith("partly unsupported") and seen_in_forward
 
 
-def issues_to_replay(
-    known: KnownIssues, engines: list[str], formats=None, archs=None, shard=(1, 1)
-) -> list[KnownIssue]:
-    """The known issues `run --confirm-known` may replay: those of `engines` whose reproducer's format and
-    architecture are in the run's selection (all where None), this shard's share (every N-th by id)."""
-    chosen = sorted(
-        (
-            issue
-            for issue in known.issues
-            if issue.engine in engines
-            and (not formats or issue.reproducer.get("format") in formats)
-            and (not archs or issue.reproducer.get("arch") in archs)
-        ),
-        key=lambda issue: issue.id,
+def in_selection(issue: KnownIssue, engines, formats=(), archs=()) -> bool:
+    """Whether the known issue belongs to a run of `engines` over `formats` and `archs` (any where
+    empty): its engine ran, and it names one of the formats and (where it names any) architectures."""
+    return (
+        issue.engine in engines
+        and (not formats or bool(set(formats) & set(issue.formats)))
+        and (not archs or not issue.archs or bool(set(archs) & set(issue.archs)))
     )
+
+
+def issues_to_replay(known: KnownIssues, engines, formats=(), archs=(), shard=(1, 1)) -> list[KnownIssue]:
+    """The known issues `run --confirm-known` may replay: those in the run's selection (in_selection),
+    this shard's share (every N-th by id)."""
+    chosen = sorted((i for i in known.issues if in_selection(i, engines, formats, archs)), key=lambda i: i.id)
     index, count = shard
     return [issue for position, issue in enumerate(chosen) if position % count == index - 1]
 
