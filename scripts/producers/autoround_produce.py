@@ -82,6 +82,11 @@ CASES: dict[str, tuple[str, str, dict]] = {
         {"iters": 0, "sym": False},
     ),
     "w8g128_sym_autoround": ("int8 sym, group 128, RTN (W8A16)", "auto_round", {"iters": 0, "bits": 8}),
+    "w8g128_sym_autoround_gptqmodel": (
+        "int8 sym, group 128, RTN (W8A16)",
+        "auto_round:gptqmodel",
+        {"iters": 0, "bits": 8},
+    ),
     "w8g128_asym_autoround": ("int8 asym, group 128, RTN", "auto_round", {"iters": 0, "bits": 8, "sym": False}),
     "w8g128_sym_gptq": ("int8 sym, group 128, RTN", "auto_gptq", {"iters": 0, "bits": 8}),
     "w4g128_sym_gptq": ("int4 sym, group 128, RTN", "auto_gptq", {"iters": 0}),
