@@ -34,9 +34,10 @@ CONFIG_NAMES = (
     "dtype",
     "quant_method",  # quantization_config's, e.g. "modelopt", "compressed-tensors", "fp8"
     "packing_format",  # quantization_config's, AutoRound's (e.g. "auto_round:auto_awq"); absent elsewhere
-    # compressed-tensors' weight strategy ("tensor", "channel", "group", "block") where every config
-    # group declares the same one; absent elsewhere
+    # compressed-tensors' weight strategy ("tensor", "channel", "group", "block") and weight num_bits
+    # where every config group declares the same one; absent elsewhere
     "weight_strategy",
+    "weight_bits",
 )
 #: derived from the config: bytes per element of its dtype, and one routed expert's intermediate
 #: size under whatever field the architecture keeps it (Mixtral's intermediate_size, the others'
@@ -271,7 +272,7 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
         context["quant_method"] = quantization["quant_method"]
         if isinstance(quantization.get("packing_format"), str):
             context["packing_format"] = quantization["packing_format"]
-        context |= weight_strategy(quantization)
+        context |= weight_scheme(quantization)
     context["dtype"] = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
     context |= derived_facts(config, context["dtype"])
     context |= stored_facts(directory)
@@ -283,14 +284,18 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
     return context
 
 
-def weight_strategy(quantization: dict) -> dict[str, str]:
-    """{"weight_strategy": ...} where every config group of a compressed-tensors config declares
-    the same weight strategy; empty otherwise."""
+def weight_scheme(quantization: dict) -> dict[str, Any]:
+    """{"weight_strategy": ..., "weight_bits": ...}, each where every config group of a
+    compressed-tensors config declares the same one (strategy, num_bits); empty otherwise."""
     groups = quantization.get("config_groups")
     weights = [g.get("weights") for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
-    strategies = {w.get("strategy") for w in weights if isinstance(w, dict)}
-    (strategy,) = strategies if len(strategies) == 1 else (None,)
-    return {"weight_strategy": strategy} if isinstance(strategy, str) else {}
+    scheme = {}
+    for name, key, kind in (("weight_strategy", "strategy", str), ("weight_bits", "num_bits", int)):
+        values = {w.get(key) for w in weights if isinstance(w, dict)}
+        (value,) = values if len(values) == 1 else (None,)
+        if isinstance(value, kind) and not isinstance(value, bool):
+            scheme[name] = value
+    return scheme
 
 
 def stored_facts(directory: Path) -> dict[str, Any]:

@@ -413,7 +413,7 @@ def test_an_engine_option_names_the_model_dtype_without_changing_the_checkpoints
     recipe.knobs["scale_dtype"] = "float32"
     generate(recipe, directory)
     context = checkpoint_context(directory)
-    assert context["dtype"] == "bfloat16" and context["weight_strategy"] == "channel"
+    assert context["dtype"] == "bfloat16" and context["weight_strategy"] == "channel" and context["weight_bits"] == 8
     issue = KnownIssues.load().by_id("transformers-ct-fp8-float32-scales-flushed-in-float16")
     for engine, dtype, holds in (("transformers[dtype=float16]", "float16", True), ("transformers", "bfloat16", False)):
         finding = Finding(
@@ -428,3 +428,17 @@ def test_an_engine_option_names_the_model_dtype_without_changing_the_checkpoints
         facts = context | module_context(finding)
         assert facts["dtype"] == "bfloat16" and facts["model_dtype"] == dtype
         assert all(p.holds(facts) for p in issue.when) is holds
+
+
+def test_a_compressed_tensors_configs_weight_bits_is_known_where_every_group_agrees():
+    """`weight_bits` (num_bits of every config group's weights) lets a known issue say how many packed
+    values a word holds (32 // weight_bits); config groups that disagree give none (the predicate is false)."""
+    from harness.differential.preconditions import weight_scheme
+
+    def config(*bits):
+        groups = {f"group_{i}": {"weights": {"num_bits": b, "strategy": "group"}} for i, b in enumerate(bits)}
+        return {"quant_method": "compressed-tensors", "config_groups": groups}
+
+    assert weight_scheme(config(4)) == {"weight_strategy": "group", "weight_bits": 4}
+    assert weight_scheme(config(4, 8)) == {"weight_strategy": "group"}
+    assert weight_scheme({"quant_method": "compressed-tensors"}) == {}
