@@ -210,3 +210,40 @@ def test_known_issue_case_is_bad():
     result = cli("check", CHECKS_DIR / "transformers-fp8-block-grid-inferred-from-shape.toml")
     assert result.returncode == EXIT_BAD, result.stdout + result.stderr
     assert "not excused here" in result.stdout and "verdict: bad" in result.stdout
+
+
+def test_a_known_issue_id_is_a_case_of_its_reproducer():
+    """`check ID`: the reproducer as a recipe, its engine with its options, its kinds and message,
+    the relation its message names checked (the advice `upstream` gives where it writes no script)."""
+    case = load_case("transformers-auto-round-forced-dtype-round-trip-moves-rotary-frequencies")
+    issue = KnownIssues.load().by_id(case.name)
+    assert (case.engine, case.expect, case.kinds, case.message) == (
+        "transformers",
+        "finding",
+        ["relation"],
+        issue.message,
+    )
+    assert case.relations == ("round-trip",) and case.replays_issue and case.recipe.format == "awq"
+    # a case file of the same name comes first: cases/checks/ pins this one for bisects
+    assert load_case("transformers-fp8-block-grid-inferred-from-shape").source.endswith(".toml")
+    assert load_case("transformers-fp8-cpu-dequantized-model-in-another-dtype-cannot-run").engine == (
+        "transformers[dtype=float16]"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.needs_engine("vllm")
+def test_a_known_issue_seen_through_stand_in_kernels_is_bad_where_the_engine_has_no_kernel():
+    """vLLM has no WNA16 MoE kernel on CPU (the format is `unsupported`), yet its loaders, run with
+    stand-in kernels, misplace Llama-4's asymmetric q/k zero points: the check says bad, not 125."""
+    result = cli("check", "vllm-llama4-ct-int-asym-qk-zero-points-not-permuted-for-rotary", timeout=600)
+    assert result.returncode == EXIT_BAD, result.stdout + result.stderr
+    assert "with stand-in kernels" in result.stdout and "verdict: bad" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.needs_engine("transformers")
+def test_a_known_issue_id_checks_good_on_an_engine_without_the_bug():
+    result = cli("check", "vllm-qwen2-ignores-head-dim", "--engine", "reference", timeout=300)
+    assert result.returncode == EXIT_GOOD, result.stdout + result.stderr
+    assert "known issue vllm-qwen2-ignores-head-dim (cases/known_issues.toml)" in result.stdout

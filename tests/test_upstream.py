@@ -671,6 +671,7 @@ WITHOUT_SCRIPT = {
     # Llama-4's q/k rotary permutation: the tensor-parallel script builds dense parallel Linears, and
     # every Llama-4 layout the generator writes has routed experts (refused a script)
     "vllm-llama4-gptq-awq-qk-rows-not-permuted-for-rotary",
+    "vllm-llama4-ct-int-asym-qk-zero-points-not-permuted-for-rotary",
     # the sentinel relation's face of a scripted entry: the scripts run no sentinel relation on vLLM
     "vllm-plain-module-not-ignored-left-unwritten",
 }

@@ -44,15 +44,21 @@ def reproduce_known_issue(issue: KnownIssue, session: EngineSession, work: Path)
         return f"skipped: {issue.outside_this_machine()}", []
     recipe = Recipe.from_json({"seed": 0, **issue.reproducer})
     engines = judged_with_reference(engine)
-    # a relation finding shows only when its relation is checked: the one its message names, else all
-    named = relation_named(issue.message or "") if "relation" in issue.kinds else None
-    relations = ((named,) if named else RELATION_NAMES) if "relation" in issue.kinds else ()
-    result = replay_recipe(recipe, work / issue.id, session, KnownIssues([issue]), engines, relations)
+    result = replay_recipe(recipe, work / issue.id, session, KnownIssues([issue]), engines, issue_relations(issue))
     matching = [f for f in result.findings if f.known_issue == issue.id]
     if not matching and _cannot_show_here(issue, result.outcomes.get(engine)):
         outcome = result.outcomes[engine]
         return f"skipped: {engine} cannot run it here ({outcome.detail or outcome.status})", []
     return ("reproduced" if matching else "gone"), matching
+
+
+def issue_relations(issue: KnownIssue) -> tuple[str, ...]:
+    """The relations a replay of `issue` checks: a relation finding shows only when its relation is
+    checked, the one its message names (else all); none for an issue of another kind."""
+    if "relation" not in issue.kinds:
+        return ()
+    named = relation_named(issue.message or "")
+    return (named,) if named else RELATION_NAMES
 
 
 def _cannot_show_here(issue: KnownIssue, outcome) -> bool:

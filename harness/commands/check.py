@@ -60,7 +60,11 @@ def add_parser(commands) -> None:
         description="Exit 0 good (the engine agrees / the case's finding is absent), 1 bad, 125 cannot test "
         "(engine unavailable or unsupported, environment broken, case unreadable, any user error).",
     )
-    check.add_argument("case", help="a case file (path, or a name in cases/checks/) or a reproduction directory")
+    check.add_argument(
+        "case",
+        help="a case file (path, or a name in cases/checks/), a reproduction directory, or a known issue's id "
+        "(its reproducer: bad = its finding shows)",
+    )
     check.add_argument(
         "--engine", help="engine to judge (default: the case's `engine`); a name or package.module:Class"
     )

@@ -1,9 +1,10 @@
 """`python -m harness check CASE`: one question a bisect can ask of any engine version: is the
 bug this case pins present? Exit 0 good, 1 bad, 125 cannot test (`git bisect run`'s convention).
 
-CASE is a case file (`cases/checks/*.toml`, schema in cases/README.md) or a reproduction
+CASE is a case file (`cases/checks/*.toml`, schema in cases/README.md), a reproduction
 directory (a generated checkpoint with `harness_manifest.json`, as `run --report` leaves in
-`repro/`). The engine is judged against the truth and the reference engine by
+`repro/`), or a known issue's id (its reproducer, judged as tests/differential/test_known_issues.py
+replays it: bad = a finding of its kinds matching its message). The engine is judged against the truth and the reference engine by
 `harness.differential.runner.evaluate`; known upstream issues never excuse a finding here (a bisect asks
 whether the bug is there, not whether it is known). Every user error is one line on stderr and
 exit 125, so that `git bisect run` skips the version instead of marking it bad.
@@ -48,6 +49,11 @@ class CheckCase:
     description: str = ""
     recipe: object | None = None  # a harness.checkpoints.recipe.Recipe; None for a reproduction directory
     directory: Path | None = None
+    #: relations checked on the load (a known issue's: harness.campaign.replay.issue_relations)
+    relations: tuple[str, ...] = ()
+    #: a known issue's reproducer, judged as its replay is: an engine without a kernel for the format
+    #: still runs (its loaders with stand-in kernels), and a matching finding is the bug present
+    replays_issue: bool = False
 
 
 @dataclass
@@ -64,7 +70,7 @@ def find_case(text: str) -> Path:
     for candidate in (CHECKS_DIR / text, CHECKS_DIR / f"{text}.toml"):
         if candidate.is_file():
             return candidate
-    raise CannotTest(f"{text}: no such case file or reproduction directory (nor in {CHECKS_DIR})")
+    raise CannotTest(f"{text}: no such case file, reproduction directory or known issue (nor in {CHECKS_DIR})")
 
 
 def load_case_file(path: Path, engine: str | None = None) -> CheckCase:  # noqa: C901  (one branch per refused field)
@@ -163,12 +169,43 @@ def load_reproduction(directory: Path, engine: str | None = None) -> CheckCase:
     return CheckCase(name=directory.name, source=str(directory), engine=engine, directory=directory.resolve())
 
 
+def load_known_issue(issue_id: str, engine: str | None = None) -> CheckCase | None:
+    """A known issue's reproducer as a case (good = no finding of its kinds matching its message on
+    its engine, with the options its reproducer names), or None where no known issue has that id."""
+    from harness.campaign.replay import issue_relations
+    from harness.checkpoints.recipe import Recipe
+    from harness.differential.known_issues import KnownIssues
+
+    issue = next((i for i in KnownIssues.load().issues if i.id == issue_id), None)
+    if issue is None:
+        return None
+    return CheckCase(
+        name=issue.id,
+        source=f"known issue {issue.id} (cases/known_issues.toml)",
+        engine=engine or issue.engine_name,
+        expect="finding",
+        kinds=list(issue.kinds),
+        message=issue.message,
+        known_issue=issue.id,
+        recipe=Recipe.from_json({"seed": 0, **issue.reproducer}),
+        relations=issue_relations(issue),
+        replays_issue=True,
+    )
+
+
 def load_case(text: str, engine: str | None = None) -> CheckCase:
     from harness.engines import engine_spec
 
     if engine is not None:
         engine_spec(engine)  # an unknown engine name is a user error
-    path = find_case(text)
+    try:
+        path = find_case(text)
+    except CannotTest:
+        case = load_known_issue(text, engine)
+        if case is None:
+            raise
+        engine_spec(case.engine)
+        return case
     case = load_reproduction(path, engine) if path.is_dir() else load_case_file(path, engine)
     engine_spec(case.engine)
     return case
@@ -188,9 +225,10 @@ def judge_case(case: CheckCase, result) -> Verdict:
         if any(f.engine == "reference" for f in result.findings):
             return Verdict(EXIT_CANNOT_TEST, "the reference engine itself disagrees with the truth: environment broken")
     outcome = result.outcomes[engine]
-    if outcome.status in ("unavailable", "unsupported"):
-        return Verdict(EXIT_CANNOT_TEST, f"{engine} {outcome.status}: {outcome.detail}")
     findings = [f for f in result.findings if f.engine == engine]
+    shown = case.replays_issue and any(f.kind in case.kinds for f in findings)  # its loaders, stand-in kernels
+    if outcome.status in ("unavailable", "unsupported") and not shown:
+        return Verdict(EXIT_CANNOT_TEST, f"{engine} {outcome.status}: {outcome.detail}")
     partly = outcome.detail.startswith("partly unsupported")
     if case.expect == "agree":
         if findings:
@@ -260,9 +298,9 @@ def check_in_process(
             reason = worker.unsupported(fmt.name)
         except (EngineError, EngineFailure) as error:
             return Verdict(EXIT_CANNOT_TEST, f"{case.engine} cannot say whether it supports {fmt.name}: {error}")
-        if reason:
+        if reason and not case.replays_issue:
             return Verdict(EXIT_CANNOT_TEST, f"{case.engine} does not support {fmt.name}: {reason}")
-        result = evaluate(directory, session, None, engines)
+        result = evaluate(directory, session, None, engines, relations=case.relations)
     finally:
         session.close()
     print_result(result, out)
