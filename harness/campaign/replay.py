@@ -76,11 +76,12 @@ def _cannot_show_here(issue: KnownIssue, outcome) -> bool:
 
 def in_selection(issue: KnownIssue, engines, formats=(), archs=()) -> bool:
     """Whether the known issue belongs to a run of `engines` over `formats` and `archs` (any where
-    empty): its engine ran, and it names one of the formats and (where it names any) architectures."""
+    empty): its engine ran, and it names one of the formats and (where it names any) architectures
+    ("*": every one)."""
     return (
         issue.engine in engines
-        and (not formats or bool(set(formats) & set(issue.formats)))
-        and (not archs or not issue.archs or bool(set(archs) & set(issue.archs)))
+        and (not formats or "*" in issue.formats or bool(set(formats) & set(issue.formats)))
+        and (not archs or not issue.archs or "*" in issue.archs or bool(set(archs) & set(issue.archs)))
     )
 
 

@@ -45,6 +45,11 @@ def test_successive_visits_of_a_cell_start_from_successive_forced_values():
             key: set(values) for key, values in COVERAGE.force(cells[0]).items()
         }
     assert len({COVERAGE.force_on_visit(cell, 0)["perturb.disagreement"][0] for cell in cells}) > 3
+    # a format's cells (one per architecture) start from as many different kinds as they can
+    for fmt in {c.format for c in cells}:
+        mine = [c for c in cells if c.format == fmt]
+        firsts = {COVERAGE.force_on_visit(c, 0)["perturb.disagreement"][0] for c in mine}
+        assert len(firsts) == min(len(mine), len(COVERAGE.force(mine[0])["perturb.disagreement"])), fmt
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -73,3 +73,14 @@ def test_replay_stops_where_the_budget_is_spent(engine_session, tmp_path):
     issues = KnownIssues.load().issues[:2]
     statuses = replay_known_issues(issues, engine_session, tmp_path, spent=lambda: "time budget of 1 s")
     assert all(status == "skipped: not replayed (time budget of 1 s spent)" for status in statuses.values())
+
+
+def test_an_issue_of_every_format_is_in_every_selection_of_its_architectures():
+    """`formats = ["*"]` (and `archs`) mean every one, as the known issues' own matching reads them."""
+    from harness.campaign.replay import in_selection
+
+    issue = KnownIssues.load().by_id("transformers-moe-grouped-mm-odd-width-cpu")
+    assert issue.formats == ["*"]
+    assert in_selection(issue, ["transformers"], ("fp8-block",), ("mixtral",))
+    assert not in_selection(issue, ["transformers"], ("fp8-block",), ("llama",))
+    assert not in_selection(issue, ["vllm"], ("fp8-block",), ("mixtral",))
