@@ -113,6 +113,10 @@ def result_with(engine_status="loaded", findings=(), reference_status="loaded", 
 AGREE = CheckCase("c", "c", "transformers")
 MISMATCH = CheckCase("c", "c", "transformers", expect="finding", kinds=["weight-mismatch"])
 REFUSED = CheckCase("c", "c", "transformers", expect="finding", kinds=["load-error"], message="divisible by scale")
+#: a known issue's reproducer (`check ID`): its loaders' findings with stand-in kernels decide, where no kernel runs
+REPLAYED = CheckCase(
+    "c", "c", "transformers", expect="finding", kinds=["weight-mismatch"], message="^with stand-in", replays_issue=True
+)
 
 
 @pytest.mark.parametrize(
@@ -136,6 +140,14 @@ REFUSED = CheckCase("c", "c", "transformers", expect="finding", kinds=["load-err
             EXIT_BAD,
         ),
         (REFUSED, result_with("failed", [("load-error", "must be divisible by block sizes")]), EXIT_GOOD),
+        (REPLAYED, result_with("unsupported", [("weight-mismatch", "with stand-in kernels: q_proj")]), EXIT_BAD),
+        # the engine ran no kernel: a finding of the kind that is not the issue's cannot say it is absent
+        (REPLAYED, result_with("unsupported", [("weight-mismatch", "k_proj differs")]), EXIT_CANNOT_TEST),
+        (
+            MISMATCH,
+            result_with("unsupported", [("weight-mismatch", "with stand-in kernels: q_proj")]),
+            EXIT_CANNOT_TEST,
+        ),
     ],
 )
 def test_judge(case, result, code):
