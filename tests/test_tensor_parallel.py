@@ -8,6 +8,7 @@ vLLM's own weight loaders under a mocked rank (it skips without a vLLM interpret
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,15 +62,17 @@ def vllm_session(tmp_path_factory):
     session.close()
 
 
+def written(tmp_path_factory, name: str, recipe: Recipe, settings: list[str]) -> Path:
+    """`recipe` with `settings` (gen's KEY=VALUE) generated in a fresh directory called `name`."""
+    directory = tmp_path_factory.mktemp("tp") / name
+    generate(apply_settings(recipe, settings), directory)
+    return directory
+
+
 @pytest.fixture(scope="module")
 def channel_checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tp") / "ct-fp8-channel"
-    recipe = apply_settings(
-        Recipe(format="ct-fp8-channel", arch="llama", seed=3),
-        ["hidden_size=256", "intermediate_size=512", "num_hidden_layers=1"],
-    )
-    generate(recipe, directory)
-    return directory
+    settings = ["hidden_size=256", "intermediate_size=512", "num_hidden_layers=1"]
+    return written(tmp_path_factory, "ct-fp8-channel", Recipe(format="ct-fp8-channel", arch="llama", seed=3), settings)
 
 
 def test_layout_splits_heads_and_replicates_kv_heads_beyond_their_count():
@@ -92,27 +95,34 @@ def test_layout_splits_heads_and_replicates_kv_heads_beyond_their_count():
     assert owned_slice(o_proj, o_proj.parts[0], 3, 0, CONFIG) is None  # 128 columns do not split in 3
 
 
-def shard_as_a_correct_loader(truth, tp: int, rank_of_scale=lambda rank: rank) -> list[Shard]:
-    """TEST DOUBLE: what a correct loader holds of a channel-FP8 layer per rank (the fused layout:
-    parts' row slices stacked). `rank_of_scale` picks whose scale rows a rank gets: the identity
-    is correct; anything else is a deliberately wrong loader."""
+def shard_as_a_correct_loader(
+    truth, tp: int, rank_of_scale=lambda rank: rank, companion: str = "weight_scale"
+) -> list[Shard]:
+    """TEST DOUBLE: what a correct loader holds of a layer per rank (the fused layout: parts' row
+    slices stacked): each weight and its `companion`, a tensor of one value per output row (a
+    channel-FP8 scale, or an unquantized layer's bias), which every row-parallel rank holds whole.
+    `rank_of_scale` picks whose companion rows a rank gets: the identity is correct; anything else
+    is a deliberately wrong loader."""
     shards = []
     for linear in decoder_linears(truth.config):
         for rank in range(tp):
             held, sizes = {}, []
-            for suffix in ("weight", "weight_scale"):
+            for suffix in ("weight", companion):
                 pieces = []
                 for part in linear.parts:
-                    source = truth.raw[f"{linear.part_module(truth.layer, part)}.{suffix}"]
+                    source = truth.raw.get(f"{linear.part_module(truth.layer, part)}.{suffix}")
+                    if source is None:  # a Linear without a bias
+                        continue
                     owner = rank if suffix == "weight" else rank_of_scale(rank)
                     owned = owned_slice(linear, part, tp, owner, truth.config)
-                    if owned.axis == 1 and suffix == "weight_scale":
-                        pieces.append(source)  # one scale per output row: every row-parallel rank holds all
+                    if owned.axis == 1 and suffix == companion:
+                        pieces.append(source)  # one value per output row: every row-parallel rank holds all
                     else:
                         pieces.append(source.narrow(owned.axis, owned.start, owned.stop - owned.start))
                     if suffix == "weight":
                         sizes.append(pieces[-1].shape[0])
-                held[suffix] = torch.cat(pieces)
+                if pieces:
+                    held[suffix] = torch.cat(pieces)
             shards.append(Shard(tp, rank, linear, sizes if linear.kind != "row" else [], None, held))
     return shards
 
@@ -284,13 +294,9 @@ def test_a_block_grid_of_one_row_is_traced_as_a_grid_not_as_row_scales(tmp_path,
 
 @pytest.fixture(scope="module")
 def mixtral_channel_checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tp-moe") / "ct-fp8-channel-mixtral"
-    recipe = apply_settings(
-        Recipe(format="ct-fp8-channel", arch="mixtral", seed=3),
-        ["hidden_size=256", "intermediate_size=256", "num_key_value_heads=4", "num_hidden_layers=1"],
-    )
-    generate(recipe, directory)
-    return directory
+    settings = ["hidden_size=256", "intermediate_size=256", "num_key_value_heads=4", "num_hidden_layers=1"]
+    recipe = Recipe(format="ct-fp8-channel", arch="mixtral", seed=3)
+    return written(tmp_path_factory, "ct-fp8-channel-mixtral", recipe, settings)
 
 
 def test_layout_gives_each_expert_a_w13_split_by_rows_and_a_w2_split_by_columns(mixtral_channel_checkpoint):
@@ -831,42 +837,15 @@ def evaluate_with_the_relation(recipe, tmp_path, session):
 @pytest.fixture(scope="module")
 def unquantized_checkpoint(tmp_path_factory):
     """A bfloat16 Qwen2 without quantization_config: q/k/v biases, which online FP8 once clobbered."""
-    directory = tmp_path_factory.mktemp("tp") / "unquantized"
-    recipe = apply_settings(
-        Recipe(format="unquantized", arch="qwen2", seed=4),
-        ["hidden_size=256", "intermediate_size=512", "num_hidden_layers=1", "num_attention_heads=4"],
-    )
-    generate(recipe, directory)
-    return directory
+    settings = ["hidden_size=256", "intermediate_size=512", "num_hidden_layers=1", "num_attention_heads=4"]
+    return written(tmp_path_factory, "unquantized", Recipe(format="unquantized", arch="qwen2", seed=4), settings)
 
 
 def unquantized_shards(truth, tp: int, rank_of_bias=lambda rank: rank) -> list[Shard]:
     """TEST DOUBLE: what a correct loader holds of an unquantized layer per rank (weights and biases
     sliced as vLLM's parallel Linears slice them); `rank_of_bias` other than the identity gives a rank
     another rank's bias rows, a deliberately wrong loader."""
-    shards = []
-    for linear in decoder_linears(truth.config):
-        for rank in range(tp):
-            held, sizes = {}, []
-            for suffix in ("weight", "bias"):
-                pieces = []
-                for part in linear.parts:
-                    source = truth.raw.get(f"{linear.part_module(truth.layer, part)}.{suffix}")
-                    if source is None:
-                        continue
-                    owned = owned_slice(
-                        linear, part, tp, rank_of_bias(rank) if suffix == "bias" else rank, truth.config
-                    )
-                    if suffix == "bias" and owned.axis == 1:
-                        pieces.append(source)  # a row-parallel bias: every rank holds all of it
-                    else:
-                        pieces.append(source.narrow(owned.axis, owned.start, owned.stop - owned.start))
-                    if suffix == "weight":
-                        sizes.append(pieces[-1].shape[0])
-                if pieces:
-                    held[suffix] = torch.cat(pieces)
-            shards.append(Shard(tp, rank, linear, sizes if linear.kind != "row" else [], None, held))
-    return shards
+    return shard_as_a_correct_loader(truth, tp, rank_of_bias, companion="bias")
 
 
 def test_unquantized_shards_and_their_biases_are_judged(unquantized_checkpoint):
