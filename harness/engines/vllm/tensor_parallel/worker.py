@@ -72,6 +72,10 @@ MOE_BACKEND_CHOOSERS = {
     "vllm.model_executor.layers.quantization.auto_gptq": ("select_wna16_moe_backend",),
     "vllm.model_executor.layers.quantization.auto_awq": ("select_wna16_moe_backend",),
     "vllm.model_executor.layers.quantization.moe_wna16": ("select_wna16_moe_backend",),
+    # compressed-tensors' WNA16 experts (ct-int4/ct-int8, symmetric or with zero points): no backend on CPU
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16": (
+        "select_wna16_moe_backend",
+    ),
 }
 #: a gpt-oss expert parameter's suffix in vLLM (after w13_/w2_) -> the checkpoint's per-expert suffix
 GPT_OSS_SUFFIXES = {"weight": "weight_packed", "weight_scale": "weight_scale", "bias": "bias"}
@@ -702,10 +706,39 @@ def moe_backend_or_emulation(chooser, notes: list[str]):
                 for n in ("NvFp4MoeBackend", "Mxfp4MoeBackend", "WNA16MoEBackend")
                 if hasattr(oracle, n)
             )
+            refusal = wna16_emulation_refusal(oracle, chooser, args, kwargs)
+            if refusal:  # vLLM would not take EMULATION for these experts on any device either
+                raise NotImplementedError(f"{error} (and its EMULATION backend {refusal})") from None
             notes.append(f"no vLLM MoE backend here, experts loaded as for EMULATION: {one_line(error)[:160]}")
             return backends.EMULATION, None
 
     return choose
+
+
+def wna16_emulation_refusal(oracle, chooser, args, kwargs) -> str | None:
+    """Why vLLM's WNA16 oracle would not pick EMULATION for these experts on a device it runs on
+    (the oracle's own incompatibility reason, or an experts class for int4 only given int8
+    weights), as it checks `--moe-backend emulation`; None where it would, or for another oracle."""
+    import inspect
+
+    if not hasattr(oracle, "WNA16MoEBackend"):
+        return None
+    bound = inspect.signature(chooser).bind(*args, **kwargs)
+    bound.apply_defaults()
+    given, emulation = bound.arguments, oracle.WNA16MoEBackend.EMULATION
+    reason = oracle._backend_incompatibility_reason(
+        emulation,
+        given["config"],
+        given["quant_config"],
+        given["may_have_zp"],
+        given["may_have_bias"],
+        given["allow_tile_padding"],
+    )
+    if reason:
+        return f"refuses them: {reason}"
+    if not any(k._supports_quant_scheme(given["weight_key"], None) for k in oracle.backend_to_kernel_cls(emulation)):
+        return f"has no experts class for {given['weight_key']}"
+    return None
 
 
 def build(linear, layer: int, quant_config, dtype):
