@@ -128,14 +128,20 @@ class TransformersEngine(HFModelEngine):
         self.load_options = {**type(self).load_options, **options}
         try:
             return self.load(directory)
+        except BaseException:  # a failed load is never unloaded: its offload folder goes now
+            self.remove_offload_folder()
+            raise
         finally:
             del self.load_options
 
-    def unload(self):
-        super().unload()
+    def remove_offload_folder(self):
         if getattr(self, "offload_folder", None):
             shutil.rmtree(self.offload_folder, ignore_errors=True)
             self.offload_folder = None
+
+    def unload(self):
+        super().unload()
+        self.remove_offload_folder()
 
 
 def dequantizing(config: dict):
