@@ -110,6 +110,11 @@ CASES: dict[str, tuple[str, str, dict]] = {
         "auto_round",
         {"iters": 0, "scheme": "MXFP4"},
     ),
+    "mixtral_w4g128_sym_gptq": (
+        "int4 sym, group 128, RTN, GPTQ v1 export (auto_gptq) of a Mixtral",
+        "auto_gptq",
+        {"iters": 0},
+    ),
     "mixtral_fp8_static_autoround": (
         "fp8 weight and static activation (scheme FP8_STATIC) of a Mixtral, RTN",
         "auto_round",
@@ -312,6 +317,29 @@ def base_of(case: str, base_dir: Path) -> tuple[Path, str, dict]:
     return base_dir, ARCH, MODEL_CONFIG
 
 
+#: transformers 5 holds Mixtral's experts under `mlp` and saves them under `block_sparse_moe` (its
+#: checkpoint conversion): the packers see the held name, the files say the saved one
+SAVED_NAMES = ((".mlp.experts.", ".block_sparse_moe.experts."),)
+
+
+def as_saved(captured: dict[str, torch.Tensor], case_dir: Path) -> dict[str, torch.Tensor]:
+    """The captured weights under the module names the saved files use."""
+    from safetensors import safe_open
+
+    stored = set()
+    for path in case_dir.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as handle:
+            stored |= {key.rpartition(".")[0] for key in handle.keys()}
+    renamed = {}
+    for name, tensor in captured.items():
+        module = name.rpartition(".")[0]
+        for held, saved in SAVED_NAMES:
+            if module not in stored and module.replace(held, saved) in stored:
+                name = name.replace(held, saved)
+        renamed[name] = tensor
+    return renamed
+
+
 def run_case(case: str, base_dir: Path, out_root: Path) -> None:
     scheme, fmt, kwargs = CASES[case]
     base_dir, architecture, model_config = base_of(case, base_dir)
@@ -345,7 +373,8 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
     files = producing.digests(case_dir)
     if CAPTURED:
         (case_dir / "producer_truth").mkdir()
-        save_file(dict(sorted(CAPTURED.items())), case_dir / "producer_truth" / "weights.safetensors")
+        truth = as_saved(CAPTURED, case_dir)
+        save_file(dict(sorted(truth.items())), case_dir / "producer_truth" / "weights.safetensors")
     notes = [
         f"base model: tiny random {architecture.removesuffix('ForCausalLM')}, bfloat16, weights ~ N(0, 0.02) "
         "from torch.Generator(seed), norms = 1",
