@@ -14,6 +14,9 @@ then holds, a small decoder per layout:
 - NVFP4 packed `weight` times its E4M3 group scales times `weight_global_scale` (a multiplier
   after processing), and `alpha` = `input_global_scale` x `weight_global_scale`, whose input
   multiplier must be one the checkpoint stores.
+- int4 routed experts that vLLM's EMULATION MoE backend dequantized at load (`w13_weight_packed`,
+  `w13_qweight`, ... then hold the weights in bfloat16): read as they are, judged within bfloat16's
+  weight tolerance.
 
 Each part's decoded rows are judged against the reference. Exact up to one float32 rounding of a
 reciprocal; where the method requantized a per-tensor FP8 Linear under its one kept scale (every
