@@ -115,6 +115,11 @@ CASES: dict[str, tuple[str, str, dict]] = {
         "auto_gptq",
         {"iters": 0},
     ),
+    "mixtral_w4g128_asym_awq": (
+        "int4 asym, group 128, RTN, AWQ GEMM export (auto_awq) of a Mixtral",
+        "auto_awq",
+        {"iters": 0, "sym": False},
+    ),
     "mixtral_fp8_static_autoround": (
         "fp8 weight and static activation (scheme FP8_STATIC) of a Mixtral, RTN",
         "auto_round",
