@@ -170,6 +170,23 @@ class Budget:
         return ""
 
 
+#: what a sampled relation's turn counts where no engine could check it (vLLM refusing the model's
+#: dtype, a lane that cannot lay the model out): half a check, so that it comes back on the next
+#: examples of the same format and architecture until one really checks it (the tensor-parallel
+#: relation on gpt-oss, whose float16 and float32 models vLLM refuses), without taking every turn
+#: where none ever can
+UNCHECKED_TURN = 0.5
+
+
+def count_checked(checked: dict[str, float], drawn: tuple[str, ...], outcomes: dict) -> None:
+    """Count each `drawn` relation on the example: 1 where some engine checked it (it held or not),
+    UNCHECKED_TURN where every engine's verdict was "not checked"."""
+    for name in drawn:
+        verdicts = [o.relations[name] for o in outcomes.values() if name in o.relations]
+        really = any(not verdict.startswith("not checked") for verdict in verdicts)
+        checked[name] = checked.get(name, 0) + (1 if really else UNCHECKED_TURN)
+
+
 @dataclass
 class _Visit:
     """The state of one Hypothesis run over one cell."""
@@ -282,8 +299,9 @@ class _Explorer:
         self.relations_every = relations_every
         #: one example in `options_every` also loads an engine variant (harness.engines.options)
         self.options_every = options_every
-        #: (format, architecture) -> relation -> how often it was checked there (least checked first)
-        self.relations_checked: dict[tuple[str, str], dict[str, int]] = {}
+        #: (format, architecture) -> relation -> how often it was checked there (least checked first; a
+        #: turn no engine could take counts UNCHECKED_TURN)
+        self.relations_checked: dict[tuple[str, str], dict[str, float]] = {}
         #: cells not visited yet, besides the one being visited: under an example budget, shrinking
         #: leaves one example to each (a first finding's shrink must not starve the other cells)
         self.unvisited = 0
@@ -354,9 +372,9 @@ class _Explorer:
         generate(recipe, directory)
         config = json.loads((directory / "config.json").read_text())
         checked = self.relations_checked.setdefault((recipe.format, recipe.arch), {})
-        relations = sampled(campaign.examples, self.relations, self.relations_every, config=config, checked=checked)
-        for name in relations:
-            checked[name] = checked.get(name, 0) + 1
+        drawn = relations = sampled(
+            campaign.examples, self.relations, self.relations_every, config=config, checked=checked
+        )
         relations += tuple(sorted(state.relations - set(relations))) if state.shrinking else ()
         seen = campaign.format_examples[recipe.format] = campaign.format_examples.get(recipe.format, 0) + 1
         variant = drawn_variant(campaign.examples, self.options_every, self.session.engines)
@@ -364,6 +382,7 @@ class _Explorer:
             variant = format_variant(seen, recipe.format, self.session.engines)
         try:
             result = evaluate(directory, self.session, self.known, relations=relations)
+            count_checked(checked, drawn, result.outcomes)
             if variant is not None:  # judged as its plain engine is; one result per example
                 drawn = evaluate(directory, self.session, self.known, engines=judged_with_reference(variant))
                 result.outcomes[variant] = drawn.outcomes[variant]

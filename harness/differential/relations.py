@@ -168,7 +168,7 @@ def sampled(
     names: tuple[str, ...] = RELATION_NAMES,
     every: int = CAMPAIGN_EVERY,
     config: dict | None = None,
-    checked: Mapping[str, int] | None = None,
+    checked: Mapping[str, float] | None = None,
 ) -> tuple[str, ...]:
     """The relations the campaign checks on its `example`-th example (1-based): one, in turn, on
     every `every`-th, so that the relations cost about 1/`every` of the campaign's loads. Given the

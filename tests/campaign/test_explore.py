@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from harness.campaign.explore import Budget
+from harness.campaign.explore import UNCHECKED_TURN, Budget, count_checked
 from harness.commands.run import parse_duration
 from harness.core.errors import HarnessError
 from harness.core.findings import Finding, normalise
@@ -112,6 +112,22 @@ def test_relations_every_sets_how_often_a_relation_is_checked(tmp_path):
         assert report["relations_every"] == every
         checked[every] = [sorted(c["outcomes"]["reference"]["relations"]) for c in report["checkpoints"]]
     assert checked == {1: [["load-twice"]] * 3, 3: [[], [], ["load-twice"]]}, checked
+
+
+def test_a_relation_no_engine_could_check_counts_less_than_one_that_ran():
+    """The least-checked order counts real checks: a tensor-parallel turn vLLM refused (a float32
+    gpt-oss) counts UNCHECKED_TURN, so the relation comes back before one that ran; any engine that
+    checked it (held or not) makes it a whole check."""
+    from harness.differential.judgement import EngineOutcome
+
+    refused, ran = EngineOutcome("vllm"), EngineOutcome("transformers")
+    refused.relations = {"tensor-parallel": "not checked: vLLM: torch.float32 is not supported"}
+    ran.relations = {"load-twice": "does not hold"}
+    checked: dict[str, float] = {}
+    count_checked(checked, ("tensor-parallel", "load-twice"), {"vllm": refused, "transformers": ran})
+    count_checked(checked, ("offload",), {"vllm": refused})  # no verdict at all: not checked either
+    assert checked == {"tensor-parallel": UNCHECKED_TURN, "load-twice": 1, "offload": UNCHECKED_TURN}
+    assert 0 < UNCHECKED_TURN < 1
 
 
 def test_a_bad_relations_every_is_one_line():
