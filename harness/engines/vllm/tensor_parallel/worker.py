@@ -721,8 +721,10 @@ def wna16_emulation_refusal(oracle, chooser, args, kwargs) -> str | None:
     weights), as it checks `--moe-backend emulation`; None where it would, or for another oracle."""
     import inspect
 
-    if not hasattr(oracle, "WNA16MoEBackend"):
-        return None
+    if not all(
+        hasattr(oracle, n) for n in ("WNA16MoEBackend", "_backend_incompatibility_reason", "backend_to_kernel_cls")
+    ):
+        return None  # another oracle, or a vLLM whose WNA16 oracle is not laid out as 0.32's
     bound = inspect.signature(chooser).bind(*args, **kwargs)
     bound.apply_defaults()
     given, emulation = bound.arguments, oracle.WNA16MoEBackend.EMULATION
