@@ -28,9 +28,16 @@ def _cpuinfo() -> list[str]:
         return []
 
 
+#: the flags a CPU of an emulated class lacks (scripts/isa_emulation: HARNESS_EMULATE_ISA avx2 or
+#: avx512, where torch and vLLM act as on such a CPU), by prefix or by name
+EMULATED_WITHOUT = {"avx2": ("avx512", "amx"), "avx512": ("avx512_bf16", "amx")}
+
+
 def cpu_flags() -> frozenset[str]:
     line = next((line for line in _cpuinfo() if line.startswith(("flags", "Features"))), "")
-    return frozenset(line.partition(":")[2].split())
+    flags = frozenset(line.partition(":")[2].split())
+    lacking = EMULATED_WITHOUT.get(os.environ.get("HARNESS_EMULATE_ISA", ""))
+    return flags if lacking is None else frozenset(f for f in flags if not f.startswith(lacking))
 
 
 def cpu_model() -> str:

@@ -1,18 +1,23 @@
-"""Emulate a CPU with fewer instruction-set extensions, for scripts/measure-gate-noise only.
+"""Emulate a CPU with fewer instruction-set extensions (scripts/measure-gate-noise, and a developer
+on one machine kind checking another: docs/ci.md, "Every machine kind").
 
 Put this folder on PYTHONPATH and set HARNESS_EMULATE_ISA to `avx2` or `avx512` (no BF16):
 torch's CPU feature queries then answer as such a CPU would, so vLLM loads the kernel library
-built for it (`_C_AVX2`, `_C_AVX512`) and skips its AMX paths. With ATEN_CPU_CAPABILITY and
-ONEDNN_MAX_CPU_ISA set to match, torch's vectorised ops and oneDNN's GEMMs do the same. Never
-used by the suite.
+built for it (`_C_AVX2`, `_C_AVX512`) and skips its AMX paths, and the harness's own instruction-set
+class (harness.core.machine.isa_class, which known issues' `isa` preconditions read) says the
+same. With ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA set to match, torch's vectorised ops and
+oneDNN's GEMMs do the same. torch is patched when a process imports it, never imported here (a
+process that imports no torch still imports none). Never used by the suite itself.
 """
 
+import importlib.abc
 import os
+import sys
 
 _isa = os.environ.get("HARNESS_EMULATE_ISA")
-if _isa:
-    import torch
 
+
+def _emulate(torch) -> None:
     def _no():
         return False
 
@@ -20,3 +25,31 @@ if _isa:
     torch.cpu._is_avx512_bf16_supported = _no
     if _isa == "avx2":
         torch.cpu._is_avx512_supported = _no
+
+
+class _PatchTorchOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: once `torch` is imported by whoever imports it, patches it."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            _emulate(module)
+            sys.meta_path.remove(self)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if _isa:
+    import importlib.util
+
+    sys.meta_path.insert(0, _PatchTorchOnImport())
