@@ -51,5 +51,12 @@ class _PatchTorchOnImport(importlib.abc.MetaPathFinder):
 
 if _isa:
     import importlib.util
+    import tempfile
 
     sys.meta_path.insert(0, _PatchTorchOnImport())
+    # inductor's cache key does not include the patched feature queries: a kernel compiled for this
+    # machine's own vector width and reused under the emulation aborts (GPTQModel's TorchLinear:
+    # "index out of bounds: 0 <= tmp7 < 1L"), so an emulated kind compiles into a cache of its own
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor-emulated-{_isa}")
+    )
