@@ -11,8 +11,10 @@ process that imports no torch still imports none). Never used by the suite itsel
 """
 
 import importlib.abc
+import importlib.util
 import os
 import sys
+import tempfile
 
 _isa = os.environ.get("HARNESS_EMULATE_ISA")
 
@@ -50,9 +52,6 @@ class _PatchTorchOnImport(importlib.abc.MetaPathFinder):
 
 
 if _isa:
-    import importlib.util
-    import tempfile
-
     sys.meta_path.insert(0, _PatchTorchOnImport())
     # inductor's cache key does not include the patched feature queries: a kernel compiled for this
     # machine's own vector width and reused under the emulation aborts (GPTQModel's TorchLinear:

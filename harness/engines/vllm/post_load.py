@@ -105,6 +105,7 @@ def judge_experts(record: dict, tensors: dict[str, torch.Tensor], truth) -> list
     parameters (`w13_weight`, `w13_weight_scale` and, for NVFP4, the multiplier `w13_weight_scale_2`;
     w13 is [gate; up]) decoded like a Linear's and judged per part against the rank's slice.
     Without expert parallelism (the only placement processed), expert e sits in slot e."""
+    from harness.engines.vllm.tensor_parallel.judge import weight_tolerance
     from harness.engines.vllm.tensor_parallel.layout import lane_linears
 
     layer, method = record["layer"], record["method"]
@@ -122,7 +123,8 @@ def judge_experts(record: dict, tensors: dict[str, torch.Tensor], truth) -> list
         piece, rounding = {}, None
         if dequantized is not None:
             held_as = str(dequantized.dtype).removeprefix("torch.")
-            rounding = weight_tolerance(truth.fmt.name, held_as)
+            tolerance = weight_tolerance(truth.fmt.name, held_as)
+            rounding = tolerance.weight_rel, tolerance.weight_abs
             note = f"dequantized at load (vLLM's EMULATION backend) into {held_as}: judged within {held_as}'s weight tolerance"
             decoded = dequantized[linear.expert].to(torch.float64), None, [note]
         else:
@@ -165,14 +167,6 @@ def dequantized_experts(held: dict[str, torch.Tensor], group: str) -> torch.Tens
         if tensor is not None and tensor.dim() == 3 and tensor.is_floating_point() and tensor.element_size() >= 2:
             return tensor
     return None
-
-
-def weight_tolerance(format_name: str, dtype: str):
-    """(rel, abs) of cases/tolerances.toml's weight tolerance for `dtype`."""
-    from harness.engines.vllm.tensor_parallel.judge import weight_tolerance as tolerance
-
-    found = tolerance(format_name, dtype)
-    return found.weight_rel, found.weight_abs
 
 
 def judge_parts(verdict: PostLoadVerdict, linear, entry: dict, decoded, fp8: bool, truth, rounding=None) -> None:
