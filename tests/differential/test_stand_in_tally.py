@@ -48,3 +48,24 @@ def test_a_linear_placed_wrong_is_still_a_finding_and_counted():
     tally = _findings(judgement, "vllm", _result(wrong))
     assert [kind for _, kind, _, _ in judgement.findings] == ["weight-mismatch"]
     assert "0/1 Linear(s) placed exactly, 0 refused, 1 placed wrong" in tally, tally
+
+
+def test_an_unwritten_bias_is_a_finding_an_unwritten_placeholder_is_said():
+    """A bias no loader wrote is added by every forward (vllm-gpt-oss-ignores-attention-bias: torch.empty):
+    a finding; a placeholder a method drops after loading (an NVFP4 W4A16 input_scale) is only said."""
+    judgement = Judgement()
+    bias = RankVerdict(
+        tp=1, rank=0, module="qkv_proj", status="finding", details=["24 element(s) of bias never written"]
+    )
+    placeholder = RankVerdict(
+        tp=1, rank=0, module="o_proj", status="finding", details=["1 element(s) of input_scale never written"]
+    )
+    tally = _findings(judgement, "vllm", _result(bias, placeholder))
+    assert [(kind, message) for _, kind, message, _ in judgement.findings] == [
+        (
+            "weight-mismatch",
+            "with stand-in kernels (no kernel here): layer 0 qkv_proj: 24 element(s) of bias never written",
+        )
+    ]
+    assert "1/2 Linear(s) placed exactly, 0 refused, 1 placed wrong" in tally, tally
+    assert "parameters never written, not judged: input_scale" in tally, tally
