@@ -128,14 +128,15 @@ def _findings(judgement, engine: str, results: dict) -> str:
                 # only parameters never written (vLLM registers placeholders it drops or folds after
                 # loading, e.g. a W4A16 NVFP4 Linear's input_scale): said in the tally, not judged,
                 # unless a forward applies them (a bias)
-                applied = [d for d in verdict.details if UNWRITTEN.sub(r"\1", d) in APPLIED_PARAMETERS]
+                names = {UNWRITTEN.sub(r"\1", detail): detail for detail in verdict.details}
+                unwritten |= set(names) - APPLIED_PARAMETERS
+                applied = [detail for name, detail in names.items() if name in APPLIED_PARAMETERS]
                 if applied:
                     counts[FINDING] += 1
                     message = f"{PREFIX}: layer {layer} {verdict.module}: {'; '.join(applied)}"
                     judgement.finding(engine, "weight-mismatch", message, metrics={"stand_in": True, "layer": layer})
-                    continue
-                unwritten |= {UNWRITTEN.sub(r"\1", detail) for detail in verdict.details}
-                counts["exact"] += 1
+                else:
+                    counts["exact"] += 1
                 continue
             counts[verdict.status] = counts.get(verdict.status, 0) + 1
             if verdict.status == "exact":
