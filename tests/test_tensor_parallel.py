@@ -788,6 +788,22 @@ def test_vllm_gptq_rank_without_whole_groups_is_the_known_issue(tmp_path, vllm_s
 
 
 @needs_vllm
+def test_an_expert_parallel_finding_is_not_hidden_behind_a_tensor_parallel_one(tmp_path, vllm_session):
+    """gpt-oss without attention biases (vLLM writes none: a finding at tp 1) and 3 experts at ep 2
+    (misplaced): each kind of parallelism gives its own relation finding, each its own known issue;
+    one finding per relation (the smallest tp size) hid the expert-parallel one (session 40)."""
+    recipe = apply_settings(
+        Recipe(format="mxfp4", arch="gpt_oss", seed=1),
+        ["num_hidden_layers=1", "attention_bias=false", "num_attention_heads=2", "num_key_value_heads=1"],
+    )
+    result = evaluate_with_the_relation(recipe, tmp_path, vllm_session)
+    found = {f.metrics["parallel"]: f for f in result.findings if f.kind == "relation"}
+    assert sorted(found) == ["ep", "tp"], [f.message for f in result.findings]
+    assert found["tp"].metrics["tp"] == 1 and found["tp"].known_issue == "vllm-gpt-oss-ignores-attention-bias"
+    assert found["ep"].metrics["tp"] == 2 and found["ep"].known_issue == "vllm-gpt-oss-ep-uneven-experts-misplaced"
+
+
+@needs_vllm
 @pytest.mark.parametrize(
     "settings, verdict",
     [

@@ -13,7 +13,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.campaign.strategies import kernel_aligned_first
+from harness.campaign.strategies import kernel_aligned_first, partial_block
 from harness.checkpoints import disagreements
 from harness.checkpoints.architectures import ARCHITECTURES
 from harness.checkpoints.recipe import (
@@ -26,10 +26,13 @@ from harness.checkpoints.recipe import (
 )
 from harness.core.errors import HarnessError
 from harness.core.paths import CASES_DIR
+from harness.differential.relations import RELATION_NAMES
+from harness.engines.options import CAMPAIGN_VARIANTS
 from harness.formats import FORMAT_NAMES, get_format
 
 DEFAULT_FILE = CASES_DIR / "coverage.toml"
 SECTIONS = ("knobs", "layout", "perturb", "sizes")
+FAMILY_KEYS = {"why", "force", "formats", "archs", "dtypes", "relations", "variants"}
 #: layout fields a cell holds at their default unless its family forces them
 HELD_LAYOUT = (
     "split_scale",
@@ -41,7 +44,7 @@ HELD_LAYOUT = (
     "config_spelling",
     "producer_config",
 )
-ATTENTION_CHOICES = ("any", "untied")
+ATTENTION_CHOICES = ("any", "untied", "free")
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,15 @@ class Family:
     name: str
     why: str
     force: dict[str, tuple] = field(default_factory=dict, hash=False, compare=False)
-    #: the architectures and dtypes this family's cells span (empty: the coverage's own)
+    #: the formats, architectures and dtypes this family's cells span (empty: every format, the
+    #: coverage's own architectures and dtypes)
+    formats: tuple[str, ...] = ()
     archs: tuple[str, ...] = ()
     dtypes: tuple[str, ...] = ()
+    #: relations every example of its cells checks, besides the one the campaign samples
+    relations: tuple[str, ...] = ()
+    #: engine variants every example of its cells also loads (harness.engines.options)
+    variants: tuple[str, ...] = ()
 
     def knobs(self) -> list[str]:
         return [key.partition(".")[2] for key in self.force if key.startswith("knobs.")]
@@ -93,16 +102,18 @@ class Coverage:
             raise HarnessError(f"{path}: unknown key(s) {sorted(unknown)}")
         families = {}
         for name, entry in data.get("family", {}).items():
-            if set(entry) - {"why", "force", "archs", "dtypes"}:
-                extra = sorted(set(entry) - {"why", "force", "archs", "dtypes"})
-                raise HarnessError(f"{path}: family {name}: unknown key(s) {extra}")
+            if set(entry) - FAMILY_KEYS:
+                raise HarnessError(f"{path}: family {name}: unknown key(s) {sorted(set(entry) - FAMILY_KEYS)}")
             force = {key: tuple(values) for key, values in entry.get("force", {}).items()}
             for key in force:
                 if key.partition(".")[0] not in SECTIONS or not key.partition(".")[2]:
                     raise HarnessError(f"{path}: family {name}: '{key}' is not one of {', '.join(SECTIONS)}.NAME")
             archs = _known(path, f"family {name}: archs", entry.get("archs", ()), ARCHITECTURES)
             dtypes = _known(path, f"family {name}: dtypes", entry.get("dtypes", ()), LAYOUT_CHOICES["dtype"])
-            families[name] = Family(name, entry.get("why", ""), force, archs, dtypes)
+            formats = _known(path, f"family {name}: formats", entry.get("formats", ()), FORMAT_NAMES)
+            relations = _known(path, f"family {name}: relations", entry.get("relations", ()), RELATION_NAMES)
+            variants = _known(path, f"family {name}: variants", entry.get("variants", ()), CAMPAIGN_VARIANTS)
+            families[name] = Family(name, entry.get("why", ""), force, formats, archs, dtypes, relations, variants)
         dtypes = _known(path, "dtypes", data.get("dtypes", LAYOUT_CHOICES["dtype"]), LAYOUT_CHOICES["dtype"])
         archs = _known(path, "archs", data.get("archs", tuple(ARCHITECTURES)), ARCHITECTURES)
         return cls(families, tuple(data.get("held", ())), dtypes, archs)
@@ -124,25 +135,7 @@ class Coverage:
             if knob in fmt.knobs:
                 force[f"knobs.{knob}"] = (fmt.knobs[knob].default,)
         for key, values in family.force.items():
-            section, _, name = key.partition(".")
-            if section == "knobs":
-                if name not in fmt.knobs:
-                    return None
-                knob = fmt.knobs[name]
-                values = tuple(v for v in values if v in knob.choices and v != knob.default)
-                if not values:
-                    return None
-            if section == "layout":  # values this format and architecture can carry
-                values = tuple(v for v in values if not layout_refusal(name, v, fmt, ARCHITECTURES[cell.arch], {}))
-            if section == "perturb":
-                values = tuple(v for v in values if not perturb_refusal(name, v, fmt))
-            if key == "sizes.alignment" and not kernel_aligned_first(cell.format):
-                return None  # the other formats' draws hold no kernel multiple to free them of
-            if key == "perturb.disagreement":  # kinds this format can carry (two shards are always given,
-                # and a static input scale where the format can store one: recipes repair both)
-                static = {"input_scale": True} if "input_scale" in fmt.knobs else {}
-                config = fmt.quantization_config(fmt.resolve_knobs(static), [])
-                values = tuple(v for v in values if disagreements.applies(v, 2, config))
+            values = _carried(key, values, fmt, cell.arch)
             if not values:
                 return None
             force[key] = values
@@ -175,13 +168,41 @@ class Coverage:
             if family not in self.families:
                 raise HarnessError(f"unknown family '{family}' (known: {', '.join(self.families)})")
             spans = self.families[family]
-            for fmt in formats or FORMAT_NAMES:
+            for fmt in [f for f in formats or FORMAT_NAMES if not spans.formats or f in spans.formats]:
                 for arch in spans.archs or self.archs:
                     for dtype in spans.dtypes or self.dtypes:
                         cell = Cell(fmt, arch, dtype, family)
                         if (not archs or arch in archs) and self.force(cell) is not None:
                             found.append(cell)
         return sorted(found, key=lambda c: c.key())
+
+
+def _carried(key: str, values: tuple, fmt, arch: str) -> tuple:
+    """Those of a family's `values` for recipe field `key` that this format and architecture can
+    carry (none: the family does not apply to the cell)."""
+    section, _, name = key.partition(".")
+    if section == "knobs":
+        knob = fmt.knobs.get(name)
+        return tuple(v for v in values if knob is not None and v in knob.choices and v != knob.default)
+    if section == "layout":
+        return tuple(v for v in values if not layout_refusal(name, v, fmt, ARCHITECTURES[arch], {}))
+    if section == "perturb" and name == "disagreement":  # kinds this format can carry (two shards are
+        # always given, and a static input scale where the format can store one: recipes repair both)
+        static = {"input_scale": True} if "input_scale" in fmt.knobs else {}
+        config = fmt.quantization_config(fmt.resolve_knobs(static), [])
+        return tuple(v for v in values if not perturb_refusal(name, v, fmt) and disagreements.applies(v, 2, config))
+    if section == "perturb":
+        return tuple(v for v in values if not perturb_refusal(name, v, fmt))
+    if key == "sizes.alignment":  # "free" where the format's draws hold a kernel multiple to free them of,
+        # whole "blocks" where it has column blocks
+        return tuple(
+            v
+            for v in values
+            if (v != "free" or kernel_aligned_first(fmt.name)) and (v != "blocks" or partial_block(fmt.name)[0] > 1)
+        )
+    if key == "sizes.expert_widths":  # only a mixture's experts are kept to grouped_mm's rows
+        return values if ARCHITECTURES[arch].moe else ()
+    return values
 
 
 def _known(path: Path, what: str, values, known) -> tuple[str, ...]:

@@ -30,7 +30,7 @@ from hypothesis import Phase, given, seed, settings
 from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Flaky
 
-from harness.campaign.cells import Cell, Coverage
+from harness.campaign.cells import Cell, Coverage, Family
 from harness.campaign.strategies import recipes
 from harness.checkpoints.recipe import Recipe
 from harness.checkpoints.writer import generate
@@ -39,7 +39,7 @@ from harness.differential.known_issues import KnownIssues
 from harness.differential.relations import CAMPAIGN_EVERY, sampled
 from harness.differential.runner import CheckpointResult, EngineSession, evaluate
 from harness.engines import judged_with_reference
-from harness.engines.options import CAMPAIGN_OPTIONS_EVERY, drawn_variant, format_variant
+from harness.engines.options import CAMPAIGN_OPTIONS_EVERY, base_engine, drawn_variant, format_variant
 
 #: evaluations one new signature may spend on shrinking (each is a load in every engine)
 SHRINK_EVALUATIONS = 12
@@ -357,6 +357,18 @@ class _Explorer:
                 state.shrinking, state.shrink_left = True, SHRINK_EVALUATIONS * max(1, len(causes))
             raise failure_type(raising)(raising[3])
 
+    def _variants(self, fmt: str, family: Family) -> list[str]:
+        """The engine variants this example also loads: the campaign's drawn one (one example in
+        `options_every`, else its format's own in turn), and every one its cell's family names that
+        the run's engines have; none under `--options-every 0`."""
+        if not self.options_every:
+            return []
+        campaign, engines = self.campaign, self.session.engines
+        seen = campaign.format_examples[fmt] = campaign.format_examples.get(fmt, 0) + 1
+        drawn = drawn_variant(campaign.examples, self.options_every, engines) or format_variant(seen, fmt, engines)
+        mine = [v for v in family.variants if base_engine(v) in engines and v not in engines]
+        return [drawn] + [v for v in mine if v != drawn] if drawn else mine
+
     def _may_shrink(self, state: _Visit) -> bool:
         cap = self.budget.max_examples
         reserved = cap is not None and cap - self.campaign.examples <= self.unvisited
@@ -372,21 +384,17 @@ class _Explorer:
         generate(recipe, directory)
         config = json.loads((directory / "config.json").read_text())
         checked = self.relations_checked.setdefault((recipe.format, recipe.arch), {})
-        drawn = relations = sampled(
-            campaign.examples, self.relations, self.relations_every, config=config, checked=checked
-        )
-        relations += tuple(sorted(state.relations - set(relations))) if state.shrinking else ()
-        seen = campaign.format_examples[recipe.format] = campaign.format_examples.get(recipe.format, 0) + 1
-        variant = drawn_variant(campaign.examples, self.options_every, self.session.engines)
-        if variant is None and self.options_every:  # `--options-every 0` draws none at all
-            variant = format_variant(seen, recipe.format, self.session.engines)
+        family = self.coverage.families[state.cell.family]
+        drawn = sampled(campaign.examples, self.relations, self.relations_every, config=config, checked=checked)
+        drawn += tuple(name for name in family.relations if name in self.relations and name not in drawn)
+        relations = drawn + (tuple(sorted(state.relations - set(drawn))) if state.shrinking else ())
         try:
             result = evaluate(directory, self.session, self.known, relations=relations)
             count_checked(checked, drawn, result.outcomes)
-            if variant is not None:  # judged as its plain engine is; one result per example
-                drawn = evaluate(directory, self.session, self.known, engines=judged_with_reference(variant))
-                result.outcomes[variant] = drawn.outcomes[variant]
-                result.findings += [f for f in drawn.findings if f.engine == variant]
+            for variant in self._variants(recipe.format, family):  # each judged as its plain engine is
+                loaded = evaluate(directory, self.session, self.known, engines=judged_with_reference(variant))
+                result.outcomes[variant] = loaded.outcomes[variant]
+                result.findings += [f for f in loaded.findings if f.engine == variant]
                 campaign.options_drawn[variant] = campaign.options_drawn.get(variant, 0) + 1
         finally:
             shutil.rmtree(directory, ignore_errors=True)

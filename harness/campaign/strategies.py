@@ -137,13 +137,18 @@ def block_shapes(draw, square: bool = False) -> tuple[int, int]:
 @cache  # one strategy object per arguments: Hypothesis validates each new one
 @st.composite
 def model_sizes(
-    draw, block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE), column_multiple: int = 1, attention: str = "any"
+    draw,
+    block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE),
+    column_multiple: int = 1,
+    attention: str = "any",
+    several_heads: bool = False,
 ) -> dict:
     """hidden, intermediate and attention sizes measured against the scale block (rows, cols).
 
     Every size that is some projection's K (hidden, intermediate, heads * head_dim) is a
     multiple of `column_multiple`; the head count divides hidden_size (transformers checks it)
-    and head_dim is even (rotary embeddings split it in halves). The attention width is
+    and head_dim is even (rotary embeddings split it in halves); `several_heads`: more than one
+    attention head, so that tensor parallelism can split them. The attention width is
     sometimes tied to hidden_size, as in real models: q_proj and o_proj grids are then square
     under a square block. `attention="untied"` always draws a width other than hidden_size (a
     head_dim that is not hidden_size / heads). A third of the widths (half when untied) give a
@@ -154,7 +159,7 @@ def model_sizes(
     # attention "free" (the unaligned-sizes family): the intermediate size, down_proj's K, in whole
     # words only too, so that gate/up outputs that are not multiples of 16 are drawn
     intermediate = draw(dimensions(rows, column_multiple if attention != "free" else FREE_COLUMN_MULTIPLE))
-    counts = tuple(h for h in HEAD_COUNTS if hidden % h[0] == 0)
+    counts = tuple(h for h in HEAD_COUNTS if hidden % h[0] == 0 and (h[0] > 1 or not several_heads))
     if attention == "free":  # grouped key-value heads first: k/v outputs narrower than q's width
         counts = tuple(sorted(counts, key=lambda h: h[1] == h[0]))
     heads, kv_heads = draw(st.sampled_from(counts))
@@ -210,13 +215,23 @@ def architectures(
     attention: str = "any",
     tied: tuple[bool, ...] = (False, True),
     sparse_first: bool = True,
+    grouped_mm_rows: bool = True,
+    several_heads: bool = False,
 ) -> st.SearchStrategy[tuple[str, dict]]:
     """(architecture name, config overrides): sizes from `model_sizes`, 1-2 layers (at least one with
     routed experts unless `sparse_first` is False: sparse_layers_first), tied embeddings or not (`tied`:
     the values allowed), and every boolean the architecture adds (llama's attention_bias and mlp_bias;
-    both set bias every projection; qwen2 always biases q/k/v)."""
+    both set bias every projection; qwen2 always biases q/k/v). A mixture's rows are whole 16 bytes
+    first unless `grouped_mm_rows` is False (GROUPED_MM_MULTIPLE)."""
     return _architectures(
-        tuple(archs or ARCHITECTURES), tuple(block), column_multiple, attention, tuple(tied), sparse_first
+        tuple(archs or ARCHITECTURES),
+        tuple(block),
+        column_multiple,
+        attention,
+        tuple(tied),
+        sparse_first,
+        grouped_mm_rows,
+        several_heads,
     )
 
 
@@ -230,14 +245,16 @@ def _architectures(
     attention: str,
     tied: tuple[bool, ...],
     sparse_first: bool,
+    grouped_mm_rows: bool,
+    several_heads: bool,
 ):
     name = draw(st.sampled_from(archs))
     aligned = all(edge % GROUPED_MM_MULTIPLE == 0 for edge in block)  # `dimensions` needs it to divide the block
     # whole rows come first: they are what a cell's simplest example (and a shrunk one) gets
-    if ARCHITECTURES[name].moe and aligned and not draw(st.booleans()):
+    if ARCHITECTURES[name].moe and aligned and grouped_mm_rows and not draw(st.booleans()):
         column_multiple = math.lcm(column_multiple, GROUPED_MM_MULTIPLE)
         event("MoE sizes: whole 16-byte rows (transformers' grouped_mm runs them)")
-    config = draw(model_sizes(block, column_multiple, attention))
+    config = draw(model_sizes(block, column_multiple, attention, several_heads))
     config["num_hidden_layers"] = draw(st.integers(1, MAX_LAYERS))
     if sparse_first:
         config |= sparse_layers_first(name, config["num_hidden_layers"])
@@ -478,10 +495,21 @@ def recipes(formats=None, archs=None, force: Mapping[str, tuple] | None = None) 
     """A valid recipe: a format and its knobs, then sizes against that format's scale block,
     an architecture, a layout, perturbations and a seed. `formats` and `archs` narrow the
     draw (all registered ones by default); `force` maps "knobs.K", "layout.K", "perturb.K",
-    "sizes.attention", "sizes.alignment", "sizes.sparse_first" and "sizes.tie_word_embeddings" to
-    the values allowed there (a campaign cell: harness.campaign.cells)."""
+    "sizes.attention", "sizes.alignment" ("free" of kernel multiples, or whole "blocks"),
+    "sizes.expert_widths", "sizes.heads" ("several"), "sizes.sparse_first" and "sizes.tie_word_embeddings" to the values allowed
+    there (a campaign cell: harness.campaign.cells)."""
     frozen = tuple(sorted((key, tuple(values)) for key, values in (force or {}).items()))
     return _recipes(tuple(formats or FORMAT_NAMES), tuple(archs or ARCHITECTURES), frozen)
+
+
+def _sized_knobs(name: str, knobs: dict, force: Force, alignment: str) -> Mapping[str, Any]:
+    """The knobs whose scale block sizes are drawn against: under whole "blocks" with one producer
+    forced, the block that producer writes (fit_recipe gives the recipe its knobs after the sizes:
+    ModelOpt's FP8_PB_WO blocks are 128 x 128 whatever block was drawn)."""
+    producers = dict(force).get("layout.producer_config", ())
+    if alignment != "blocks" or len(producers) != 1 or producers[0] == foreign_configs.NATIVE:
+        return knobs
+    return foreign_configs.producer_knobs(producers[0], name, get_format(name).resolve_knobs(knobs))
 
 
 @cache  # one strategy object per arguments: Hypothesis validates each new one
@@ -492,11 +520,13 @@ def _recipes(draw, formats: tuple[str, ...], archs: tuple[str, ...], force: Forc
     event(f"format: {name}")
     knobs = draw(format_knobs(name, force))
     attention = draw(st.sampled_from(dict(force).get("sizes.attention", ("any",))))
-    free = draw(st.sampled_from(dict(force).get("sizes.alignment", ("any",)))) == "free"
+    alignment = draw(st.sampled_from(dict(force).get("sizes.alignment", ("any",))))
+    free = alignment == "free"
     attention = "free" if free and attention == "any" else attention
-    edges, multiple = size_edges(name, knobs), column_multiple(name)
+    edges, multiple = size_edges(name, _sized_knobs(name, knobs, force, alignment)), column_multiple(name)
     moe_kernel = name in KERNEL_COLUMN_MULTIPLES and all(ARCHITECTURES[a].moe for a in written[name] or archs)
-    if whole_blocks_loadable(name) and not free and not draw(st.booleans()):  # whole blocks come first
+    # whole blocks come first where a correct engine may refuse a partial one; "blocks" forces them
+    if alignment == "blocks" or (whole_blocks_loadable(name) and not free and not draw(st.booleans())):
         multiple = math.lcm(edges[1], MOE_KERNEL_COLUMN_MULTIPLE) if moe_kernel else edges[1]
         edges = (edges[0] if edges[0] % multiple == 0 else multiple, math.lcm(edges[1], multiple))
         event(f"{name}: every K a whole number of blocks (engines load it)")
@@ -507,7 +537,14 @@ def _recipes(draw, formats: tuple[str, ...], archs: tuple[str, ...], force: Forc
     tied = dict(force).get("sizes.tie_word_embeddings", (False, True))
     forced_sparse = dict(force).get("sizes.sparse_first")  # the layouts family: the release's dense first layer too
     sparse_first = draw(st.sampled_from(forced_sparse)) if forced_sparse else True
-    arch, config = draw(architectures(written[name] or archs, edges, multiple, attention, tied, sparse_first))
+    widths = dict(force).get("sizes.expert_widths")  # "free": experts' rows need not be whole 16 bytes
+    grouped_mm_rows = (draw(st.sampled_from(widths)) if widths else "any") != "free"
+    several_heads = "several" in dict(force).get("sizes.heads", ())  # tensor parallelism splits them
+    arch, config = draw(
+        architectures(
+            written[name] or archs, edges, multiple, attention, tied, sparse_first, grouped_mm_rows, several_heads
+        )
+    )
     recipe = Recipe(
         format=name,
         arch=arch,

@@ -243,10 +243,10 @@ def check_shard_relations(judgement: Judgement, engines: list[str]) -> None:
 def _check_shards(relation: Relation, judgement: Judgement, engine: str) -> str:
     """tp-shards at TP_SIZES on the checkpoint's first decoder layer, and its first layer with
     routed experts where that is another (DeepSeek-V3's dense first layers), whose experts are also
-    placed at EP_SIZES; the smallest tensor-parallel size (else expert-parallel) at which a rank
-    holds other values than its slice is one finding (the others in its metrics)."""
+    placed at EP_SIZES; the smallest tensor-parallel size at which a rank holds other values than
+    its slice is one finding, the smallest expert-parallel one another (the others in their metrics)."""
     from harness.engines.vllm.tensor_parallel import FINDING, REFUSED, WORKER_SPEC, check_tensor_parallel, lane_judges
-    from harness.engines.vllm.tensor_parallel.layout import EP, TP, first_sparse_layer
+    from harness.engines.vllm.tensor_parallel.layout import TP, first_sparse_layer
 
     why = relation.inapplicable(judgement.config)
     if why or judgement.hazards:
@@ -283,7 +283,21 @@ def _check_shards(relation: Relation, judgement: Judgement, engine: str) -> str:
         where = "; ".join(f"{parallel} {', '.join(map(str, sorted(sizes)))}" for parallel, sizes in refused.items())
         modules = sorted({v.module for result in results.values() for v in result.verdicts if v.status == REFUSED})
         return "holds" + (f" (vLLM refuses {', '.join(modules)} at {where})" if refused else "")
-    parallel, tp, layer, first = wrong[0]
+    for kind in dict.fromkeys(kind for kind, _, _, _ in wrong):  # tensor parallelism's, then expert's
+        _shard_finding(relation, judgement, engine, results, wrong, next(w for w in wrong if w[0] == kind))
+    return "does not hold"
+
+
+def _shard_finding(
+    relation: Relation, judgement: Judgement, engine: str, results: dict, wrong: list, at: tuple
+) -> None:
+    """One finding for the smallest size of one kind of parallelism (`at`: kind, size, layer,
+    outcome) at which a rank holds other values than its slice: an expert-parallel placement is
+    judged apart from tensor parallelism's, so that a tensor-parallel finding hides no expert one."""
+    from harness.engines.vllm.tensor_parallel import FINDING
+    from harness.engines.vllm.tensor_parallel.layout import EP, TP
+
+    parallel, tp, layer, first = at
     verdicts = [v for v in results[layer].verdicts if (v.parallel, v.tp) == (parallel, tp) and v.status == FINDING]
     module, shape = next(iter(verdicts[0].wrong.items()), (None, None))
     latent = bool(first.reasons)  # vLLM refuses another Linear of the layer: the model would not load
@@ -311,7 +325,6 @@ def _check_shards(relation: Relation, judgement: Judgement, engine: str) -> str:
     if all(isinstance(b, int) for b in block):
         metrics["block"] = block  # a block format's grid: the known issues' `block_rows`
     judgement.finding(engine, "relation", message, module=module, metrics=metrics)
-    return "does not hold"
 
 
 def _check(relation: Relation, judgement: Judgement, engine: str, worker: EngineProcess, first: Load) -> str:
