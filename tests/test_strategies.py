@@ -11,6 +11,7 @@ from harness.campaign.strategies import (
     DIMENSION_CLASSES,
     ENGINE_HEAD_DIMS,
     GROUPED_MM_MULTIPLE,
+    HEAD_COUNT_RULES,
     HEAD_COUNTS,
     KERNEL_COLUMN_MULTIPLES,
     MAX_LAYERS,
@@ -348,3 +349,46 @@ def test_recipes_are_valid(recipe):
 def test_deepseeks_lora_ranks_are_whole_groups_where_the_format_refuses_a_partial_one(recipe):
     """q_lora_rank is q_b_proj's input width: its default 48 is no whole number of MXFP4's groups of 32."""
     assert all(cols % column_multiple("ct-mxfp4") == 0 for _, cols in shapes_of(recipe))
+
+
+@settings(max_examples=30, deadline=None, phases=[Phase.explicit, Phase.generate])
+@given(
+    recipe=recipes(
+        formats=("ct-fp8-block",),
+        archs=("llama",),
+        force={"layout.producer_config": ("modelopt",), "sizes.alignment": ("blocks",)},
+    )
+)
+def test_whole_blocks_under_a_producers_config_are_the_blocks_that_producer_writes(recipe):
+    """ModelOpt's FP8_PB_WO is 128 x 128 whatever block the knobs drew (fit_recipe gives the recipe
+    ModelOpt's after the sizes): under whole "blocks" every K is whole blocks of 128, so vLLM reads
+    the weights rather than refusing a partial input block first (the producer-whole-blocks family)."""
+    assert recipe.layout["producer_config"] == "modelopt" and recipe.knobs["block_cols"] == 128
+    assert all(k % 128 == 0 for _, k in shapes_of(recipe)), shapes_of(recipe)
+
+
+def test_free_expert_widths_start_from_rows_grouped_mm_refuses():
+    """A mixture's simplest draw keeps whole 16-byte rows (transformers runs its experts); with
+    sizes.expert_widths free (the odd-expert-widths family) the simplest one is a width it refuses."""
+    kept = find(architectures(("qwen3_moe",)), lambda a: True, settings=FIND)
+    freed = find(architectures(("qwen3_moe",), grouped_mm_rows=False), lambda a: True, settings=FIND)
+    assert all(s % GROUPED_MM_MULTIPLE == 0 for s in contraction_sizes(kept))
+    assert any(s % GROUPED_MM_MULTIPLE for s in contraction_sizes(freed)), freed
+
+
+@pytest.mark.parametrize("heads", sorted(HEAD_COUNT_RULES))
+def test_a_head_count_rule_keeps_its_head_counts_and_reaches_each(heads):
+    """ "several" heads (tensor parallelism splits them), "grouped" key-value heads (k/v outputs
+    narrower than q's), "ungrouped" ones: every draw keeps to the rule, every count it keeps is drawn."""
+    rule = HEAD_COUNT_RULES[heads]
+    counts = lambda a: (a[1]["num_attention_heads"], a[1]["num_key_value_heads"])  # noqa: E731
+    strategy = architectures(("llama", "gpt_oss"), heads=heads)
+    for count in (h for h in HEAD_COUNTS if rule(*h)):
+        reach(strategy, lambda a, count=count: counts(a) == count)
+
+    @settings(max_examples=30, deadline=None, phases=[Phase.explicit, Phase.generate])
+    @given(strategy)
+    def kept(arch_config):
+        assert rule(*counts(arch_config))
+
+    kept()

@@ -289,7 +289,8 @@ class _Explorer:
         self.campaign, self.coverage, self.budget = campaign, coverage, budget
         self.examples_dir, self.session, self.known = examples_dir, session, known
         self.shrink, self.progress = shrink, progress
-        #: recipe (as JSON) -> signatures of the new findings it showed: a recipe is evaluated once
+        #: recipe (as JSON, with what its cell checks: _key) -> signatures of the new findings it showed:
+        #: a recipe is evaluated once
         self.evaluated: dict[str, list[tuple]] = {}
         #: signature -> the recipe (as JSON) recorded as its smallest example
         self.minimal_key: dict[tuple, str] = {}
@@ -337,7 +338,7 @@ class _Explorer:
 
     def check(self, recipe: Recipe, state: _Visit) -> None:
         """The property: evaluate `recipe` (once), record it, raise for a signature being shrunk."""
-        key = json.dumps(recipe.to_json(), sort_keys=True)
+        key = self._key(recipe, state)
         if key not in self.evaluated:
             if self.budget.spent(self.campaign.examples) or (state.shrinking and not self._may_shrink(state)):
                 return  # nothing more is evaluated: generation and shrinking end without cost
@@ -368,6 +369,15 @@ class _Explorer:
         drawn = drawn_variant(campaign.examples, self.options_every, engines) or format_variant(seen, fmt, engines)
         mine = [v for v in family.variants if base_engine(v) in engines and v not in engines]
         return [drawn] + [v for v in mine if v != drawn] if drawn else mine
+
+    def _key(self, recipe: Recipe, state: _Visit) -> str:
+        """A recipe as its cell evaluates it: its JSON, and the relations and engine variants its
+        cell's family checks on every example. Another cell's simplest recipe is often the same (the
+        producer-round-trip family's is the producer-config family's): evaluated once per what is
+        checked, not once per recipe, or the family's relations would never run."""
+        family = self.coverage.families[state.cell.family]
+        checked = family.relations + family.variants
+        return json.dumps(recipe.to_json(), sort_keys=True) + (f" checked with {', '.join(checked)}" if checked else "")
 
     def _may_shrink(self, state: _Visit) -> bool:
         cap = self.budget.max_examples
@@ -410,7 +420,7 @@ class _Explorer:
                 continue
             if signature not in campaign.minimal:
                 campaign.minimal[signature] = (recipe, same)
-                self.minimal_key[signature] = json.dumps(recipe.to_json(), sort_keys=True)
+                self.minimal_key[signature] = self._key(recipe, state)
                 state.active.add(signature)
                 state.relations.update(f.metrics["relation"] for f in same if "relation" in f.metrics)
             elif signature in state.active:

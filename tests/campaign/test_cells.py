@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harness.campaign.cells import Coverage, parse_shard, shard_cells
-from harness.campaign.strategies import recipes
+from harness.campaign.strategies import HEAD_COUNT_RULES, recipes
 from harness.checkpoints.disagreements import CHOICES as DISAGREEMENT_CHOICES
 from harness.checkpoints.recipe import PERTURB_DEFAULTS
 from harness.core.errors import HarnessError
@@ -75,9 +75,12 @@ def test_a_cells_recipes_keep_to_its_family_dtype_and_defaults(data, index):
             assert resolved.layout[name] in values
         elif key == "sizes.tie_word_embeddings":
             assert resolved.settings["tie_word_embeddings"] in values
-        elif section == "sizes":
+        elif key == "sizes.attention" and values == ("untied",):
             width = resolved.settings["num_attention_heads"] * resolved.settings["head_dim"]
             assert width != resolved.settings["hidden_size"]
+        elif key == "sizes.heads":
+            counts = (resolved.settings["num_attention_heads"], resolved.settings["num_key_value_heads"])
+            assert any(HEAD_COUNT_RULES[value](*counts) for value in values), (cell.name, counts)
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 7])
@@ -107,6 +110,9 @@ def test_bad_coverage_files_are_one_line_errors(tmp_path):
         ('dtypes = ["int8"]\n', r"dtypes \['int8'\] unknown"),
         ('archs = ["gpt2"]\n', r"archs \['gpt2'\] unknown"),
         ('[family.x]\narchs = ["gpt2"]\n', r"family x: archs \['gpt2'\] unknown"),
+        ('[family.x]\nformats = ["fp9"]\n', r"family x: formats \['fp9'\] unknown"),
+        ('[family.x]\nrelations = ["twice"]\n', r"family x: relations \['twice'\] unknown"),
+        ('[family.x]\nvariants = ["vllm[dtype=int8]"]\n', r"family x: variants .* unknown"),
         ("stray = 1\n", "unknown key"),
         ("[family\n", "cannot read"),
     ):
@@ -154,3 +160,35 @@ def test_an_unaligned_sizes_cells_first_visit_draws_kv_outputs_that_are_not_whol
     simplest = find(recipes((cell.format,), (cell.arch,), COVERAGE.force_on_visit(cell, 0)), lambda r: True).config
     assert simplest["num_key_value_heads"] < simplest["num_attention_heads"], simplest
     assert simplest["num_key_value_heads"] * simplest["head_dim"] % 8 and simplest["intermediate_size"] % 16, simplest
+
+
+def test_a_family_spans_its_own_formats_and_names_what_its_examples_check(tmp_path):
+    path = tmp_path / "coverage.toml"
+    path.write_text(
+        'archs = ["llama"]\ndtypes = ["bfloat16"]\n[family.a]\nforce = {}\n'
+        '[family.b]\nforce = {}\nformats = ["gptq", "fp8-block"]\nrelations = ["sentinel"]\n'
+        'variants = ["transformers[dtype=float16]"]\n'
+    )
+    coverage = Coverage.load(path)
+    assert {c.format for c in coverage.cells() if c.family == "b"} == {"gptq", "fp8-block"}
+    assert {"gptq", "fp8-block", "ct-int4"} < {c.format for c in coverage.cells() if c.family == "a"}
+    assert coverage.families["b"].relations == ("sentinel",)
+    assert coverage.families["b"].variants == ("transformers[dtype=float16]",)
+    assert coverage.families["a"].relations == coverage.families["a"].variants == ()
+
+
+@pytest.mark.parametrize(
+    "force, fmt, arch, applies",
+    [
+        ('"sizes.alignment" = ["blocks"]', "ct-fp8-block", "llama", True),  # 128 x 128 blocks
+        ('"sizes.alignment" = ["blocks"]', "ct-fp8-tensor", "llama", False),  # one scale per tensor
+        ('"sizes.alignment" = ["free"]', "gptq", "llama", True),  # vLLM's CPU kernel's multiple of 32
+        ('"sizes.alignment" = ["free"]', "ct-fp8-block", "llama", False),  # no kernel multiple to free
+        ('"sizes.expert_widths" = ["free"]', "ct-fp8-tensor", "qwen3_moe", True),
+        ('"sizes.expert_widths" = ["free"]', "ct-fp8-tensor", "llama", False),  # no experts
+    ],
+)
+def test_a_sizes_family_applies_where_the_draws_hold_what_it_frees_or_forces(tmp_path, force, fmt, arch, applies):
+    path = tmp_path / "coverage.toml"
+    path.write_text(f'archs = ["{arch}"]\ndtypes = ["bfloat16"]\n[family.a]\nforce = {{ {force} }}\n')
+    assert bool(Coverage.load(path).cells(formats=[fmt])) is applies

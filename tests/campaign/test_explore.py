@@ -114,6 +114,46 @@ def test_relations_every_sets_how_often_a_relation_is_checked(tmp_path):
     assert checked == {1: [["load-twice"]] * 3, 3: [[], [], ["load-twice"]]}, checked
 
 
+def test_a_familys_relations_and_variants_are_checked_on_every_example_of_its_cells(tmp_path):
+    """unignored-plain-relations names the sentinel (and tensor parallelism, vLLM's: not in this
+    run): every example checks it, whatever the campaign samples (here one relation in 1000
+    examples); load-dtype names transformers in float16, loaded beside plain transformers on every
+    example; `--relations none` and `--options-every 0` still turn both off."""
+    common = ["run", "--engines", "reference,transformers", "--relations-every", "1000", "--max-examples", "3"]
+    common += ["--families", "unignored-plain-relations,load-dtype", "--formats", "ct-fp8-channel,ct-fp8-tensor"]
+    result = cli(
+        *common, "--report", tmp_path / "on"
+    )  # ct-fp8-channel: the first family's only, ct-fp8-tensor: the second's
+    assert result.returncode in (0, 1), result.stdout + result.stderr
+    checkpoints = json.loads((tmp_path / "on" / "report.json").read_text())["checkpoints"]
+    assert sorted(c["format"] for c in checkpoints) == ["ct-fp8-channel", "ct-fp8-channel", "ct-fp8-tensor"]
+    for checkpoint in checkpoints:
+        plain = checkpoint["format"] == "ct-fp8-channel"
+        assert ("sentinel" in checkpoint["outcomes"]["reference"]["relations"]) is plain
+        assert ("transformers[dtype=float16]" in checkpoint["outcomes"]) is not plain
+    result = cli(*common, "--relations", "none", "--options-every", "0", "--report", tmp_path / "off")
+    assert result.returncode in (0, 1), result.stdout + result.stderr
+    for checkpoint in json.loads((tmp_path / "off" / "report.json").read_text())["checkpoints"]:
+        assert set(checkpoint["outcomes"]) == {"reference", "transformers"}
+        assert not checkpoint["outcomes"]["reference"]["relations"]
+
+
+def test_a_recipe_another_cell_evaluated_is_evaluated_again_where_its_family_checks_more(tmp_path):
+    """producer-round-trip's simplest awq/llama/float32 recipe is producer-config's own; a recipe is
+    evaluated once per what its cell checks, so the round-trip relation runs on it all the same
+    (session 40: keyed by the recipe alone, the family's relation never ran in the main job)."""
+    result = cli(
+        *("run", "--engines", "reference", "--families", "producer-config,producer-round-trip"),
+        *("--formats", "awq", "--archs", "llama", "--max-examples", "4", "--relations-every", "1000"),
+        *("--no-shrink", "--report", tmp_path),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {c["cell"]: c["examples"] for c in report["coverage"]}["awq/llama/float32/producer-round-trip"] == 1
+    relations = [c["outcomes"]["reference"]["relations"] for c in report["checkpoints"]]
+    assert sorted(map(sorted, relations)) == [[], [], [], ["round-trip"]], relations
+
+
 def test_a_relation_no_engine_could_check_counts_less_than_one_that_ran():
     """The least-checked order counts real checks: a tensor-parallel turn vLLM refused (a float32
     gpt-oss) counts UNCHECKED_TURN, so the relation comes back before one that ran; any engine that
