@@ -382,7 +382,7 @@ def test_a_head_count_rule_keeps_its_head_counts_and_reaches_each(heads):
     narrower than q's), "ungrouped" ones: every draw keeps to the rule, every count it keeps is drawn."""
     rule = HEAD_COUNT_RULES[heads]
     counts = lambda a: (a[1]["num_attention_heads"], a[1]["num_key_value_heads"])  # noqa: E731
-    strategy = architectures(("llama", "gpt_oss"), heads=heads)
+    strategy = architectures(("llama", "gpt_oss"), head_rule=heads)
     for count in (h for h in HEAD_COUNTS if rule(*h)):
         reach(strategy, lambda a, count=count: counts(a) == count)
 

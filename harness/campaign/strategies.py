@@ -148,27 +148,27 @@ def model_sizes(
     block: tuple[int, int] = (NOMINAL_EDGE, NOMINAL_EDGE),
     column_multiple: int = 1,
     attention: str = "any",
-    heads: str = "any",
+    head_rule: str = "any",
 ) -> dict:
     """hidden, intermediate and attention sizes measured against the scale block (rows, cols).
 
     Every size that is some projection's K (hidden, intermediate, heads * head_dim) is a
     multiple of `column_multiple`; the head count divides hidden_size (transformers checks it)
-    and head_dim is even (rotary embeddings split it in halves); `heads` narrows the head counts
-    (HEAD_COUNT_RULES: "several" for tensor parallelism to split, "ungrouped" key-value heads). The
-    attention width is
-    sometimes tied to hidden_size, as in real models: q_proj and o_proj grids are then square
+    and head_dim is even (rotary embeddings split it in halves); `head_rule` narrows the head
+    counts (HEAD_COUNT_RULES: "several" for tensor parallelism to split, "ungrouped" key-value
+    heads). The attention width is sometimes tied to hidden_size, as in real models: q_proj and
+    o_proj grids are then square
     under a square block. `attention="untied"` always draws a width other than hidden_size (a
     head_dim that is not hidden_size / heads). A third of the widths (half when untied) give a
     head size vLLM's CPU attention runs (ENGINE_HEAD_DIMS), so that vLLM loads them at all.
     """
     rows, cols = block
-    several = not HEAD_COUNT_RULES[heads](1, 1)  # two heads or more divide an even hidden size only
+    several = not HEAD_COUNT_RULES[head_rule](1, 1)  # two heads or more divide an even hidden size only
     hidden = draw(dimensions(cols, math.lcm(column_multiple, 2) if several and cols % 2 == 0 else column_multiple))
     # attention "free" (the unaligned-sizes family): the intermediate size, down_proj's K, in whole
     # words only too, so that gate/up outputs that are not multiples of 16 are drawn
     intermediate = draw(dimensions(rows, column_multiple if attention != "free" else FREE_COLUMN_MULTIPLE))
-    counts = tuple(h for h in HEAD_COUNTS if hidden % h[0] == 0 and HEAD_COUNT_RULES[heads](*h))
+    counts = tuple(h for h in HEAD_COUNTS if hidden % h[0] == 0 and HEAD_COUNT_RULES[head_rule](*h))
     if attention == "free":  # grouped key-value heads first: k/v outputs narrower than q's width
         counts = tuple(sorted(counts, key=lambda h: h[1] == h[0]))
     heads, kv_heads = draw(st.sampled_from(counts))
@@ -225,13 +225,13 @@ def architectures(
     tied: tuple[bool, ...] = (False, True),
     sparse_first: bool = True,
     grouped_mm_rows: bool = True,
-    heads: str = "any",
+    head_rule: str = "any",
 ) -> st.SearchStrategy[tuple[str, dict]]:
     """(architecture name, config overrides): sizes from `model_sizes`, 1-2 layers (at least one with
     routed experts unless `sparse_first` is False: sparse_layers_first), tied embeddings or not (`tied`:
     the values allowed), and every boolean the architecture adds (llama's attention_bias and mlp_bias;
     both set bias every projection; qwen2 always biases q/k/v). A mixture's rows are whole 16 bytes
-    first unless `grouped_mm_rows` is False (GROUPED_MM_MULTIPLE)."""
+    first unless `grouped_mm_rows` is False (GROUPED_MM_MULTIPLE); `head_rule`: model_sizes'."""
     return _architectures(
         tuple(archs or ARCHITECTURES),
         tuple(block),
@@ -240,7 +240,7 @@ def architectures(
         tuple(tied),
         sparse_first,
         grouped_mm_rows,
-        heads,
+        head_rule,
     )
 
 
@@ -255,7 +255,7 @@ def _architectures(
     tied: tuple[bool, ...],
     sparse_first: bool,
     grouped_mm_rows: bool,
-    heads: str,
+    head_rule: str,
 ):
     name = draw(st.sampled_from(archs))
     aligned = all(edge % GROUPED_MM_MULTIPLE == 0 for edge in block)  # `dimensions` needs it to divide the block
@@ -263,7 +263,7 @@ def _architectures(
     if ARCHITECTURES[name].moe and aligned and grouped_mm_rows and not draw(st.booleans()):
         column_multiple = math.lcm(column_multiple, GROUPED_MM_MULTIPLE)
         event("MoE sizes: whole 16-byte rows (transformers' grouped_mm runs them)")
-    config = draw(model_sizes(block, column_multiple, attention, heads))
+    config = draw(model_sizes(block, column_multiple, attention, head_rule))
     config["num_hidden_layers"] = draw(st.integers(1, MAX_LAYERS))
     if sparse_first:
         config |= sparse_layers_first(name, config["num_hidden_layers"])
@@ -505,8 +505,8 @@ def recipes(formats=None, archs=None, force: Mapping[str, tuple] | None = None) 
     an architecture, a layout, perturbations and a seed. `formats` and `archs` narrow the
     draw (all registered ones by default); `force` maps "knobs.K", "layout.K", "perturb.K",
     "sizes.attention", "sizes.alignment" ("free" of kernel multiples, or whole "blocks"),
-    "sizes.expert_widths", "sizes.heads" (HEAD_COUNT_RULES), "sizes.sparse_first" and "sizes.tie_word_embeddings" to the values allowed
-    there (a campaign cell: harness.campaign.cells)."""
+    "sizes.expert_widths", "sizes.heads" (HEAD_COUNT_RULES), "sizes.sparse_first" and
+    "sizes.tie_word_embeddings" to the values allowed there (a campaign cell: harness.campaign.cells)."""
     frozen = tuple(sorted((key, tuple(values)) for key, values in (force or {}).items()))
     return _recipes(tuple(formats or FORMAT_NAMES), tuple(archs or ARCHITECTURES), frozen)
 
@@ -548,9 +548,11 @@ def _recipes(draw, formats: tuple[str, ...], archs: tuple[str, ...], force: Forc
     sparse_first = draw(st.sampled_from(forced_sparse)) if forced_sparse else True
     widths = dict(force).get("sizes.expert_widths")  # "free": experts' rows need not be whole 16 bytes
     grouped_mm_rows = (draw(st.sampled_from(widths)) if widths else "any") != "free"
-    heads = draw(st.sampled_from(dict(force)["sizes.heads"])) if "sizes.heads" in dict(force) else "any"
+    head_rule = draw(st.sampled_from(dict(force)["sizes.heads"])) if "sizes.heads" in dict(force) else "any"
     arch, config = draw(
-        architectures(written[name] or archs, edges, multiple, attention, tied, sparse_first, grouped_mm_rows, heads)
+        architectures(
+            written[name] or archs, edges, multiple, attention, tied, sparse_first, grouped_mm_rows, head_rule
+        )
     )
     recipe = Recipe(
         format=name,

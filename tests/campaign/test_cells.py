@@ -102,6 +102,15 @@ def test_the_cell_order_is_fixed_and_interleaves_formats():
     assert len({c.format for c in first}) > 1 and len({c.family for c in first}) > 1
 
 
+def test_small_families_are_visited_early_and_whole_and_the_largest_families_tails_last():
+    """visit_order: a run the budget stops short of every cell leaves out the tails of the largest
+    families, never a one-mechanism crossing of a few cells (as a plain hash order could)."""
+    sizes = {family: sum(1 for c in CELLS if c.family == family) for family in COVERAGE.families}
+    head, tail = CELLS[: len(CELLS) // 10], CELLS[-(len(CELLS) // 10) :]
+    assert {c.name for c in CELLS if sizes[c.family] <= 4} <= {c.name for c in head}
+    assert all(sizes[c.family] > 50 for c in tail), sorted({c.family for c in tail})
+
+
 def test_bad_coverage_files_are_one_line_errors(tmp_path):
     path = tmp_path / "coverage.toml"
     for text, message in (
