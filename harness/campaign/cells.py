@@ -163,8 +163,8 @@ class Coverage:
         return {key: values[offset % len(values) :] + values[: offset % len(values)] for key, values in force.items()}
 
     def cells(self, formats=None, archs=None, families=None) -> list[Cell]:
-        """Every cell that exists, in the order exploration visits them: a fixed interleaving
-        (by a hash of the name) so that the first ones already span formats and families."""
+        """Every cell that exists, in the order exploration visits them (visit_order: families
+        interleaved at a pace, small ones first and whole)."""
         found = []
         for family in families or self.families:
             if family not in self.families:
