@@ -429,4 +429,6 @@ if __name__ == "__main__":
     if child is None:
         sys.exit(0)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
-    sys.exit(become_worker(*child))
+    from harness.engines.worker import exit_worker
+
+    exit_worker(become_worker(*child))

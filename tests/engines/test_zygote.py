@@ -201,3 +201,19 @@ def test_a_forked_worker_holds_the_environment_a_fresh_one_would_after_the_same_
     assert forked["vllm_preloaded"] == has_vllm and not fresh["vllm_preloaded"]
     if has_vllm:  # read lazily: the worker's setting after the fork counts
         assert forked["vllm_multiprocessing"] is False is fresh["vllm_multiprocessing"]
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "fresh"])
+def test_a_worker_asked_to_quit_runs_its_exit_hooks_and_exits_0(checkpoint, tmp_path, monkeypatch, forked):
+    """exit_worker skips the interpreter's teardown (a second per worker), not what libraries
+    registered to run at exit."""
+    monkeypatch.setenv("HARNESS_TEST_EXIT_HOOKS", str(tmp_path))
+    monkeypatch.setenv("HARNESS_FORK_WORKERS", "1" if forked else "0")
+    worker = started("tests.doubles.exit_hooks:ExitHooksEngine", tmp_path / "worker.log")
+    assert isinstance(worker.process, ForkedWorker) == forked
+    worker.load(checkpoint)
+    worker.close()
+    assert worker.process.returncode == 0
+    assert (tmp_path / "finalizer").read_text() == "ran"
+    assert (tmp_path / "atexit").read_text() == "collected 0"  # a collection before the exit frees nothing
+    assert not (tmp_path / "teardown").exists()
