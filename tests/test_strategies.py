@@ -367,6 +367,27 @@ def test_whole_blocks_under_a_producers_config_are_the_blocks_that_producer_writ
     assert all(k % 128 == 0 for _, k in shapes_of(recipe)), shapes_of(recipe)
 
 
+@pytest.mark.parametrize("name", sorted(KERNEL_COLUMN_MULTIPLES))
+def test_kernel_alignment_starts_from_partial_groups_the_kernel_takes(name):
+    """GPTQ's simplest draw keeps every K whole groups (a correct engine may refuse a partial one);
+    under sizes.alignment "kernel" with groups of 64 (the int4-partial-groups family) the simplest
+    GPTQ or AWQ draw keeps every K the kernel's 32-multiple with a partial last group, and every
+    draw keeps the multiple."""
+    force = {"knobs.group_size": (64,)}
+    kept = find(recipes(formats=(name,), archs=("llama",), force=force), lambda r: True, settings=FIND)
+    kernel = recipes(formats=(name,), archs=("llama",), force={**force, "sizes.alignment": ("kernel",)})
+    freed = find(kernel, lambda r: True, settings=FIND)
+    assert all(k % 64 == 0 for _, k in shapes_of(kept)) is whole_blocks_loadable(name), shapes_of(kept)
+    assert any(k % 64 for _, k in shapes_of(freed)), shapes_of(freed)
+
+    @settings(max_examples=20, deadline=None, phases=[Phase.generate])
+    @given(kernel)
+    def every_k_the_kernels_multiple(recipe):
+        assert all(k % KERNEL_COLUMN_MULTIPLES[name] == 0 for _, k in shapes_of(recipe)), shapes_of(recipe)
+
+    every_k_the_kernels_multiple()
+
+
 def test_free_expert_widths_start_from_rows_grouped_mm_refuses():
     """A mixture's simplest draw keeps whole 16-byte rows (transformers runs its experts); with
     sizes.expert_widths free (the odd-expert-widths family) the simplest one is a width it refuses."""

@@ -213,12 +213,13 @@ def _carried(key: str, values: tuple, fmt, arch: str) -> tuple:
         return tuple(v for v in values if not perturb_refusal(name, v, fmt) and disagreements.applies(v, 2, config))
     if section == "perturb":
         return tuple(v for v in values if not perturb_refusal(name, v, fmt))
-    if key == "sizes.alignment":  # "free" where the format's draws hold a kernel multiple to free them of,
-        # whole "blocks" where it has column blocks
+    if key == "sizes.alignment":  # "free" of or "kernel" for the multiple the format's draws hold to a
+        # kernel's, whole "blocks" where it has column blocks
         return tuple(
             v
             for v in values
-            if (v != "free" or kernel_aligned_first(fmt.name)) and (v != "blocks" or partial_block(fmt.name)[0] > 1)
+            if (v not in ("free", "kernel") or kernel_aligned_first(fmt.name))
+            and (v != "blocks" or partial_block(fmt.name)[0] > 1)
         )
     if key == "sizes.expert_widths":  # only a mixture's experts are kept to grouped_mm's rows
         return values if ARCHITECTURES[arch].moe else ()

@@ -504,7 +504,8 @@ def recipes(formats=None, archs=None, force: Mapping[str, tuple] | None = None) 
     """A valid recipe: a format and its knobs, then sizes against that format's scale block,
     an architecture, a layout, perturbations and a seed. `formats` and `archs` narrow the
     draw (all registered ones by default); `force` maps "knobs.K", "layout.K", "perturb.K",
-    "sizes.attention", "sizes.alignment" ("free" of kernel multiples, or whole "blocks"),
+    "sizes.attention", "sizes.alignment" ("free" of kernel multiples, whole "blocks", or the
+    "kernel" multiple without whole blocks),
     "sizes.expert_widths", "sizes.heads" (HEAD_COUNT_RULES), "sizes.sparse_first" and
     "sizes.tie_word_embeddings" to the values allowed there (a campaign cell: harness.campaign.cells)."""
     frozen = tuple(sorted((key, tuple(values)) for key, values in (force or {}).items()))
@@ -530,16 +531,19 @@ def _recipes(draw, formats: tuple[str, ...], archs: tuple[str, ...], force: Forc
     knobs = draw(format_knobs(name, force))
     attention = draw(st.sampled_from(dict(force).get("sizes.attention", ("any",))))
     alignment = draw(st.sampled_from(dict(force).get("sizes.alignment", ("any",))))
-    free = alignment == "free"
+    free, kernel = alignment == "free", alignment == "kernel"
     attention = "free" if free and attention == "any" else attention
     edges, multiple = size_edges(name, _sized_knobs(name, knobs, force, alignment)), column_multiple(name)
     moe_kernel = name in KERNEL_COLUMN_MULTIPLES and all(ARCHITECTURES[a].moe for a in written[name] or archs)
-    # whole blocks come first where a correct engine may refuse a partial one; "blocks" forces them
-    if alignment == "blocks" or (whole_blocks_loadable(name) and not free and not draw(st.booleans())):
+    # whole blocks come first where a correct engine may refuse a partial one; "blocks" forces them,
+    # "kernel" forces the kernel's multiple in their place (a K of partial groups every kernel takes)
+    if alignment == "blocks" or (whole_blocks_loadable(name) and not (free or kernel) and not draw(st.booleans())):
         multiple = math.lcm(edges[1], MOE_KERNEL_COLUMN_MULTIPLE) if moe_kernel else edges[1]
         edges = (edges[0] if edges[0] % multiple == 0 else multiple, math.lcm(edges[1], multiple))
         event(f"{name}: every K a whole number of blocks (engines load it)")
-    elif name in KERNEL_COLUMN_MULTIPLES and multiple == 1 and (free or not draw(st.booleans())):  # these first
+    elif (
+        name in KERNEL_COLUMN_MULTIPLES and multiple == 1 and (free or kernel or not draw(st.booleans()))
+    ):  # these first
         multiple = MOE_KERNEL_COLUMN_MULTIPLE if moe_kernel else KERNEL_COLUMN_MULTIPLES[name]
         edges = (math.lcm(edges[0], multiple), math.lcm(edges[1], multiple))
         event(f"{name}: every K a multiple of {multiple} (vLLM's CPU kernel runs it)")
