@@ -4,7 +4,8 @@ imported once).
 
 Not a test: it asserts nothing about speed. Per engine and mode, `--starts` workers are started one
 after another, each then loading one small generated checkpoint and computing one forward's
-log-probabilities (the first load and forward import what the greeting did not). For the forked
+log-probabilities (the first load and forward import what the greeting did not), then closed (asked
+to quit and waited for: what an engine session pays for every worker it ends). For the forked
 mode the first start includes starting the zygote itself (its own row: `first`); the zygote and
 one worker's resident memory are recorded. Engines whose interpreter is missing are skipped.
 
@@ -54,7 +55,9 @@ def one_start(session: EngineSession, engine: str, checkpoint: Path, scratch: Pa
     if row["forked"]:
         zygote = Path(f"/proc/{worker.process.pid}/stat").read_text().rpartition(")")[2].split()[1]
         row["zygote_rss_mb"] = resident_mb(int(zygote))
-    worker.close()
+    closing = time.monotonic()
+    worker.close()  # asked to quit, waited for until the zygote (or the OS) reaps it
+    row["close_s"] = time.monotonic() - closing
     session.processes.pop(engine, None)
     return row
 
@@ -78,6 +81,7 @@ def measure(engine: str, mode: str, starts: int, checkpoint: Path, scratch: Path
         "first": rows[0],
         "later_total_s_median": statistics.median(r["total_s"] for r in later),
         "later_greeting_s_median": statistics.median(r["greeting_s"] for r in later),
+        "close_s_median": statistics.median(r["close_s"] for r in rows),
         "rows": rows,
     }
 
@@ -107,7 +111,7 @@ def main() -> None:
                 print(
                     f"{engine:>18} {mode:>6}: first {first['total_s']:6.2f} s (greeting {first['greeting_s']:.2f}),"
                     f" later median {result['later_total_s_median']:6.2f} s"
-                    f" (greeting {result['later_greeting_s_median']:.2f})"
+                    f" (greeting {result['later_greeting_s_median']:.2f}), close {result['close_s_median']:.2f} s"
                 )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     machine = {
