@@ -10,7 +10,7 @@ mode the first start includes starting the zygote itself (its own row: `first`);
 one worker's resident memory are recorded. Engines whose interpreter is missing are skipped.
 
     .tox/ci/bin/python benchmarks/bench_worker_start.py                      # reference, transformers, compressed-tensors
-    .tox/ci/bin/python benchmarks/bench_worker_start.py --engines reference,vllm --starts 2
+    .tox/ci/bin/python benchmarks/bench_worker_start.py --engines vllm --starts 2 --format ct-fp8-channel
 
 Results go to a JSON file (default benchmarks/results/worker-start-<host>.json).
 """
@@ -91,6 +91,9 @@ def main() -> None:
     parser.add_argument("--engines", default="reference,transformers,compressed-tensors")
     parser.add_argument("--starts", type=int, default=3)
     parser.add_argument(
+        "--format", default="ct-fp8-tensor", help="the checkpoint's format (one vLLM runs here for vllm)"
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / f"worker-start-{machine_tag()}.json"
     )
     args = parser.parse_args()
@@ -98,7 +101,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-worker-start-") as scratch:
         scratch = Path(scratch)
         checkpoint = scratch / "checkpoint"
-        generate(Recipe(format="ct-fp8-tensor", arch="llama", seed=1), checkpoint)
+        generate(Recipe(format=args.format, arch="llama", seed=1), checkpoint)
         for engine in args.engines.split(","):
             for mode in ("fresh", "forked"):
                 try:
@@ -121,7 +124,8 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "load_average": os.getloadavg(),
     }
-    args.out.write_text(json.dumps({"machine": machine, "starts": args.starts, "results": results}, indent=2) + "\n")
+    record = {"machine": machine, "starts": args.starts, "format": args.format, "results": results}
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"results: {args.out}")
 
 
