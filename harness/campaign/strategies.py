@@ -536,7 +536,7 @@ def _recipes(draw, formats: tuple[str, ...], archs: tuple[str, ...], force: Forc
     edges, multiple = size_edges(name, _sized_knobs(name, knobs, force, alignment)), column_multiple(name)
     moe_kernel = name in KERNEL_COLUMN_MULTIPLES and all(ARCHITECTURES[a].moe for a in written[name] or archs)
     # whole blocks come first where a correct engine may refuse a partial one; "blocks" forces them,
-    # "kernel" forces the kernel's multiple in their place (a K of partial groups every kernel takes)
+    # "kernel" forces the kernel's multiple in their place (partial groups vLLM's CPU kernel takes)
     if alignment == "blocks" or (whole_blocks_loadable(name) and not (free or kernel) and not draw(st.booleans())):
         multiple = math.lcm(edges[1], MOE_KERNEL_COLUMN_MULTIPLE) if moe_kernel else edges[1]
         edges = (edges[0] if edges[0] % multiple == 0 else multiple, math.lcm(edges[1], multiple))
