@@ -69,6 +69,16 @@ PRELOAD_WITH_VLLM = (
     "vllm.model_executor.model_loader",
     "vllm.model_executor.models.llama",
 )
+#: per-process caches vLLM's first forward fills, computed once by the zygote where vLLM is installed
+#: (module, function of no arguments, cached by it): its sampler ranks prompt logprobs with a
+#: torch.compile'd function, and even on a warm compile cache inductor first probes which vector ISAs
+#: build and load here (a compiler and a python subprocess per ISA) and hashes triton's sources:
+#: 1.2 of a forked vLLM worker's 1.7 s first forward on a 2-core host. Subprocesses and file reads
+#: only: no kernel runs, no thread pool starts (the greeting still counts threads after them)
+WARM_WITH_VLLM = (
+    ("torch._inductor.cpu_vec_isa", "valid_vec_isa_list"),
+    ("torch._inductor.codecache", "triton_key"),
+)
 #: modules whose OpenBLAS starts a thread pool at import that shuts down at a fork and re-creates
 #: itself after it (OpenBLAS's pthread_atfork handlers): their threads are allowed, no other
 BLAS_POOLS = ("numpy", "cv2")
@@ -110,6 +120,8 @@ def _preload() -> dict:
             failed[module] = f"{type(error).__name__}: {error}"
         if module in BLAS_POOLS:
             native = _thread_count()
+    if "vllm" in modules and "vllm" not in failed:
+        _warm(WARM_WITH_VLLM, failed)
     after = dict(os.environ)
     ENVIRONMENT_WRITES.update(
         {name: after.get(name) for name in before.keys() | after.keys() if before.get(name) != after.get(name)}
@@ -121,6 +133,18 @@ def _preload() -> dict:
     elif native is not None and threads > native:
         why = f"preloading started {threads - native} native thread(s) beyond those of {', '.join(BLAS_POOLS)}"
     return {"ready": not why, "why": why, "pid": os.getpid(), "threads": threads, "failed": failed}
+
+
+def _warm(caches: tuple[tuple[str, str], ...], failed: dict[str, str]) -> None:
+    """Fill each process-level cache once, so that every forked worker inherits it; one that moved
+    or fails is left to each worker to fill (recorded in the greeting's `failed`)."""
+    from importlib import import_module
+
+    for module, function in caches:
+        try:
+            getattr(import_module(module), function)()
+        except Exception as error:
+            failed[f"{module}.{function}"] = f"{type(error).__name__}: {error}"
 
 
 def _send(channel: socket.socket, **message) -> None:

@@ -1,6 +1,7 @@
 """A test double (not an engine): a worker's view of its own process, for tests/engines/test_zygote.py.
 Imported, it does what a vLLM worker does before its first vLLM import, then imports what a zygote
-preloads; its `version()` answers with the worker's environment and what vLLM read from it."""
+preloads; its `version()` answers with the worker's environment, what vLLM read from it, and the
+vector ISAs torch's inductor finds here (where vLLM is: whether the worker inherited them)."""
 
 import json
 import os
@@ -18,10 +19,14 @@ for module in preloaded_modules():
 class EnvironmentProbe(Engine):
     def version(self):
         vllm = sys.modules.get("vllm.envs")
-        return json.dumps(
-            {
-                "environ": dict(os.environ),
-                "vllm_preloaded": VLLM_BEFORE,
-                "vllm_multiprocessing": None if vllm is None else bool(vllm.VLLM_ENABLE_V1_MULTIPROCESSING),
-            }
-        )
+        answer = {
+            "environ": dict(os.environ),
+            "vllm_preloaded": VLLM_BEFORE,
+            "vllm_multiprocessing": None if vllm is None else bool(vllm.VLLM_ENABLE_V1_MULTIPROCESSING),
+        }
+        if vllm is not None:
+            from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+            answer["isas_inherited"] = valid_vec_isa_list.cache_info().currsize > 0
+            answer["isas"] = [str(isa) for isa in valid_vec_isa_list()]
+        return json.dumps(answer)

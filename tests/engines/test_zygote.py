@@ -173,7 +173,8 @@ def test_an_interpreter_that_cannot_run_a_zygote_is_told_at_once(tmp_path):
 def test_a_forked_worker_holds_the_environment_a_fresh_one_would_after_the_same_imports(tmp_path, monkeypatch):
     """Importing the preloaded modules writes variables (torch's inductor cache directory, cv2's
     LD_LIBRARY_PATH, vLLM's own): a forked worker must hold them as a fresh worker would, and
-    vLLM, imported before the fork, must still read a setting its worker makes after it. Run in
+    vLLM, imported before the fork, must still read a setting its worker makes after it, and the
+    caches the zygote warmed must hold what the worker would have found itself. Run in
     vLLM's interpreter where there is one (it preloads the most), else in this one."""
     from harness.engines.vllm.engine import find_vllm_python
 
@@ -201,6 +202,9 @@ def test_a_forked_worker_holds_the_environment_a_fresh_one_would_after_the_same_
     assert forked["vllm_preloaded"] == has_vllm and not fresh["vllm_preloaded"]
     if has_vllm:  # read lazily: the worker's setting after the fork counts
         assert forked["vllm_multiprocessing"] is False is fresh["vllm_multiprocessing"]
+        # the zygote's warm caches (WARM_WITH_VLLM): inherited, and what a fresh worker finds itself
+        assert forked["isas_inherited"] and not fresh["isas_inherited"]
+        assert forked["isas"] == fresh["isas"]
 
 
 @pytest.mark.parametrize("forked", [True, False], ids=["forked", "fresh"])
