@@ -90,8 +90,16 @@ ENVIRONMENT_WRITES: dict[str, str | None] = {}
 CARRIED = 3
 #: variables that change from call to call and that no preloaded module reads: a zygote is keyed
 #: by the environment without them, and each worker still gets their values (pytest sets its own
-#: PYTEST_CURRENT_TEST for every test: keyed by it, every test would start a zygote)
-VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
+#: PYTEST_CURRENT_TEST for every test: keyed by it, every test would start a zygote). The harness's
+#: capability cache directory and the interpreter chosen per engine ($HARNESS_<ENGINE>_PYTHON,
+#: harness.engines.environments) are read when called, never at import: a user's or a test's choice of
+#: them would otherwise cost a zygote each (5-7 s in vLLM's environment on a 2-core host)
+VOLATILE = frozenset({"PYTEST_CURRENT_TEST", "HARNESS_CACHE_DIR"})
+
+
+def volatile(name: str) -> bool:
+    """Whether `name` is left out of a zygote's key (VOLATILE, or an engine's interpreter)."""
+    return name in VOLATILE or (name.startswith("HARNESS_") and name.endswith("_PYTHON"))
 
 
 def _thread_count() -> int:
@@ -332,8 +340,8 @@ class Zygote:
         return message
 
     def spawn(self, spec: str, env: dict[str, str], stderr: int, timeout_s: float = 60.0) -> ForkedWorker | None:
-        """A forked worker serving `spec` with `env` as its os.environ (the zygote's but for VOLATILE),
-        its stderr on descriptor `stderr`; None if the zygote fails."""
+        """A forked worker serving `spec` with `env` as its os.environ (the zygote's but for its
+        volatile variables), its stderr on descriptor `stderr`; None if the zygote fails."""
         stdin_read, stdin_write = os.pipe()
         stdout_read, stdout_write = os.pipe()
         self.requests += 1
@@ -422,7 +430,7 @@ def forked_worker(python: str, env: dict[str, str], spec: str, stderr: int, time
     not forked: $HARNESS_FORK_WORKERS=0, or a zygote that cannot serve (its reason is kept, and it is not retried by this process)."""
     if os.environ.get("HARNESS_FORK_WORKERS", "1") == "0":
         return None
-    key = (python, os.getcwd(), tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE)))
+    key = (python, os.getcwd(), tuple(sorted((k, v) for k, v in env.items() if not volatile(k))))
     zygote = _zygotes.pop(key, None)
     if zygote is None:
         directory, linger_s = _directory()

@@ -95,6 +95,25 @@ def test_one_environment_shares_a_zygote_another_gets_its_own_and_a_gone_zygote_
     assert third.process.returncode is not None
 
 
+def test_variables_read_only_when_called_share_a_zygote_and_still_reach_the_worker(tmp_path, monkeypatch):
+    """The capability cache directory and an engine's interpreter variable are no part of a zygote's
+    key (zygote.volatile): a worker asked for with other values forks from the same zygote and holds them."""
+    from harness.engines.environments import variable_for
+
+    first = started("reference", tmp_path / "a.log")
+    monkeypatch.setenv("HARNESS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(variable_for("reference"), sys.executable)
+    second = started("tests.engines.environment_probe:EnvironmentProbe", tmp_path / "b.log")
+    try:
+        assert parent_of(first.process.pid) == parent_of(second.process.pid)
+        environ = json.loads(second.info["version"])["environ"]
+        assert environ["HARNESS_CACHE_DIR"] == str(tmp_path / "cache")
+        assert environ[variable_for("reference")] == sys.executable
+    finally:
+        first.close()
+        second.close()
+
+
 def test_a_killed_forked_worker_is_reported_with_its_signal(tmp_path):
     worker = started("reference", tmp_path / "killed.log")
     try:
