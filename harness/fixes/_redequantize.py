@@ -7,6 +7,7 @@ decompressed the model at its first forward."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,10 +51,17 @@ class QuantizedCheckpoint:
 
     def reference(self, module: str, tensors: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The module's weight as the format defines it, float64; a refusal skips the tensor."""
-        try:
+        with refusal_skips():
             return self.fmt.dequantize(dict(tensors if tensors is not None else self.tensors(module)), self.knobs)
-        except (FormatError, CheckpointError) as error:
-            raise SkipTensor(f"the reference refuses the checkpoint's tensors: {error}") from None
+
+
+@contextmanager
+def refusal_skips():
+    """The format's refusal of a module's tensors (FormatError, CheckpointError) as SkipTensor."""
+    try:
+        yield
+    except (FormatError, CheckpointError) as error:
+        raise SkipTensor(f"the reference refuses the checkpoint's tensors: {error}") from None
 
 
 class ModuleTarget:

@@ -50,6 +50,7 @@ from harness.fixes._redequantize import (
     ModuleTarget,
     QuantizedCheckpoint,
     install_deferred_repair,
+    refusal_skips,
     repair_each_module,
     repair_misread,
 )
@@ -65,12 +66,13 @@ KNOWN_ISSUES = ("ct-fp8-float32-scales-flushed-in-float16", "transformers-ct-fp8
 def cast_first_reading(
     source: QuantizedCheckpoint, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype
 ) -> torch.Tensor:
-    """What the buggy decompression computes: e4m3 codes times the scale rounded to `dtype` first
-    (the product is exact in float64; the live weight is it rounded once more)."""
+    """What the buggy decompression computes: e4m3 codes times the scale rounded to `dtype` first,
+    each scale where the format places it (the product is exact in float64; the live weight is it
+    rounded once more). A module the format refuses is skipped."""
+    with refusal_skips():
+        grid = source.fmt.scale_grid(tensors, source.knobs).to(dtype).to(torch.float64)
     codes = tensors["weight"].to(torch.float64)  # every e4m3 value is exact in float64
     rows, cols = codes.shape
-    scale = tensors["weight_scale"].to(dtype).to(torch.float64)
-    grid = scale.reshape(1, 1) if scale.numel() == 1 else scale.reshape(rows, 1) if scale.dim() == 1 else scale
     return codes * expand_block_grid(grid, rows, cols, source.fmt.scale_block(source.knobs, (rows, cols)))
 
 

@@ -233,7 +233,9 @@ class CtFp8(QuantFormat):
             transpose_scale_grid(result, "weight_scale", block)
         return result
 
-    def dequantize(self, tensors, knobs):
+    def scale_grid(self, tensors, knobs) -> torch.Tensor:
+        """`weight_scale` as the grid of scale blocks over the weight (scale_block), in its stored
+        dtype: [1, 1] per tensor, [rows, 1] per channel, ModelOpt's 4-D block grid squeezed."""
         weight = require_tensor(tensors, "weight")
         scale = require_tensor(tensors, "weight_scale")
         require_dtype("weight", weight, (torch.float8_e4m3fn,))
@@ -242,14 +244,20 @@ class CtFp8(QuantFormat):
         rows, cols = weight.shape
         if self.strategy == "tensor":
             require_shape("weight_scale", scale, (1,), "per-tensor scale")
-            scale = scale.reshape(1, 1)
-        elif self.strategy == "channel" and knobs.get(equivalents.ROW_SCALES_1D):
+            return scale.reshape(1, 1)
+        if self.strategy == "channel" and knobs.get(equivalents.ROW_SCALES_1D):
             require_shape("weight_scale", scale, (rows,), "one scale per output row, stored 1-D (AutoRound, ModelOpt)")
-            scale = scale.reshape(rows, 1)
-        elif self.strategy == "channel":
+            return scale.reshape(rows, 1)
+        if self.strategy == "channel":
             require_shape("weight_scale", scale, (rows, 1), "one scale per output row")
         elif self.strategy == "block" and knobs.get(equivalents.BLOCK_GRID_4D):
-            scale = _grid_from_4d(scale, self.scale_block(knobs, (rows, cols)), rows, cols)
+            return _grid_from_4d(scale, self.scale_block(knobs, (rows, cols)), rows, cols)
+        return scale
+
+    def dequantize(self, tensors, knobs):
+        scale = self.scale_grid(tensors, knobs)
+        weight = tensors["weight"]
+        rows, cols = weight.shape
         if knobs.get("input_scale"):
             input_scale = require_tensor(tensors, "input_scale")
             require_dtype("input_scale", input_scale, (torch.float32, torch.bfloat16, torch.float16))

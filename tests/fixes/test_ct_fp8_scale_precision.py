@@ -12,6 +12,8 @@ Linear's elements are off by more than two float16 ulps, some are exactly 0.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,6 +25,8 @@ from harness.differential.known_issues import KnownIssues
 from harness.fixes import ct_fp8_scale_precision as fix
 from harness.fixes import fix_for_finding, get_fix
 from harness.oracle.reference import dequantize_checkpoint
+
+PRODUCERS = Path(__file__).resolve().parents[2] / "cases" / "producers"
 
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
@@ -147,3 +151,19 @@ def test_registered_for_both_known_issues(issue):
         known_issue=issue,
     )
     assert fix_for_finding(finding) is fix.FIX
+
+
+@pytest.mark.parametrize("case", ["modelopt/fp8_pb_wo", "modelopt/fp8_pb_wo_partial", "modelopt/fp8_pc_pt"])
+def test_the_cast_first_reading_places_each_scale_where_the_format_does(case):
+    """ModelOpt's checkpoints as its exporter wrote them (a 4-D block grid, 1-D row scales, a 0-dim
+    scale): cast to their own dtype, the cast-first reading is the reference, element for element
+    (a 4-D grid once broadcast into a [rows, cols, rows, cols] product)."""
+    from harness.fixes._redequantize import QuantizedCheckpoint
+
+    directory = PRODUCERS / case
+    source = QuantizedCheckpoint.open(directory)
+    assert source.modules
+    for module in source.modules:
+        tensors = source.tensors(module)
+        reading = fix.cast_first_reading(source, tensors, tensors["weight_scale"].dtype)
+        assert torch.equal(reading, source.reference(module, tensors)), module
