@@ -217,6 +217,7 @@ def test_a_forked_worker_holds_the_environment_a_fresh_one_would_after_the_same_
     assert {k: v for k, v in forked["environ"].items() if k not in volatile} == {
         k: v for k, v in fresh["environ"].items() if k not in volatile
     }
+    assert forked["signals"] == fresh["signals"]  # the zygote's SIGCHLD wake-up stays in the zygote
     has_vllm = forked["vllm_multiprocessing"] is not None
     assert forked["vllm_preloaded"] == has_vllm and not fresh["vllm_preloaded"]
     if has_vllm:  # read lazily: the worker's setting after the fork counts
