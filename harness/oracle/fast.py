@@ -317,7 +317,13 @@ class Fp8Kernel:
         ]
         return dict(tensors) | {
             self.packed: tensors[self.packed][tile.rows, tile.cols],
-            self.scale: scales.reshape(stored.shape) if stored.dim() < 2 else scales,
+            # stored as the format stores it: 0-dim, 1-D (per tensor, or one per row as AutoRound and
+            # ModelOpt write them: the tile's rows), or a grid
+            self.scale: scales.reshape(())
+            if stored.dim() == 0
+            else scales.reshape(-1)
+            if stored.dim() == 1
+            else scales,
         }
 
 

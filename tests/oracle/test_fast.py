@@ -4,6 +4,9 @@ fault planted in the fast path caught at run time by the sampled tiles."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -343,3 +346,40 @@ def test_one_byte_codes_at_odd_and_even_widths_equal_the_reference(name):
                 dequantizer = FastDequantizer(out_dtype, verify=False, tile_elements=tile_elements)
                 out = dequantizer.dequantize(fmt, knobs, tensors)
                 assert first_difference(out, reference) is None, (shape, out_dtype, tile_elements)
+
+
+PRODUCERS = Path(__file__).resolve().parents[2] / "cases" / "producers"
+#: what real producers wrote, in every format the fast path covers (the corpus, docs/producers.md)
+PRODUCER_CASES = sorted(
+    str(config.parent.relative_to(PRODUCERS))
+    for config in PRODUCERS.glob("*/*/config.json")
+    if (config.parent / "provenance.json").is_file()
+)
+
+
+@pytest.mark.parametrize("case", PRODUCER_CASES)
+def test_fast_equals_the_reference_on_what_real_producers_wrote(case):
+    """Their scales as they store them (1-D rows, ModelOpt's 4-D grid, 0-dim), each module and every
+    verification tile's sub-problem: what `dequant --fast` reads on a checkpoint from the hub; a
+    module the reference refuses is refused in its words."""
+    directory = PRODUCERS / case
+    try:
+        fmt, _ = format_and_knobs(directory)
+    except (CheckpointError, HarnessError, FormatError) as error:
+        pytest.skip(f"the reference does not read it: {error}")
+    if fmt.name in WITHOUT_KERNEL:
+        pytest.skip(f"{fmt.name} has no fast kernel (WITHOUT_KERNEL)")
+    seen = 0
+    for module, fmt, knobs, tensors in quantized_modules(directory):
+        quick = FastDequantizer(torch.float32, verify=False, tile_elements=3000)
+        try:
+            reference = fmt.dequantize(tensors, knobs)
+        except FormatError as refusal:  # transformers' FP8 save: bf16 weights beside a scale
+            with pytest.raises(FormatError, match=re.escape(str(refusal))):
+                quick.dequantize(fmt, knobs, tensors)
+            continue
+        out = quick.dequantize(fmt, knobs, tensors)
+        assert first_difference(out, reference) is None, f"{module}: first at {first_difference(out, reference)}"
+        verify_tiles(fmt, knobs, tensors, out, module, everything=True)
+        seen += 1
+    assert seen
