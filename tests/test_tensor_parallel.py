@@ -882,3 +882,27 @@ def test_vllm_unquantized_shards_are_exact_at_tp_2_and_4(unquantized_checkpoint,
         line for o in result.outcomes for line in o.reasons + o.findings
     ]
     assert len(result.verdicts) == (2 + 4) * 6
+
+
+PRODUCERS = Path(__file__).resolve().parents[1] / "cases" / "producers"
+
+
+@needs_vllm
+def test_plain_tensors_stored_in_another_dtype_are_judged_as_cast_to_the_model_dtype(tmp_path, tp_worker):
+    """AutoRound's AWQ export stores its embedding float32 in a float16 model; vLLM holds it float16,
+    as every loader casts it. At tp 1 each rank's embedding is that cast, bit for bit (it was a
+    finding on a faithful load); the same tensor held with one element moved by a float16 ulp is caught."""
+    from harness.engines.vllm.tensor_parallel import run_worker
+    from harness.engines.vllm.tensor_parallel.judge import shards_from_worker
+
+    directory = PRODUCERS / "autoround" / "w4g128_asym_awq"
+    truth = load_truth(directory, 0)
+    assert truth.raw["model.embed_tokens.weight"].dtype == torch.float32
+    report, tensors = run_worker(directory, [1], 0, tmp_path, tmp_path, tp_worker)
+    shards = [s for s in shards_from_worker(report, tensors, truth.config) if s.linear.name == "model.embed_tokens"]
+    assert shards and all(s.held["weight"].dtype == torch.float16 for s in shards)
+    assert {v.status for v in judge(shards, truth)} == {EXACT}, [v.line() for v in judge(shards, truth)]
+    moved = shards[0].held["weight"].clone()
+    moved[3, 5] = torch.nextafter(moved[3, 5], torch.tensor(float("inf"), dtype=torch.float16))
+    (verdict,) = judge([replace(shards[0], held={**shards[0].held, "weight": moved})], truth)
+    assert verdict.status == FINDING and "rows 3" in verdict.line(), verdict.line()

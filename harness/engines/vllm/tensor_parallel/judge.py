@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from harness.core.dtypes import MODEL_DTYPES
 from harness.core.errors import FormatError
 from harness.core.spans import ranges
 from harness.engines.vllm.tensor_parallel.layout import (
@@ -187,7 +188,10 @@ def judge_shard(shard: Shard, truth: Truth) -> RankVerdict:
             before = len(problems)
             if computed and part.name in computed:
                 reference = truth.reference[shard.linear.reference_name(truth.layer, part)]
-                wrong = compare(computed[part.name], cut(reference, owned), owned, rounding and rounding[0])
+                expected = as_loaded(
+                    cut(reference, owned), truth.raw.get(f"{module}.weight"), shard.held.get("weight"), truth
+                )
+                wrong = compare(computed[part.name], expected, owned, rounding and rounding[0])
                 if wrong:
                     note = f" ({rounding[1]})" if rounding else ""
                     problems.append(f"{part.name} weight {wrong}{note}{block_trace(shard, part, owned, truth)}")
@@ -345,6 +349,25 @@ def weight_tolerance(format_name: str, dtype: str):
     return load_tolerances(format_name, dtype)
 
 
+def model_dtype(truth: Truth) -> str:
+    return truth.config.get("dtype") or truth.config.get("torch_dtype") or "bfloat16"
+
+
+def as_loaded(
+    value: torch.Tensor, stored: torch.Tensor | None, held: torch.Tensor | None, truth: Truth
+) -> torch.Tensor:
+    """A plain tensor (an unquantized weight, a bias) as every loader holds it: `value`, the stored
+    tensor or its float64 reference, rounded once to the model dtype where the checkpoint stores it
+    in another floating dtype and the rank holds it in the model's (AutoRound writes float32
+    embeddings into a float16 model); else `value` unchanged. Still compared bit for bit."""
+    dtype = MODEL_DTYPES.get(model_dtype(truth))
+    if stored is None or held is None or not stored.is_floating_point():
+        return value
+    if stored.dtype in (dtype, held.dtype) or held.dtype != dtype:
+        return value
+    return value.to(dtype).to(value.dtype)
+
+
 def held_rounding(shard: Shard, truth: Truth) -> tuple[tuple[float, float], str] | None:
     """Where a rank holds a floating-point scale in another dtype than the checkpoint stores it (vLLM
     allocates GPTQ/AWQ scales in the model dtype: float16 scales held as bfloat16), what it computes
@@ -356,7 +379,7 @@ def held_rounding(shard: Shard, truth: Truth) -> tuple[tuple[float, float], str]
         stored = truth.raw.get(f"{module}.{suffix}")
         if suffix in truth.fmt.suffixes and stored is not None and stored.is_floating_point():
             if held.dtype != stored.dtype and held.is_floating_point():
-                dtype = truth.config.get("dtype") or truth.config.get("torch_dtype") or "bfloat16"
+                dtype = model_dtype(truth)
                 tolerance = weight_tolerance(truth.fmt.name, dtype)
                 why = f"{suffix} held as {str(held.dtype)[6:]}, stored {str(stored.dtype)[6:]}: compared within {dtype}'s weight tolerance"
                 return (tolerance.weight_rel, tolerance.weight_abs), why
@@ -423,6 +446,8 @@ def raw_problems(shard: Shard, part: Part, owned: Slice, truth: Truth) -> list[s
                 problems.append(split_entry(part, suffix, mine, source, owned, factor))
                 continue
             wanted = source[:, owned.start // factor : owned.stop // factor]
+        if suffix in ("weight", "bias"):  # an unquantized weight (a quantized one is codes) or a bias
+            wanted = as_loaded(wanted, source, mine, truth)
         if mine.shape != wanted.shape:
             problems.append(f"{part.name} {suffix} held {list(mine.shape)}, the rank's slice is {list(wanted.shape)}")
         elif not same_values(mine, wanted):
