@@ -906,3 +906,24 @@ def test_plain_tensors_stored_in_another_dtype_are_judged_as_cast_to_the_model_d
     moved[3, 5] = torch.nextafter(moved[3, 5], torch.tensor(float("inf"), dtype=torch.float16))
     (verdict,) = judge([replace(shards[0], held={**shards[0].held, "weight": moved})], truth)
     assert verdict.status == FINDING and "rows 3" in verdict.line(), verdict.line()
+
+
+@needs_vllm
+def test_a_placeholder_vllm_drops_is_excused_only_where_the_checkpoint_stores_nothing(tmp_path, tp_worker):
+    """ModelOpt's W4A16 NVFP4 export stores no input_scale; vLLM registers one per Linear for legacy
+    files and drops it after loading (_DropInputScale): never written, and no finding (it was one at
+    tp 1). Were the checkpoint to store it, the same unwritten elements would be one."""
+    from harness.engines.vllm.tensor_parallel import run_worker
+    from harness.engines.vllm.tensor_parallel.judge import shards_from_worker
+
+    directory = PRODUCERS / "modelopt" / "w4a16_nvfp4"
+    truth = load_truth(directory, 0)
+    report, tensors = run_worker(directory, [1], 0, tmp_path, tmp_path, tp_worker)
+    shards = [s for s in shards_from_worker(report, tensors, truth.config) if s.unwritten.get("input_scale")]
+    assert shards, "vLLM no longer registers an input_scale it never writes"
+    verdicts = judge(shards, truth)
+    assert {v.status for v in verdicts} == {EXACT} and all(v.placeholders == ["input_scale"] for v in verdicts)
+    module = shards[0].linear.part_module(0, shards[0].linear.parts[0])
+    stored = replace(truth, raw={**truth.raw, f"{module}.input_scale": torch.ones(1)})
+    (verdict,) = judge(shards[:1], stored)
+    assert verdict.status == FINDING and "of input_scale never written" in verdict.line(), verdict.line()

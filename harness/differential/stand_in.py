@@ -37,10 +37,6 @@ CRASH = re.compile(r"in weight_loader: \w+ of \w+: RuntimeError: ")
 VOCABULARY = ("lm_head", "embed_tokens")
 #: the tensor-parallel judge's words for a parameter no loader wrote (its name, group 1)
 UNWRITTEN = re.compile(r"\d+ element\(s\) of (\w+) never written")
-#: parameters every forward applies: one that no loader wrote is uninitialised memory in the outputs (a
-#: finding), unlike the placeholders a method drops or folds after loading (an NVFP4 W4A16 Linear's
-#: input_scale: said, not judged)
-APPLIED_PARAMETERS = frozenset({"bias"})
 
 
 def judge_with_stand_in_kernels(judgement, engine: str, outcome) -> None:
@@ -124,19 +120,12 @@ def _findings(judgement, engine: str, results: dict) -> str:
             if verdict.status != "exact" and any(name in verdict.module for name in VOCABULARY):
                 approximated.add(verdict.module)
                 continue
+            unwritten |= set(verdict.placeholders)  # placeholders the judge excused: said, not judged
             if verdict.status == FINDING and not verdict.wrong and all(map(UNWRITTEN.fullmatch, verdict.details)):
-                # only parameters never written (vLLM registers placeholders it drops or folds after
-                # loading, e.g. a W4A16 NVFP4 Linear's input_scale): said in the tally, not judged,
-                # unless a forward applies them (a bias)
-                names = {UNWRITTEN.sub(r"\1", detail): detail for detail in verdict.details}
-                unwritten |= set(names) - APPLIED_PARAMETERS
-                applied = [detail for name, detail in names.items() if name in APPLIED_PARAMETERS]
-                if applied:
-                    counts[FINDING] += 1
-                    message = f"{PREFIX}: layer {layer} {verdict.module}: {'; '.join(applied)}"
-                    judgement.finding(engine, "weight-mismatch", message, metrics={"stand_in": True, "layer": layer})
-                else:
-                    counts["exact"] += 1
+                # only parameters never written that a forward applies (a bias): uninitialised outputs
+                counts[FINDING] += 1
+                message = f"{PREFIX}: layer {layer} {verdict.module}: {'; '.join(verdict.details)}"
+                judgement.finding(engine, "weight-mismatch", message, metrics={"stand_in": True, "layer": layer})
                 continue
             counts[verdict.status] = counts.get(verdict.status, 0) + 1
             if verdict.status == "exact":

@@ -52,14 +52,13 @@ def test_a_linear_placed_wrong_is_still_a_finding_and_counted():
 
 def test_an_unwritten_bias_is_a_finding_an_unwritten_placeholder_is_said():
     """A bias no loader wrote is added by every forward (vllm-gpt-oss-ignores-attention-bias: torch.empty):
-    a finding; a placeholder a method drops after loading (an NVFP4 W4A16 input_scale) is only said."""
+    a finding; a placeholder the judge excused (an NVFP4 W4A16 input_scale the checkpoint does not
+    store, which the method drops after loading) is only said."""
     judgement = Judgement()
     bias = RankVerdict(
         tp=1, rank=0, module="qkv_proj", status="finding", details=["24 element(s) of bias never written"]
     )
-    placeholder = RankVerdict(
-        tp=1, rank=0, module="o_proj", status="finding", details=["1 element(s) of input_scale never written"]
-    )
+    placeholder = RankVerdict(tp=1, rank=0, module="o_proj", status="exact", placeholders=["input_scale"])
     tally = _findings(judgement, "vllm", _result(bias, placeholder))
     assert [(kind, message) for _, kind, message, _ in judgement.findings] == [
         (

@@ -39,6 +39,9 @@ from harness.engines.vllm.tensor_parallel.layout import (
 )
 
 EXACT, FINDING, REFUSED = "exact", "finding", "refused"
+#: parameters every forward applies as loaded: one that no loader wrote is uninitialised memory in the
+#: outputs (a finding), unlike a placeholder a method drops or folds after loading (RankVerdict)
+APPLIED_PARAMETERS = frozenset({"bias"})
 
 
 @dataclass
@@ -51,6 +54,9 @@ class RankVerdict:
     #: the checkpoint modules whose slice this rank holds wrong -> their whole weight's shape
     wrong: dict[str, list[int]] = field(default_factory=dict)
     parallel: str = TP
+    #: parameters no loader wrote that the checkpoint does not store and no forward applies as they
+    #: are (placeholders a method drops or folds after loading: a W4A16 NVFP4 Linear's input_scale)
+    placeholders: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         who = f"rank {self.rank} " if self.rank >= 0 else ""
@@ -162,7 +168,11 @@ def judge_shard(shard: Shard, truth: Truth) -> RankVerdict:
         verdict.status = REFUSED
         verdict.details.append(f"in {shard.refused['stage']}: {shard.refused['error']}")
         return verdict
-    problems = [f"{count} element(s) of {name} never written" for name, count in shard.unwritten.items() if count]
+    unwritten = {
+        name: f"{count} element(s) of {name} never written" for name, count in shard.unwritten.items() if count
+    }
+    placeholders = [name for name in unwritten if name not in APPLIED_PARAMETERS and not stored(shard, truth, name)]
+    problems = [line for name, line in unwritten.items() if name not in placeholders]
     size, rank = shard.split()
     slices = [owned_slice(shard.linear, part, size, rank, truth.config) for part in shard.linear.parts]
     if any(s is None for s in slices):
@@ -202,8 +212,15 @@ def judge_shard(shard: Shard, truth: Truth) -> RankVerdict:
         problems.append(expert_held(shard, truth))
     if problems:
         verdict.status = FINDING
-        verdict.details = problems
+        verdict.details = problems + [unwritten[name] for name in placeholders]
+    else:
+        verdict.placeholders = placeholders
     return verdict
+
+
+def stored(shard: Shard, truth: Truth, name: str) -> bool:
+    """Whether the checkpoint stores parameter `name` for any part of the shard's Linear."""
+    return any(f"{shard.linear.part_module(truth.layer, part)}.{name}" in truth.raw for part in shard.linear.parts)
 
 
 def rotary_heads(shard: Shard, slices: list[Slice], truth: Truth) -> dict[str, int]:
