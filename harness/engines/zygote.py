@@ -73,7 +73,7 @@ PRELOAD_WITH_VLLM = (
 #: (module, function of no arguments, cached by it): its sampler ranks prompt logprobs with a
 #: torch.compile'd function, and even on a warm compile cache inductor first probes which vector ISAs
 #: build and load here (a compiler and a python subprocess per ISA) and hashes triton's sources:
-#: 1.2 of a forked vLLM worker's 1.7 s first forward on a 2-core host. Subprocesses and file reads
+#: 1.2 of a forked vLLM worker's 1.8 s first forward on a 2-core host. Subprocesses and file reads
 #: only: no kernel runs, no thread pool starts (the greeting still counts threads after them)
 WARM_WITH_VLLM = (
     ("torch._inductor.cpu_vec_isa", "valid_vec_isa_list"),
