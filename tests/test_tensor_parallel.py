@@ -887,19 +887,24 @@ def test_vllm_unquantized_shards_are_exact_at_tp_2_and_4(unquantized_checkpoint,
 PRODUCERS = Path(__file__).resolve().parents[1] / "cases" / "producers"
 
 
+def producer_shards_at_tp_1(case: str, scratch: Path, tp_worker):
+    """A corpus checkpoint's layer 0 as vLLM's own loaders place it at tp 1: (truth, shards)."""
+    from harness.engines.vllm.tensor_parallel import run_worker
+    from harness.engines.vllm.tensor_parallel.judge import shards_from_worker
+
+    truth = load_truth(PRODUCERS / case, 0)
+    report, tensors = run_worker(PRODUCERS / case, [1], 0, scratch, scratch, tp_worker)
+    return truth, shards_from_worker(report, tensors, truth.config)
+
+
 @needs_vllm
 def test_plain_tensors_stored_in_another_dtype_are_judged_as_cast_to_the_model_dtype(tmp_path, tp_worker):
     """AutoRound's AWQ export stores its embedding float32 in a float16 model; vLLM holds it float16,
     as every loader casts it. At tp 1 each rank's embedding is that cast, bit for bit (it was a
     finding on a faithful load); the same tensor held with one element moved by a float16 ulp is caught."""
-    from harness.engines.vllm.tensor_parallel import run_worker
-    from harness.engines.vllm.tensor_parallel.judge import shards_from_worker
-
-    directory = PRODUCERS / "autoround" / "w4g128_asym_awq"
-    truth = load_truth(directory, 0)
+    truth, shards = producer_shards_at_tp_1("autoround/w4g128_asym_awq", tmp_path, tp_worker)
     assert truth.raw["model.embed_tokens.weight"].dtype == torch.float32
-    report, tensors = run_worker(directory, [1], 0, tmp_path, tmp_path, tp_worker)
-    shards = [s for s in shards_from_worker(report, tensors, truth.config) if s.linear.name == "model.embed_tokens"]
+    shards = [s for s in shards if s.linear.name == "model.embed_tokens"]
     assert shards and all(s.held["weight"].dtype == torch.float16 for s in shards)
     assert {v.status for v in judge(shards, truth)} == {EXACT}, [v.line() for v in judge(shards, truth)]
     moved = shards[0].held["weight"].clone()
@@ -913,13 +918,8 @@ def test_a_placeholder_vllm_drops_is_excused_only_where_the_checkpoint_stores_no
     """ModelOpt's W4A16 NVFP4 export stores no input_scale; vLLM registers one per Linear for legacy
     files and drops it after loading (_DropInputScale): never written, and no finding (it was one at
     tp 1). Were the checkpoint to store it, the same unwritten elements would be one."""
-    from harness.engines.vllm.tensor_parallel import run_worker
-    from harness.engines.vllm.tensor_parallel.judge import shards_from_worker
-
-    directory = PRODUCERS / "modelopt" / "w4a16_nvfp4"
-    truth = load_truth(directory, 0)
-    report, tensors = run_worker(directory, [1], 0, tmp_path, tmp_path, tp_worker)
-    shards = [s for s in shards_from_worker(report, tensors, truth.config) if s.unwritten.get("input_scale")]
+    truth, shards = producer_shards_at_tp_1("modelopt/w4a16_nvfp4", tmp_path, tp_worker)
+    shards = [s for s in shards if s.unwritten.get("input_scale")]
     assert shards, "vLLM no longer registers an input_scale it never writes"
     verdicts = judge(shards, truth)
     assert {v.status for v in verdicts} == {EXACT} and all(v.placeholders == ["input_scale"] for v in verdicts)

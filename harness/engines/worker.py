@@ -140,7 +140,7 @@ def exit_worker(status: int) -> NoReturn:
     flushed, then `os._exit` skips the interpreter's teardown of every module and object. Garbage
     collections asked for on the way (vLLM's shutdown runs a full one, 0.8 s with vLLM and
     transformers imported) free memory that the exit frees anyway. A worker asked to quit took
-    1.0 s to exit with torch and transformers imported, 2.6-2.9 s with vLLM; this way 0.05-0.2 s (docs/ci.md,
+    1.0 s to exit with torch and transformers imported, 2.6-2.9 s with vLLM; this way 0.05-0.23 s (docs/ci.md,
     session 41). Every answer was written before the request to quit."""
     import atexit
     import gc

@@ -145,7 +145,7 @@ def _preload() -> dict:
 
 def _warm(caches: tuple[tuple[str, str], ...], failed: dict[str, str]) -> None:
     """Fill each process-level cache once, so that every forked worker inherits it; one that moved
-    or fails is left to each worker to fill (recorded in the greeting's `failed`)."""
+    or fails is left to each worker to fill, said in the zygote's log and the greeting's `failed`."""
     from importlib import import_module
 
     for module, function in caches:
@@ -153,6 +153,10 @@ def _warm(caches: tuple[tuple[str, str], ...], failed: dict[str, str]) -> None:
             getattr(import_module(module), function)()
         except Exception as error:
             failed[f"{module}.{function}"] = f"{type(error).__name__}: {error}"
+            print(
+                f"zygote: {module}.{function} not warmed, each worker fills it: {failed[f'{module}.{function}']}",
+                file=sys.stderr,
+            )
 
 
 def _send(channel: socket.socket, **message) -> None:

@@ -171,7 +171,9 @@ def judge_shard(shard: Shard, truth: Truth) -> RankVerdict:
     unwritten = {
         name: f"{count} element(s) of {name} never written" for name, count in shard.unwritten.items() if count
     }
-    placeholders = [name for name in unwritten if name not in APPLIED_PARAMETERS and not stored(shard, truth, name)]
+    placeholders = [
+        name for name in unwritten if name not in APPLIED_PARAMETERS and not stores_parameter(shard, truth, name)
+    ]
     problems = [line for name, line in unwritten.items() if name not in placeholders]
     size, rank = shard.split()
     slices = [owned_slice(shard.linear, part, size, rank, truth.config) for part in shard.linear.parts]
@@ -218,7 +220,7 @@ def judge_shard(shard: Shard, truth: Truth) -> RankVerdict:
     return verdict
 
 
-def stored(shard: Shard, truth: Truth, name: str) -> bool:
+def stores_parameter(shard: Shard, truth: Truth, name: str) -> bool:
     """Whether the checkpoint stores parameter `name` for any part of the shard's Linear."""
     return any(f"{shard.linear.part_module(truth.layer, part)}.{name}" in truth.raw for part in shard.linear.parts)
 
