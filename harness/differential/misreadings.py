@@ -93,6 +93,16 @@ def _fp8_scale_held_in_bfloat16(source: QuantizedCheckpoint, module: str, dtype:
     return Prediction(cast_first_reading(source, source.tensors(module), torch.bfloat16), "bfloat16")
 
 
+def _int_decompressed_in_scale_dtype(source: QuantizedCheckpoint, module: str, dtype: str) -> Prediction:
+    scale_dtype = source.tensors(module)["weight_scale"].dtype
+    coarser = {torch_dtype: name for name, torch_dtype in MODEL_DTYPES.items() if torch_dtype != torch.float32}
+    if scale_dtype not in coarser or scale_dtype == MODEL_DTYPES[dtype]:
+        raise SkipTensor(f"weight_scale is {scale_dtype}: decompressing in it loses nothing in a {dtype} model")
+    # compressed-tensors' dequantize computes (code - zero_point) * scale in the scale's dtype when
+    # given none: the exact product rounded once to it, and transformers holds that parameter as is
+    return Prediction(source.reference(module).to(scale_dtype).to(torch.float64), coarser[scale_dtype])
+
+
 def _require_not_float16(dtype: str) -> None:
     if dtype == "float16":
         raise SkipTensor("a float16 model: casting it to float16 changes nothing")
@@ -137,6 +147,13 @@ REGISTRY: dict[str, Misreading] = {
             "the reference rounded once to bfloat16 and held as bfloat16 (compressed-tensors decompresses NVFP4 "
             "to bfloat16 in any model and does not cast it to the model dtype)",
             _nvfp4_decompressed_in_bfloat16,
+        ),
+        Misreading(
+            "int-decompressed-in-scale-dtype",
+            ("ct-int4", "ct-int8"),
+            "the reference rounded once to the stored weight_scale's dtype (bfloat16 or float16) and held in it, "
+            "whatever the model dtype (compressed-tensors dequantizes in the scale's dtype when given none)",
+            _int_decompressed_in_scale_dtype,
         ),
         Misreading(
             "fp8-scale-held-in-bfloat16",
