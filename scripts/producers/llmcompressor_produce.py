@@ -86,6 +86,8 @@ ARCHITECTURES = {
         {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 128, "head_dim": 32},
     ),
 }
+#: the routed experts' Linears (a case that quantizes nothing else)
+EXPERTS = ["re:.*mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$"]
 #: routers and the head stay unquantized (llm-compressor's examples ignore them the same way)
 IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*shared_expert_gate$", "re:.*router$"]
 KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
@@ -118,8 +120,16 @@ def cases() -> dict[str, dict]:
     for arch in ("mixtral", "qwen3_moe"):
         for scheme in ("FP8_DYNAMIC", "FP8_BLOCK", "W4A16", "NVFP4A16"):
             table[f"{arch}-{slug(scheme)}"] = {"arch": arch, "scheme": scheme}
+    for arch in ("mixtral", "qwen3_moe"):  # int8 experts (int-quantized), zero points, FP4 activations
+        for scheme in ("W8A8", "W4A16_ASYM", "NVFP4"):
+            table[f"{arch}-{slug(scheme)}"] = {"arch": arch, "scheme": scheme}
     for arch in ("qwen2_moe", "phi3", "deepseek_v3", "llama4_text"):
         table[f"{arch}-fp8-dynamic"] = {"arch": arch, "scheme": "FP8_DYNAMIC"}
+    for scheme in ("W4A16", "NVFP4A16"):  # multi-head latent attention, a shared expert
+        table[f"deepseek_v3-{slug(scheme)}"] = {"arch": "deepseek_v3", "scheme": scheme}
+    table["qwen2_moe-w4a16"] = {"arch": "qwen2_moe", "scheme": "W4A16"}
+    # only the routed experts int4, everything else bfloat16: how Kimi-K2-Thinking ships
+    table["deepseek_v3-w4a16-experts"] = {"arch": "deepseek_v3", "scheme": "W4A16", "targets": EXPERTS}
     table["qwen3_moe-fp8-block-h256"] = {"arch": "qwen3_moe", "scheme": "FP8_BLOCK", "sizes": {"hidden_size": 256}}
     return table
 
@@ -167,7 +177,7 @@ def recipe_for(case: dict):
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 
     ignore = [entry for entry in IGNORE if not (case.get("head") and entry == "lm_head")]
-    arguments = {"targets": "Linear", "scheme": case["scheme"], "ignore": ignore}
+    arguments = {"targets": case.get("targets", "Linear"), "scheme": case["scheme"], "ignore": ignore}
     if case.get("kv"):
         arguments["kv_cache_scheme"] = KV_SCHEME
     modifier = GPTQModifier if case.get("gptq") else QuantizationModifier
