@@ -141,6 +141,30 @@ def test_clean_layouts_audit_clean(settings, generated, tmp_path, capsys):
     assert (code, findings) == (0, []), out
 
 
+@pytest.mark.parametrize("fmt", ["ct-fp8-channel", "modelopt-fp8"])
+def test_a_mixtral_in_its_own_expert_naming_audits_clean(fmt, tmp_path, capsys):
+    """Mixtral's experts as Mixtral names them (w1/w3/w2; ModelOpt's export also stores each
+    expert's input_scale): no `names` finding. Sessions before 43 called every such checkpoint
+    'an expert named w1/w3/w2, not mixtral's own w1/w3/w2'; llm-compressor's projection names
+    are the finding (test below)."""
+    directory = tmp_path / "ckpt"
+    generate(apply_settings(Recipe(format=fmt, arch="mixtral", seed=1), [*TINY]), directory)
+    code, findings, out = audit(directory, tmp_path / "r", capsys)
+    assert (code, findings) == (0, []), out
+
+
+def test_a_mixtral_with_projection_named_experts_is_told(tmp_path, capsys):
+    directory = tmp_path / "ckpt"
+    generate(
+        apply_settings(Recipe(format="ct-fp8-channel", arch="mixtral", seed=1), [*TINY, "expert_naming=projections"]),
+        directory,
+    )
+    _, findings, _ = audit(directory, tmp_path / "r", capsys)
+    expert = "model.layers.0.block_sparse_moe.experts.0.gate_proj"
+    assert {f["check"] for f in findings} == {"names"}
+    assert_reported(findings, "names", f"{expert}.weight", "not mixtral's own w1/w3/w2")
+
+
 def test_an_fp8_block_checkpoint_need_not_ignore_its_output_head(copy, tmp_path, capsys):
     """transformers' FineGrainedFP8 never converts lm_head; without config targets it is not a problem."""
     directory = copy("fp8-block")

@@ -55,8 +55,8 @@ def known_layout(config: Mapping, names: Iterable[str] | None = None) -> Archite
 
 
 def with_expert_naming(arch: Architecture, settings: Mapping, names: Iterable[str] | None) -> Architecture:
-    """`arch` with its experts' part names as the checkpoint `names` write them (its first naming
-    when they hold no expert, or no names are given)."""
+    """`arch` with its experts' part names as the checkpoint `names` write them; `arch` itself
+    where they write its own naming, hold no expert, or no names are given."""
     moe = arch.moe
     if moe is None or not moe.other_parts or names is None:
         return arch
@@ -66,7 +66,7 @@ def with_expert_naming(arch: Architecture, settings: Mapping, names: Iterable[st
             break
     else:
         return arch
-    for parts in (moe.parts, *moe.other_parts):
+    for parts in moe.other_parts:
         if any(f"model.layers.{layer}.{moe.block}.experts.0.{parts[0]}.{suffix}" in names for suffix in _SUFFIXES):
             return dataclasses.replace(arch, moe=dataclasses.replace(moe, parts=parts))
     return arch

@@ -210,7 +210,7 @@ def check_names(tensors: dict[str, Stored], config: dict, result: AuditResult) -
         if not is_kv_scale(name):
             stored.setdefault(canonical_name(name).rpartition(".")[0], name)
     named = known_layout(config, [canonical_name(n) for n in tensors])
-    if named is not arch:
+    if named.moe is not None and named.moe.parts != arch.moe.parts:
         ours = "/".join(named.moe.parts)
         for module in sorted(m for m in stored if ".experts." in m and m.rpartition(".")[2] in named.moe.parts):
             result.add(

@@ -44,7 +44,6 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 PRODUCER = "modelopt"
 SEED = 0
-ARCH = "LlamaForCausalLM"
 MODEL_CONFIG = {
     "hidden_size": 128,
     "intermediate_size": 256,
@@ -69,11 +68,25 @@ CASES: dict[str, tuple[str, str]] = {
         "fp8-e4m3 weight-only, 2D 128x128 blockwise, widths not multiples of 128",
         "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG",
     ),
+    "qwen3_moe_fp8": ("fp8-e4m3 weight and static input, per-tensor scales; Qwen3-MoE experts", "FP8_DEFAULT_CFG"),
+    "qwen3_moe_nvfp4": ("nvfp4 weight and input; Qwen3-MoE experts", "NVFP4_DEFAULT_CFG"),
+    "mixtral_fp8": ("fp8-e4m3 weight and static input, per-tensor scales; Mixtral experts", "FP8_DEFAULT_CFG"),
+    "mixtral_nvfp4": ("nvfp4 weight and input; Mixtral experts", "NVFP4_DEFAULT_CFG"),
 }
-#: case -> the model it quantizes where that is not MODEL_CONFIG's: widths 192 and 320 leave the last
-#: 128 x 128 block of every weight partial along its rows, its columns or both
-CASE_MODEL_CONFIGS: dict[str, dict] = {
-    "fp8_pb_wo_partial": MODEL_CONFIG | {"hidden_size": 192, "intermediate_size": 320, "num_attention_heads": 6},
+#: mixtures of 4 experts, top 2 (nvidia's FP4 releases are mostly MoE)
+MOE_CONFIG = MODEL_CONFIG | {"num_experts_per_tok": 2}
+#: case -> (transformers config class, model) where it is not a Llama of MODEL_CONFIG: widths 192
+#: and 320 leave the last 128 x 128 block of every weight partial along its rows, its columns or both
+CASE_MODELS: dict[str, tuple[str, dict]] = {
+    "fp8_pb_wo_partial": (
+        "LlamaConfig",
+        MODEL_CONFIG | {"hidden_size": 192, "intermediate_size": 320, "num_attention_heads": 6},
+    ),
+    **{
+        f"qwen3_moe_{scheme}": ("Qwen3MoeConfig", MOE_CONFIG | {"num_experts": 4, "moe_intermediate_size": 128})
+        for scheme in ("fp8", "nvfp4")
+    },
+    **{f"mixtral_{scheme}": ("MixtralConfig", MOE_CONFIG | {"num_local_experts": 4}) for scheme in ("fp8", "nvfp4")},
 }
 
 
@@ -108,22 +121,87 @@ def nvfp4_export_dequant(module: torch.nn.Module) -> torch.Tensor:
     return qtensor.dequantize(dtype=torch.float32, scale=scale, double_scale=scale_2, block_sizes={-1: block})
 
 
+def dequantized(module: torch.nn.Module) -> tuple[torch.Tensor, str]:
+    """A module's `weight` as its `weight_quantizer` gives it (float32), and how."""
+    try:
+        return module.weight_quantizer(module.weight).float(), "weight_quantizer fake-quant"
+    except AssertionError:  # dynamic block (NVFP4) fake-quant asserts CUDA tensors
+        return nvfp4_export_dequant(module).float(), "NVFP4QTensor.quantize + dequantize (export path)"
+
+
+def projection(weight: torch.Tensor, weight_quantizer, input_quantizer) -> torch.nn.Module:
+    """One expert's slice of a fused 3-D parameter as a module of ModelOpt's Linear attributes."""
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(weight, requires_grad=False)
+    module.weight_quantizer, module.input_quantizer = weight_quantizer, input_quantizer
+    return module
+
+
+def expert_truth(name: str, experts: torch.nn.Module) -> dict[str, tuple[torch.Tensor, str]]:
+    """transformers 5's fused experts (ModelOpt's _QuantFusedExperts: one weight quantizer per expert
+    and projection): each expert's gate/up/down as its quantizer gives it, under the names the
+    export splits them into (gate_up_proj rows: gate first, then up)."""
+    truth = {}
+    rows = experts.gate_up_proj.shape[1] // 2
+    for index in range(experts.num_experts):
+        gate_up, how = dequantized(
+            projection(
+                experts.gate_up_proj[index],
+                experts.gate_up_proj_weight_quantizers[index],
+                experts.gate_up_proj_input_quantizer,
+            )
+        )
+        down = dequantized(
+            projection(
+                experts.down_proj[index], experts.down_proj_weight_quantizers[index], experts.down_proj_input_quantizer
+            )
+        )
+        truth[f"{name}.{index}.gate_proj.weight"] = (gate_up[:rows], how)
+        truth[f"{name}.{index}.up_proj.weight"] = (gate_up[rows:], how)
+        truth[f"{name}.{index}.down_proj.weight"] = down
+    return truth
+
+
 def producer_truth(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Each quantized Linear's weight as ModelOpt dequantizes it (float32), and the method used per module."""
-    truth, methods = {}, {}
+    """Each quantized Linear's and expert projection's weight as ModelOpt dequantizes it (float32),
+    and the method used per weight."""
+    found = {}
     with torch.no_grad():
         for name, module in model.named_modules():
-            quantizer = getattr(module, "weight_quantizer", None)
-            if quantizer is None or not quantizer.is_enabled:
+            if hasattr(module, "gate_up_proj_weight_quantizers"):
+                found |= expert_truth(name, module)
                 continue
-            try:
-                weight = quantizer(module.weight)
-                methods[name] = "weight_quantizer fake-quant"
-            except AssertionError:  # dynamic block (NVFP4) fake-quant asserts CUDA tensors
-                weight = nvfp4_export_dequant(module)
-                methods[name] = "NVFP4QTensor.quantize + dequantize (export path)"
-            truth[f"{name}.weight"] = weight.float().contiguous()
-    return truth, methods
+            quantizer = getattr(module, "weight_quantizer", None)
+            if quantizer is not None and quantizer.is_enabled:
+                found[f"{name}.weight"] = dequantized(module)
+    truth = {key: weight.contiguous() for key, (weight, _) in found.items()}
+    return truth, {key.removesuffix(".weight"): how for key, (_, how) in found.items()}
+
+
+#: Mixtral's checkpoint names of an expert's projections (transformers renames them on save)
+MIXTRAL_EXPERT_NAMES = {
+    ".mlp.": ".block_sparse_moe.",
+    ".gate_proj.": ".w1.",
+    ".up_proj.": ".w3.",
+    ".down_proj.": ".w2.",
+}
+
+
+def saved_names(truth: dict[str, torch.Tensor], directory: Path) -> dict[str, torch.Tensor]:
+    """The truth under the names the export stores (a Mixtral expert's as Mixtral names them)."""
+    from safetensors import safe_open
+
+    stored = set()
+    for path in directory.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as handle:
+            stored |= set(handle.keys())
+    result = {}
+    for name, tensor in truth.items():
+        renamed = name
+        for old, new in MIXTRAL_EXPERT_NAMES.items():
+            renamed = renamed.replace(old, new)
+        result[renamed if name not in stored and renamed in stored else name] = tensor
+    return result
 
 
 def base_model(directory: Path) -> None:
@@ -131,12 +209,13 @@ def base_model(directory: Path) -> None:
 
 
 def run_case(case: str, base_dir: Path, out_root: Path) -> None:
-    if case not in CASE_MODEL_CONFIGS:
+    if case not in CASE_MODELS:
         quantize_case(case, base_dir, out_root, MODEL_CONFIG)
         return
+    config_class, model_config = CASE_MODELS[case]
     with tempfile.TemporaryDirectory(prefix=f"{PRODUCER}-{case}-") as scratch:
-        producing.build_seeded_llama(Path(scratch) / "base", CASE_MODEL_CONFIGS[case], SEED)
-        quantize_case(case, Path(scratch) / "base", out_root, CASE_MODEL_CONFIGS[case])
+        producing.build_seeded(Path(scratch) / "base", config_class, model_config, SEED)
+        quantize_case(case, Path(scratch) / "base", out_root, model_config)
 
 
 def quantize_case(case: str, base_dir: Path, out_root: Path, model_config: dict) -> None:
@@ -163,10 +242,10 @@ def quantize_case(case: str, base_dir: Path, out_root: Path, model_config: dict)
     export_hf_checkpoint(model, export_dir=case_dir)
     files = producing.digests(case_dir)
     (case_dir / "producer_truth").mkdir()
-    save_file(truth, case_dir / "producer_truth" / "weights.safetensors")
+    save_file(saved_names(truth, case_dir), case_dir / "producer_truth" / "weights.safetensors")
     method_names = sorted(set(methods.values()))
     notes = [
-        "base model: tiny random Llama, bfloat16, weights ~ N(0, 0.02) from torch.Generator(seed), norms = 1",
+        f"base model: tiny random {model.config.architectures[0]}, bfloat16, weights ~ N(0, 0.02) from torch.Generator(seed), norms = 1",
         f"calibration: {CALIB_SAMPLES} random token-id sequences of length {CALIB_SEQLEN} (seed {SEED + 1})",
         "producer_truth (from the in-memory quantized model, before export): " + "; ".join(method_names),
         "caveat: producer_truth is ModelOpt's pre-export view; export_hf_checkpoint re-derives the quantized "
@@ -181,7 +260,7 @@ def quantize_case(case: str, base_dir: Path, out_root: Path, model_config: dict)
         "producer_version": importlib.metadata.version("nvidia-modelopt"),
         "packages": producing.package_versions(PACKAGES),
         "case": case,
-        "arch": ARCH,
+        "arch": model.config.architectures[0],
         "scheme": scheme,
         "recipe": {
             "config_name": f"modelopt.torch.quantization.{config_name}",
