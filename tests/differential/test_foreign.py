@@ -151,3 +151,12 @@ def test_facts_read_from_a_foreign_checkpoint(tmp_path, recipe, facts):
     context = checkpoint_context(foreign(tmp_path, **recipe))
     for key in ("global_scale_convention", "key_prefix", "nonfinite_scale"):
         assert context.get(key) == facts.get(key), key
+
+
+@pytest.mark.parametrize("naming", ["architecture", "projections"])
+def test_a_foreign_mixtral_expert_naming_is_read_from_its_names(naming, tmp_path):
+    """Only llm-compressor's gate_proj/up_proj/down_proj is `expert_naming = "projections"`: before
+    session 43 a Mixtral in its own w1/w3/w2 read as projections too, and a finding on it could be
+    attributed to transformers-mixtral-projection-named-experts-left-random."""
+    directory = foreign(tmp_path, arch="mixtral", format="ct-fp8-channel", layout={"expert_naming": naming})
+    assert checkpoint_context(directory).get("expert_naming") == (naming if naming == "projections" else None)
