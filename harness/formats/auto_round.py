@@ -93,7 +93,7 @@ def _act_bits(config: Mapping) -> int:
 ROUTERS = ("re:.*\\.gate$", "re:.*\\.shared_expert_gate$")
 
 
-def _sixteen_bits(config: Mapping) -> list[str]:
+def sixteen_bits(config: Mapping) -> list[str]:
     """What AutoRound leaves in 16 bits, as the equivalent config's ignore list: whatever lies outside
     the blocks it quantizes, each module `extra_config` names (after _act_bits, which refuses any
     entry with quantized settings of its own; a regular-expression key, as its export writes
@@ -193,7 +193,7 @@ def equivalent_config(config: Mapping) -> dict | None:
         return None
     data_type = config.get("data_type")
     if config.get("packing_format") == FP8_BLOCK:
-        return _fine_grained_fp8(config, _act_bits(config)) | {"modules_to_not_convert": _sixteen_bits(config)}
+        return _fine_grained_fp8(config, _act_bits(config)) | {"modules_to_not_convert": sixteen_bits(config)}
     if config.get("packing_format") == FP8_STATIC:
         group = _fp8_static_group(config, _act_bits(config))
     elif config.get("packing_format") != LLM_COMPRESSOR:
@@ -209,6 +209,6 @@ def equivalent_config(config: Mapping) -> dict | None:
         "quant_method": "compressed-tensors",
         "format": group["format"],
         "config_groups": {"group_0": group},
-        "ignore": _sixteen_bits(config),
+        "ignore": sixteen_bits(config),
         "quantization_status": "compressed",
     }

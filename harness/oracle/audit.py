@@ -44,7 +44,7 @@ from harness.checkpoints.reader import (
 )
 from harness.checkpoints.streaming import DTYPE_NAMES
 from harness.core.errors import CheckpointError, UnsupportedCheckpoint, UnsupportedFormat
-from harness.formats import detect_format, equivalents
+from harness.formats import auto_round, detect_format, equivalents
 from harness.formats.base import FormatError, QuantFormat
 
 #: every check, in report order, with what it means (docs/audit.md)
@@ -390,7 +390,11 @@ def fragment(fmt: QuantFormat, ignore: list[str] | None = None) -> dict:
 
 
 def ignore_entries(qconfig: dict, fmt: QuantFormat) -> list[str]:
-    """The ignore list under the key the format writes it (`ignore`, `modules_to_not_convert`)."""
+    """The ignore list under the key the format writes it (`ignore`, `modules_to_not_convert`); for
+    AutoRound's own config over GPTQ's or AWQ's tensors, what it leaves in 16 bits (`extra_config`,
+    the blocks it does not quantize, a mixture's routers)."""
+    if qconfig.get("quant_method") == auto_round.AUTO_ROUND:
+        return auto_round.sixteen_bits(qconfig)
     probe = ["\x00probe"]
     keys = [key for key, value in fragment(fmt, probe).items() if value == probe]
     return [entry for key in keys for entry in listed(qconfig.get(key)) if isinstance(entry, str)]

@@ -125,6 +125,22 @@ CASES: dict[str, tuple[str, str, dict]] = {
         "auto_round",
         {"iters": 0, "scheme": "FP8_STATIC"},
     ),
+    "qwen3_moe_w4g128_sym_autoround": ("int4 sym, group 128, RTN, of a Qwen3-MoE", "auto_round", {"iters": 0}),
+    "qwen3_moe_w4g128_asym_awq": (
+        "int4 asym, group 128, RTN, AWQ GEMM export (auto_awq) of a Qwen3-MoE",
+        "auto_awq",
+        {"iters": 0, "sym": False},
+    ),
+    "qwen3_moe_fp8_static_autoround": (
+        "fp8 weight and static activation (scheme FP8_STATIC) of a Qwen3-MoE, RTN",
+        "auto_round",
+        {"iters": 0, "scheme": "FP8_STATIC"},
+    ),
+    "qwen3_moe_nvfp4_autoround": (
+        "nvfp4 (scheme NVFP4) of a Qwen3-MoE, RTN",
+        "auto_round",
+        {"iters": 0, "scheme": "NVFP4"},
+    ),
 }
 #: the architecture of each base model (transformers' config class, its config); a case whose name
 #: starts with one of these keys quantizes that model, any other the Llama
@@ -133,6 +149,17 @@ MOE_ARCHES = {
         "MixtralForCausalLM",
         "MixtralConfig",
         {**MODEL_CONFIG, "num_hidden_layers": 1, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        {
+            **MODEL_CONFIG,
+            "num_hidden_layers": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 128,
+        },
     ),
 }
 
