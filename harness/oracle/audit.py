@@ -397,7 +397,10 @@ def ignore_entries(qconfig: dict, fmt: QuantFormat) -> list[str]:
         return auto_round.sixteen_bits(qconfig)
     probe = ["\x00probe"]
     keys = [key for key, value in fragment(fmt, probe).items() if value == probe]
-    return [entry for key in keys for entry in listed(qconfig.get(key)) if isinstance(entry, str)]
+    entries = [entry for key in keys for entry in listed(qconfig.get(key)) if isinstance(entry, str)]
+    if fmt.name == "gptq":  # GPTQ names no router to skip: vLLM reads which modules the files store
+        entries += auto_round.ROUTERS  # quantized, and transformers 5's routers are not Linears
+    return entries
 
 
 def listed(value) -> list:

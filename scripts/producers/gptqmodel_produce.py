@@ -47,7 +47,6 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 PRODUCER = "gptqmodel"
 SEED = 0
-ARCH = "LlamaForCausalLM"
 MODEL_CONFIG = {
     "hidden_size": 128,
     "intermediate_size": 256,
@@ -94,6 +93,36 @@ CASES: dict[str, tuple[str, dict]] = {
     "w4g128_asym_awq_gemm": (
         "AWQ int4 asym (zero point), group 128, GEMM layout",
         {"quant_method": "awq", "bits": 4, "group_size": 128, "sym": False, "format": "gemm"},
+    ),
+    "qwen3_moe_w4g128_sym_gptq": (
+        "GPTQ int4 sym, group 128, desc_act False, of a Qwen3-MoE",
+        {"bits": 4, "group_size": 128, "sym": True, "desc_act": False},
+    ),
+    "qwen3_moe_w4g32_asym_descact_gptq": (
+        "GPTQ int4 asym, group 32, desc_act True (each expert its own g_idx), of a Qwen3-MoE",
+        {"bits": 4, "group_size": 32, "sym": False, "desc_act": True, "act_group_aware": False},
+    ),
+    "mixtral_w4g128_sym_gptq": (
+        "GPTQ int4 sym, group 128, desc_act False, of a Mixtral",
+        {"bits": 4, "group_size": 128, "sym": True, "desc_act": False},
+    ),
+}
+#: mixtures of 4 experts, top 2, one layer: a case whose name starts with one of these keys quantizes
+#: that model (transformers' config class, its config), any other the Llama
+MOE_MODELS = {
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            **MODEL_CONFIG,
+            "num_hidden_layers": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 128,
+        },
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        {**MODEL_CONFIG, "num_hidden_layers": 1, "num_local_experts": 4, "num_experts_per_tok": 2},
     ),
 }
 
@@ -153,6 +182,19 @@ def prepare(directory: Path) -> None:
 
 
 def run_case(case: str, base_dir: Path, out_root: Path) -> None:
+    arch = next((arch for arch in MOE_MODELS if case.startswith(f"{arch}_")), None)
+    if arch is None:
+        quantize_case(case, base_dir, out_root, MODEL_CONFIG)
+        return
+    config_class, model_config = MOE_MODELS[arch]
+    with tempfile.TemporaryDirectory(prefix=f"{PRODUCER}-{arch}-") as scratch:
+        base = Path(scratch) / "base"
+        producing.build_seeded(base, config_class, model_config, SEED)
+        save_tokenizer(base)
+        quantize_case(case, base, out_root, model_config)
+
+
+def quantize_case(case: str, base_dir: Path, out_root: Path, model_config: dict) -> None:
     scheme, kwargs = CASES[case]
     case_dir = out_root / PRODUCER / case
     if case_dir.exists():
@@ -180,7 +222,7 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
         (case_dir / "producer_truth").mkdir()
         save_file(dict(sorted(CAPTURED.items())), case_dir / "producer_truth" / "weights.safetensors")
     notes = [
-        "base model: tiny random Llama, bfloat16, weights ~ N(0, 0.02) from torch.Generator(seed), norms = 1",
+        f"base model: tiny random {json.loads((base_dir / 'config.json').read_text())['architectures'][0]}, bfloat16, weights ~ N(0, 0.02) from torch.Generator(seed), norms = 1",
         f"calibration: {CALIB_SAMPLES} random token-id sequences of length {CALIB_SEQLEN} (seed {SEED + 1})",
         "tokenizer: local WordLevel tokenizer; its files and GPTQModel's quant_log.csv (per-module wall times) are "
         "removed from the output",
@@ -200,14 +242,14 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
         "producer_version": importlib.metadata.version("gptqmodel"),
         "packages": producing.package_versions(PACKAGES),
         "case": case,
-        "arch": ARCH,
+        "arch": json.loads((base_dir / "config.json").read_text())["architectures"][0],
         "scheme": scheme,
         "recipe": {
             "QuantizeConfig": {**COMMON_CONFIG, **kwargs},
             "GPTQModel.load": {"device": "cpu"},
             "quantize": {"batch_size": 4, **{k: str(v) for k, v in quantize_kwargs.items()}},
             "calibration": {"samples": CALIB_SAMPLES, "seqlen": CALIB_SEQLEN, "seed": SEED + 1},
-            "model_config": MODEL_CONFIG,
+            "model_config": model_config,
         },
         "command": " ".join([sys.executable, *sys.argv]),
         "seed": SEED,
