@@ -349,29 +349,6 @@ def base_of(case: str, base_dir: Path) -> tuple[Path, str, dict]:
     return base_dir, ARCH, MODEL_CONFIG
 
 
-#: transformers 5 holds Mixtral's experts under `mlp` and saves them under `block_sparse_moe` (its
-#: checkpoint conversion): the packers see the held name, the files say the saved one
-SAVED_NAMES = ((".mlp.experts.", ".block_sparse_moe.experts."),)
-
-
-def as_saved(captured: dict[str, torch.Tensor], case_dir: Path) -> dict[str, torch.Tensor]:
-    """The captured weights under the module names the saved files use."""
-    from safetensors import safe_open
-
-    stored = set()
-    for path in case_dir.glob("*.safetensors"):
-        with safe_open(str(path), "pt") as handle:
-            stored |= {key.rpartition(".")[0] for key in handle.keys()}
-    renamed = {}
-    for name, tensor in captured.items():
-        module = name.rpartition(".")[0]
-        for held, saved in SAVED_NAMES:
-            if module not in stored and module.replace(held, saved) in stored:
-                name = name.replace(held, saved)
-        renamed[name] = tensor
-    return renamed
-
-
 def run_case(case: str, base_dir: Path, out_root: Path) -> None:
     scheme, fmt, kwargs = CASES[case]
     base_dir, architecture, model_config = base_of(case, base_dir)
@@ -405,7 +382,7 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
     files = producing.digests(case_dir)
     if CAPTURED:
         (case_dir / "producer_truth").mkdir()
-        truth = as_saved(CAPTURED, case_dir)
+        truth = producing.saved_names(CAPTURED, case_dir, producing.MIXTRAL_SAVED)
         save_file(dict(sorted(truth.items())), case_dir / "producer_truth" / "weights.safetensors")
     notes = [
         f"base model: tiny random {architecture.removesuffix('ForCausalLM')}, bfloat16, weights ~ N(0, 0.02) "

@@ -228,7 +228,10 @@ def produce(name: str, case: dict, out: Path, scratch: Path) -> None:
     for tokenizer in directory.glob("tokenizer*"):
         tokenizer.unlink()
     (directory / "producer_truth").mkdir()
-    save_file(saved_names(truth, directory), str(directory / "producer_truth" / "weights.safetensors"))
+    save_file(
+        producing.saved_names(truth, directory, producing.MIXTRAL_SAVED),
+        str(directory / "producer_truth" / "weights.safetensors"),
+    )
     provenance = {
         "producer": "llmcompressor",
         "producer_version": version("llmcompressor"),
@@ -247,23 +250,6 @@ def produce(name: str, case: dict, out: Path, scratch: Path) -> None:
     }
     (directory / "provenance.json").write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
     print(f"llmcompressor: {name}: produced in {time.time() - started:.1f} s", flush=True)  # not in provenance
-
-
-def saved_names(truth: dict[str, torch.Tensor], directory: Path) -> dict[str, torch.Tensor]:
-    """The truth under the names the checkpoint stores: transformers 5 holds Mixtral's experts under
-    `mlp` and saves them under `block_sparse_moe` (its conversion mapping, reversed on save)."""
-    from safetensors import safe_open
-
-    stored = set()
-    for path in directory.glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as handle:
-            stored |= {name.rpartition(".")[0] for name in handle.keys()}
-    result = {}
-    for name, tensor in truth.items():
-        module, _, leaf = name.rpartition(".")
-        renamed = module.replace(".mlp.", ".block_sparse_moe.")
-        result[f"{renamed if module not in stored and renamed in stored else module}.{leaf}"] = tensor
-    return result
 
 
 def main() -> int:

@@ -178,32 +178,6 @@ def producer_truth(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dic
     return truth, {key.removesuffix(".weight"): how for key, (_, how) in found.items()}
 
 
-#: Mixtral's checkpoint names of an expert's projections (transformers renames them on save)
-MIXTRAL_EXPERT_NAMES = {
-    ".mlp.": ".block_sparse_moe.",
-    ".gate_proj.": ".w1.",
-    ".up_proj.": ".w3.",
-    ".down_proj.": ".w2.",
-}
-
-
-def saved_names(truth: dict[str, torch.Tensor], directory: Path) -> dict[str, torch.Tensor]:
-    """The truth under the names the export stores (a Mixtral expert's as Mixtral names them)."""
-    from safetensors import safe_open
-
-    stored = set()
-    for path in directory.glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as handle:
-            stored |= set(handle.keys())
-    result = {}
-    for name, tensor in truth.items():
-        renamed = name
-        for old, new in MIXTRAL_EXPERT_NAMES.items():
-            renamed = renamed.replace(old, new)
-        result[renamed if name not in stored and renamed in stored else name] = tensor
-    return result
-
-
 def base_model(directory: Path) -> None:
     producing.build_seeded_llama(directory, MODEL_CONFIG, SEED)
 
@@ -242,7 +216,10 @@ def quantize_case(case: str, base_dir: Path, out_root: Path, model_config: dict)
     export_hf_checkpoint(model, export_dir=case_dir)
     files = producing.digests(case_dir)
     (case_dir / "producer_truth").mkdir()
-    save_file(saved_names(truth, case_dir), case_dir / "producer_truth" / "weights.safetensors")
+    save_file(
+        producing.saved_names(truth, case_dir, producing.MIXTRAL_SAVED_PARTS),
+        case_dir / "producer_truth" / "weights.safetensors",
+    )
     method_names = sorted(set(methods.values()))
     notes = [
         f"base model: tiny random {model.config.architectures[0]}, bfloat16, weights ~ N(0, 0.02) from torch.Generator(seed), norms = 1",

@@ -1,6 +1,7 @@
 """What every producer script shares (each imports it from beside itself; it imports torch and, for
 the base model, transformers, both in every producer's environment, never the harness): package
-versions, the seeded tiny Llama, file digests and the loop over cases that records what fails."""
+versions, the seeded tiny Llama, file digests, the truth under the saved names and the loop over cases
+that records what fails."""
 
 from __future__ import annotations
 
@@ -9,10 +10,35 @@ import importlib.metadata
 import json
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
+
+#: transformers 5 holds Mixtral's experts under `mlp` (fused, and defused by the producers as
+#: gate_proj/up_proj/down_proj) and saves them under `block_sparse_moe` (its checkpoint conversion,
+#: reversed on save); some exports keep the projection names, others write Mixtral's w1/w3/w2
+MIXTRAL_SAVED = {".mlp.": ".block_sparse_moe."}
+MIXTRAL_SAVED_PARTS = {**MIXTRAL_SAVED, ".gate_proj": ".w1", ".up_proj": ".w3", ".down_proj": ".w2"}
+
+
+def saved_names(truth: dict[str, torch.Tensor], directory: Path, renames: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """The producer's truth (held module name + `.weight` -> tensor) under the names the saved files
+    use: a module the files lack, with every `renames` substring replaced, where the files hold that."""
+    from safetensors import safe_open
+
+    stored = set()
+    for path in directory.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as handle:
+            stored |= {key.rpartition(".")[0] for key in handle.keys()}
+    result = {}
+    for name, tensor in truth.items():
+        module, _, leaf = name.rpartition(".")
+        renamed = module
+        for held, saved in renames.items():
+            renamed = renamed.replace(held, saved)
+        result[f"{renamed if module not in stored and renamed in stored else module}.{leaf}"] = tensor
+    return result
 
 
 def package_versions(names: Iterable[str]) -> dict[str, str]:
