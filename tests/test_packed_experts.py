@@ -196,3 +196,29 @@ def test_the_experts_naming_is_read_from_the_names_under_either_key_prefix(tmp_p
     settings = recipe.resolved().settings
     parts = with_expert_naming(arch, settings, Checkpoint(tmp_path).names()).moe.parts
     assert parts == (arch.moe.parts if naming == "architecture" else arch.moe.other_parts[0])
+
+
+@pytest.mark.parametrize("naming", ["architecture", "projections"])
+def test_experts_under_no_naming_of_the_model_are_told_and_nothing_else(tmp_path, naming):
+    """GPTQModel 7.6 saves a Mixtral's experts under transformers 5's in-memory names
+    (`mlp.experts.E.gate_proj`), which no Mixtral loader places: foreign_experts names each such
+    expert, and nothing in either naming the reference reads, nor a stray scale under an expert, nor
+    an expert of a layer past num_hidden_layers (DeepSeek-V3's multi-token prediction layer)."""
+    from harness.checkpoints.model_layout import foreign_experts
+
+    recipe = Recipe(
+        format="ct-fp8-channel", arch="mixtral", config={"num_hidden_layers": 1}, layout={"expert_naming": naming}
+    )
+    generate(recipe, tmp_path)
+    checkpoint = Checkpoint(tmp_path)
+    names = checkpoint.names()
+    assert foreign_experts(checkpoint.config, names) == []
+    stray = [
+        "model.layers.0.block_sparse_moe.experts.0.unused_proj.weight_scale",
+        "model.layers.1.block_sparse_moe.experts.0.w1.weight",
+    ]
+    assert foreign_experts(checkpoint.config, names + stray) == []
+    in_memory = [name.replace(".block_sparse_moe.", ".mlp.") for name in names]
+    foreign = foreign_experts(checkpoint.config, in_memory)
+    experts = {n.rpartition(".")[0] for n in in_memory if ".experts." in n and n.endswith(".weight")}
+    assert foreign == sorted(experts) and len(foreign) == 3 * checkpoint.config["num_local_experts"]

@@ -72,6 +72,42 @@ def with_expert_naming(arch: Architecture, settings: Mapping, names: Iterable[st
     return arch
 
 
+def foreign_experts(config: Mapping, names: Iterable[str]) -> list[str]:
+    """The routed-expert modules whose weight `names` store in a decoder layer that the
+    architecture's model has under none of the namings the reference reads: no loader of the
+    architecture places them, so its experts stay as initialised (GPTQModel 7.6 saves a Mixtral's
+    experts under transformers 5's in-memory `mlp.experts.E.gate_proj`). A stray scale is audit's;
+    layers past num_hidden_layers (DeepSeek-V3's multi-token prediction) are not the decoder's; an
+    unregistered architecture, or a config without its layout, has none."""
+    names = [canonical_name(name) for name in names]
+    try:
+        arch = known_layout(config, names)
+    except LayoutError:
+        return []
+    if arch is None or arch.moe is None:
+        return []
+    settings = layout_settings(config)
+    expected = {name.rpartition(".")[0] for name in arch.tensor_layout(settings)}
+    decoder = {f"model.layers.{layer}." for layer in range(settings["num_hidden_layers"])}
+    stored = {module for module, _, suffix in (name.rpartition(".") for name in names) if suffix in _SUFFIXES}
+    return sorted(
+        module
+        for module in stored - expected
+        if ".experts." in module and any(module.startswith(layer) for layer in decoder)
+    )
+
+
+def misplaced_experts(config: Mapping, names: Iterable[str]) -> str | None:
+    """Why a checkpoint cannot be loaded as its architecture (foreign_experts), or None."""
+    foreign = foreign_experts(config, names)
+    if not foreign:
+        return None
+    return (
+        f"{len(foreign)} routed-expert module(s) under no naming of {config.get('model_type')}'s model "
+        f"(e.g. {foreign[0]}): no loader of it places them"
+    )
+
+
 #: the suffixes an expert's first projection is stored under in some format (weight, packed, GPTQ/AWQ's qweight)
 _SUFFIXES = ("weight", "weight_packed", "qweight")
 

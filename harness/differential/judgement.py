@@ -14,6 +14,7 @@ from harness.checkpoints.architectures import architecture_name
 from harness.checkpoints.disagreements import misstates_its_index
 from harness.checkpoints.kv_scales import is_kv_scale
 from harness.checkpoints.manifest import read_manifest, read_truth
+from harness.checkpoints.model_layout import misplaced_experts
 from harness.checkpoints.reader import (
     CONFIG_FILE,
     Checkpoint,
@@ -159,6 +160,9 @@ class Judgement:
             except CheckpointError as error:
                 truth, expectation = {}, "refuse"
                 refusal = f"the reference refuses it: {first_line(error)}"
+            misplaced = misplaced_experts(config, Checkpoint(directory).names())
+            if misplaced and not refusal:
+                truth, expectation, refusal = {}, "refuse", f"the reference refuses it: {misplaced}"
         notes = {canonical_name(m): info.get("notes", []) for m, info in (manifest or {}).get("modules", {}).items()}
         scratch = session.work / "scratch"
         scratch.mkdir(parents=True, exist_ok=True)

@@ -26,14 +26,20 @@ class ReferenceEngine(HFModelEngine):
     def load(self, directory: str, dtype=None) -> LoadReport:
         """The oracle's weights in the checkpoint's dtype, or in `dtype` (a torch dtype): the float64
         dequantization cast once to it, as an engine loaded in that dtype must hold them."""
+        from pathlib import Path
+
         from harness.checkpoints.kv_scales import is_kv_scale
-        from harness.checkpoints.model_layout import to_model_state
+        from harness.checkpoints.model_layout import misplaced_experts, to_model_state
         from harness.checkpoints.reader import Checkpoint
+        from harness.core.errors import CheckpointError
         from harness.oracle import specified
         from harness.oracle.reference import dequantize_checkpoint
 
         dtype = dtype or checkpoint_dtype(directory)
         checkpoint = Checkpoint(directory)
+        misplaced = misplaced_experts(checkpoint.config, checkpoint.names())
+        if misplaced:  # the judgement refuses it too (harness.differential.judgement)
+            raise CheckpointError(Path(directory) / "config.json", misplaced)
         if "quantization_config" in checkpoint.config:  # quantized: the oracle's dequantization
             tensors = dequantize_checkpoint(directory)
         else:  # an unquantized model (e.g. the tiny models' bf16 originals): its tensors as stored
