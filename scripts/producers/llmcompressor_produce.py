@@ -86,6 +86,9 @@ ARCHITECTURES = {
         {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 128, "head_dim": 32},
     ),
 }
+#: DeepSeek-V3's low-rank q/kv widths (64, 32 in ARCHITECTURES) as whole int4 groups of 128: llm-compressor
+#: cannot group the inputs of q_b_proj and kv_b_proj otherwise ("unflatten: Provided sizes [-1, 128]")
+MLA_WHOLE_GROUPS = {"q_lora_rank": 128, "kv_lora_rank": 128}
 #: the routed experts' Linears (a case that quantizes nothing else)
 EXPERTS = ["re:.*mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$"]
 #: routers and the head stay unquantized (llm-compressor's examples ignore them the same way)
@@ -125,8 +128,9 @@ def cases() -> dict[str, dict]:
             table[f"{arch}-{slug(scheme)}"] = {"arch": arch, "scheme": scheme}
     for arch in ("qwen2_moe", "phi3", "deepseek_v3", "llama4_text"):
         table[f"{arch}-fp8-dynamic"] = {"arch": arch, "scheme": "FP8_DYNAMIC"}
-    for scheme in ("W4A16", "NVFP4A16"):  # multi-head latent attention, a shared expert
-        table[f"deepseek_v3-{slug(scheme)}"] = {"arch": "deepseek_v3", "scheme": scheme}
+    # multi-head latent attention, a shared expert; int4 groups of 128 need the low-rank widths whole groups
+    table["deepseek_v3-w4a16"] = {"arch": "deepseek_v3", "scheme": "W4A16", "sizes": MLA_WHOLE_GROUPS}
+    table["deepseek_v3-nvfp4a16"] = {"arch": "deepseek_v3", "scheme": "NVFP4A16"}
     table["qwen2_moe-w4a16"] = {"arch": "qwen2_moe", "scheme": "W4A16"}
     # only the routed experts int4, everything else bfloat16: how Kimi-K2-Thinking ships
     table["deepseek_v3-w4a16-experts"] = {"arch": "deepseek_v3", "scheme": "W4A16", "targets": EXPERTS}
