@@ -112,8 +112,14 @@ CAMPAIGN_OPTIONS_EVERY = 250
 
 #: variants drawn on the examples of one format only, one of them on every FORMAT_VARIANTS_EVERY-th
 #: example of it, in turn: online quantization starts from an unquantized checkpoint (its block
-#: scheme has no kernel on a CPU without AMX: `unsupported`, in vLLM's words, at no cost)
-FORMAT_VARIANTS = {"unquantized": ("vllm[quantization=fp8_per_channel]", "vllm[quantization=fp8_per_block]")}
+#: scheme has no kernel on a CPU without AMX: `unsupported`, in vLLM's words, at no cost);
+#: compressed-tensors decompresses int4 in the dtype of its scales, so a model dtype other than the
+#: checkpoint's is where a loader must cast (transformers-ct-int-experts-decompressed-in-scale-dtype,
+#: which the campaign's one-in-250 option draws never reached: session 43's main job)
+FORMAT_VARIANTS = {
+    "unquantized": ("vllm[quantization=fp8_per_channel]", "vllm[quantization=fp8_per_block]"),
+    "ct-int4": ("transformers[dtype=float32]",),
+}
 FORMAT_VARIANTS_EVERY = 3
 
 
