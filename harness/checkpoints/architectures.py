@@ -321,6 +321,10 @@ class Architecture:
                     ignored.append(f"model.layers.{layer}.{name.removesuffix('.weight')}")
         return ignored
 
+    def modules(self, settings: Mapping[str, Any]) -> set[str]:
+        """Every module of the float model with a tensor in its checkpoint (tensor_layout's names)."""
+        return {name.rpartition(".")[0] for name in self.tensor_layout(settings)}
+
     def tensor_layout(self, settings: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
         """Every checkpoint tensor of the float model: name -> (shape, role).
 

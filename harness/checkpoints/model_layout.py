@@ -87,7 +87,7 @@ def foreign_experts(config: Mapping, names: Iterable[str]) -> list[str]:
     if arch is None or arch.moe is None:
         return []
     settings = layout_settings(config)
-    expected = {name.rpartition(".")[0] for name in arch.tensor_layout(settings)}
+    expected = arch.modules(settings)
     decoder = {f"model.layers.{layer}." for layer in range(settings["num_hidden_layers"])}
     stored = {module for module, _, suffix in (name.rpartition(".") for name in names) if suffix in _SUFFIXES}
     return sorted(

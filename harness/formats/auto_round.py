@@ -48,6 +48,7 @@ import re
 from collections.abc import Mapping
 
 from harness.core.errors import FormatError, UnsupportedFormat
+from harness.formats.base import ROUTERS
 
 AUTO_ROUND = "auto-round"
 LLM_COMPRESSOR = "auto_round:llm_compressor"
@@ -85,19 +86,14 @@ def _act_bits(config: Mapping) -> int:
     return act_bits
 
 
-#: MoE routers AutoRound 0.16 never quantizes, whatever extra_config says: its special_model_handler
-#: keeps every `.gate` and `.shared_expert_gate` module of a MoE model in 16 bits (and transformers 5's
-#: routers are not Linear layers); its export names them in extra_config only where its own list of
-#: them matched (for a Mixtral, a `mlp.gate` the model lacks, measured on its own export,
-#: cases/producers/autoround/mixtral_mxfp4_autoround)
-ROUTERS = ("re:.*\\.gate$", "re:.*\\.shared_expert_gate$")
-
-
 def sixteen_bits(config: Mapping) -> list[str]:
     """What AutoRound leaves in 16 bits, as the equivalent config's ignore list: whatever lies outside
     the blocks it quantizes, each module `extra_config` names (after _act_bits, which refuses any
     entry with quantized settings of its own; a regular-expression key, as its export writes
-    `.*model\\.layers\\.0\\.mlp\\.gate.*`, as a `re:` entry) and the routers."""
+    `.*model\\.layers\\.0\\.mlp\\.gate.*`, as a `re:` entry) and the routers: AutoRound 0.16 never
+    quantizes them, whatever extra_config says (its special_model_handler keeps every `.gate` and
+    `.shared_expert_gate` in 16 bits) and names them there only where its own list of them matched
+    (for a Mixtral, a `mlp.gate` the model lacks: cases/producers/autoround/mixtral_mxfp4_autoround)."""
     named = [f"re:{key}" if any(c in key for c in "\\*[(") else key for key in config.get("extra_config") or {}]
     return _outside_blocks(config) + named + list(ROUTERS)
 

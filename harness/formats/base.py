@@ -47,6 +47,11 @@ class QuantizedWeight:
     source: torch.Tensor | None = None
 
 
+#: a mixture's routers, as ignore-list entries (`mlp.gate`, `block_sparse_moe.gate`, Qwen2-MoE's
+#: `shared_expert_gate`): modules the producers that write no exclusion for them never quantize
+ROUTERS = ("re:.*\\.gate$", "re:.*\\.shared_expert_gate$")
+
+
 class QuantFormat:
     """Base class: subclasses set the attributes and implement the four methods."""
 
@@ -63,6 +68,9 @@ class QuantFormat:
     #: False for a format that stores weights as they are (`unquantized`): no scale and no
     #: quantization config for a layout or perturbation to change
     has_scales: bool = True
+    #: modules (ignore-list entries) its checkpoints leave plain without any config naming them,
+    #: since its loaders never quantize them
+    unlisted_plain: tuple[str, ...] = ()
 
     def resolve_knobs(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
         values = {name: knob.default for name, knob in self.knobs.items()}

@@ -42,6 +42,7 @@ from harness.core.numerics import ceil_div
 from harness.formats import int_packing
 from harness.formats.auto_round import AUTO_ROUND
 from harness.formats.base import (
+    ROUTERS,
     FormatError,
     Knob,
     QuantFormat,
@@ -143,6 +144,9 @@ class Gptq(QuantFormat):
     suffixes = ("qweight", "qzeros", "scales", "g_idx")
     marker = "qweight"
     optional = ("g_idx",)  # absent: k // group_size
+    # a GPTQ config names no router to skip: vLLM reads which modules the files store quantized
+    # (AutoGPTQConfig.maybe_update_config) and transformers 5's routers are not Linears
+    unlisted_plain = ROUTERS
     knobs = {
         "bits": Knob(4, (4, 8), "code width"),
         "group_size": Knob(128, GROUP_SIZES, "inputs per group (-1: one group per row)"),

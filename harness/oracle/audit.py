@@ -221,7 +221,7 @@ def check_names(tensors: dict[str, Stored], config: dict, result: AuditResult) -
                 "reads it; a loader that knows only the architecture's naming reports it unexpected and leaves "
                 "the expert random",
             )
-    expected = {name.rpartition(".")[0] for name in named.tensor_layout(settings)}
+    expected = named.modules(settings)
     for module in sorted(set(stored) - expected):
         name = stored[module]
         result.add(
@@ -392,15 +392,14 @@ def fragment(fmt: QuantFormat, ignore: list[str] | None = None) -> dict:
 def ignore_entries(qconfig: dict, fmt: QuantFormat) -> list[str]:
     """The ignore list under the key the format writes it (`ignore`, `modules_to_not_convert`); for
     AutoRound's own config over GPTQ's or AWQ's tensors, what it leaves in 16 bits (`extra_config`,
-    the blocks it does not quantize, a mixture's routers)."""
+    the blocks it does not quantize, a mixture's routers); and what the format's checkpoints leave
+    plain unlisted (`QuantFormat.unlisted_plain`)."""
     if qconfig.get("quant_method") == auto_round.AUTO_ROUND:
         return auto_round.sixteen_bits(qconfig)
     probe = ["\x00probe"]
     keys = [key for key, value in fragment(fmt, probe).items() if value == probe]
     entries = [entry for key in keys for entry in listed(qconfig.get(key)) if isinstance(entry, str)]
-    if fmt.name == "gptq":  # GPTQ names no router to skip: vLLM reads which modules the files store
-        entries += auto_round.ROUTERS  # quantized, and transformers 5's routers are not Linears
-    return entries
+    return entries + list(fmt.unlisted_plain)
 
 
 def listed(value) -> list:
