@@ -196,6 +196,7 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
 
 def quantize_case(case: str, base_dir: Path, out_root: Path, model_config: dict) -> None:
     scheme, kwargs = CASES[case]
+    architecture = json.loads((base_dir / "config.json").read_text())["architectures"][0]
     case_dir = out_root / PRODUCER / case
     if case_dir.exists():
         shutil.rmtree(case_dir)
@@ -222,7 +223,7 @@ def quantize_case(case: str, base_dir: Path, out_root: Path, model_config: dict)
         (case_dir / "producer_truth").mkdir()
         save_file(dict(sorted(CAPTURED.items())), case_dir / "producer_truth" / "weights.safetensors")
     notes = [
-        f"base model: tiny random {json.loads((base_dir / 'config.json').read_text())['architectures'][0]}, bfloat16, weights ~ N(0, 0.02) from torch.Generator(seed), norms = 1",
+        f"base model: tiny random {architecture}, bfloat16, weights ~ N(0, 0.02) from torch.Generator(seed), norms = 1",
         f"calibration: {CALIB_SAMPLES} random token-id sequences of length {CALIB_SEQLEN} (seed {SEED + 1})",
         "tokenizer: local WordLevel tokenizer; its files and GPTQModel's quant_log.csv (per-module wall times) are "
         "removed from the output",
@@ -242,7 +243,7 @@ def quantize_case(case: str, base_dir: Path, out_root: Path, model_config: dict)
         "producer_version": importlib.metadata.version("gptqmodel"),
         "packages": producing.package_versions(PACKAGES),
         "case": case,
-        "arch": json.loads((base_dir / "config.json").read_text())["architectures"][0],
+        "arch": architecture,
         "scheme": scheme,
         "recipe": {
             "QuantizeConfig": {**COMMON_CONFIG, **kwargs},
