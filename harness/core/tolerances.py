@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from harness.core.dtypes import MODEL_DTYPES
@@ -68,3 +69,14 @@ def load_tolerances(format_name: str, dtype: str, path: Path = DEFAULT_FILE) -> 
         activations["max_abs_delta"],
         activations["with_kv_cache"],
     )
+
+
+def loosest_tolerances(format_names: Iterable[str], dtype: str, path: Path = DEFAULT_FILE) -> Tolerances:
+    """The tolerances of a checkpoint whose modules are stored in several formats (a mixed
+    checkpoint's config groups): each bound the loosest of theirs, since its logits carry every
+    format's error; top_k is the dtype's own (no format overrides it)."""
+    each = [load_tolerances(name, dtype, path) for name in dict.fromkeys(format_names)]
+    if not each:
+        raise HarnessError("tolerances: no format named")
+    fields = zip(*map(astuple, each), strict=True)
+    return Tolerances(*(max(values) if isinstance(values[0], float) else values[0] for values in fields))

@@ -28,7 +28,7 @@ from harness.checkpoints.writer import MANIFEST_FILE
 from harness.core.errors import CheckpointError, first_line
 from harness.core.findings import Finding
 from harness.core.naming import canonical_name
-from harness.core.tolerances import load_tolerances
+from harness.core.tolerances import loosest_tolerances
 from harness.differential.misreadings import CheckpointMisreadings
 from harness.differential.session import EngineSession
 from harness.oracle.kv_cache import stored_kv_scales
@@ -177,11 +177,11 @@ class Judgement:
             expectation,
             {canonical_name(n): t for n, t in truth.items()},
             notes,
-            load_tolerances(fmt.name, dtype),
+            loosest_tolerances([s.name for s in fmt.schemes(knobs)], dtype),
             CheckpointResult(str(directory), fmt.name, expectation, expectation_reason=refusal),
             probe_sequences(int(config.get("vocab_size", 260))),
             scratch,
-            CheckpointMisreadings(directory, fmt.name),
+            CheckpointMisreadings(directory, fmt.name, [s.name for s in fmt.schemes(knobs)]),
             hazards,
         )
 
@@ -214,7 +214,7 @@ class Judgement:
             engine=engine,
             engine_version=self.session.versions.get(engine, "?"),
             kind=kind,
-            format=self.fmt.name,
+            format=self.module_format(extra.get("module")),
             message=message,
             arch=architecture_name(self.config.get("model_type")),
             dtype=self.engine_dtype(engine),
@@ -223,6 +223,13 @@ class Judgement:
         )
         self.result.findings.append(item)
         return item
+
+    def module_format(self, module: str | None) -> str:
+        """The format a finding about `module` (a weight's canonical name) is in: the checkpoint's, or
+        in a mixed checkpoint the config group's that targets it (its own where none does)."""
+        if not module:
+            return self.fmt.name
+        return self.fmt.for_module(module.removesuffix(".weight"), self.knobs)[0].name
 
     def engine_dtype(self, engine: str) -> str:
         """The model dtype `engine` computes in: the checkpoint's, unless it was loaded with a `dtype`
@@ -269,7 +276,7 @@ class Judgement:
         if dtype == self.dtype:
             return self.tol
         if dtype not in self.other_tols:
-            self.other_tols[dtype] = load_tolerances(self.fmt.name, dtype)
+            self.other_tols[dtype] = loosest_tolerances([s.name for s in self.fmt.schemes(self.knobs)], dtype)
         return self.other_tols[dtype]
 
     def candidate(self, engine: str) -> tuple[list[torch.Tensor] | None, float, str]:

@@ -11,6 +11,7 @@ mechanism stays new, and says why in metrics["attribution"]."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from harness.core.errors import HarnessError
 from harness.core.findings import CONSEQUENCE_KINDS, KINDS, Finding
 from harness.core.paths import CASES_DIR
 from harness.differential.misreadings import WEIGHT_KINDS, require_misreading
-from harness.differential.preconditions import Predicate, checkpoint_context, known_names, module_context
+from harness.differential.preconditions import SCHEMES, Predicate, checkpoint_context, known_names, module_context
 from harness.engines.options import base_engine
 
 DEFAULT_FILE = CASES_DIR / "known_issues.toml"
@@ -142,6 +143,18 @@ class KnownIssue:
         return self.attribute(finding, context)[0]
 
 
+def readings(finding: Finding, context: dict[str, Any]) -> list[tuple[Finding, dict[str, Any]]]:
+    """The finding with the context it is attributed in: as it is, or on a mixed checkpoint (its
+    config groups in context[SCHEMES]) once per group it may concern: the group of its format where
+    the finding names one (a module's, Judgement.module_format), else each group, with that group's
+    format and knobs (a known issue of one format explains a finding on that format's modules)."""
+    schemes = context.get(SCHEMES)
+    if not schemes:
+        return [(finding, context)]
+    own = [(name, facts) for name, facts in schemes if name == finding.format] or schemes
+    return [(dataclasses.replace(finding, format=name), context | facts) for name, facts in own]
+
+
 def _list_of_strings(entry: dict, key: str, where: str) -> list[str]:
     value = entry.get(key, [])
     if isinstance(value, str) or not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -225,11 +238,12 @@ class KnownIssues:
         if context is None:
             context = checkpoint_context(finding.checkpoint) if finding.checkpoint else {}
         note = None
-        for issue in self.issues:
-            matched, why = issue.attribute(finding, context)
-            if matched:
-                return issue.id, None
-            note = note or why
+        for reading, facts in readings(finding, context):
+            for issue in self.issues:
+                matched, why = issue.attribute(reading, facts)
+                if matched:
+                    return issue.id, None
+                note = note or why
         return None, note
 
     def match(self, finding: Finding, context: dict[str, Any] | None = None) -> str | None:

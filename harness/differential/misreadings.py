@@ -12,7 +12,7 @@ metrics["misreadings"], which known-issue attribution reads."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,10 +183,12 @@ def require_misreading(name: str, where: str) -> Misreading:
 class CheckpointMisreadings:
     """The predictions for one checkpoint: opened on the first question, once."""
 
-    def __init__(self, directory: str | Path, format_name: str):
+    def __init__(self, directory: str | Path, format_name: str, scheme_names: Iterable[str] = ()):
+        """`scheme_names`: the formats a mixed checkpoint's modules are stored in (QuantFormat.schemes)."""
         self.directory = Path(directory)
         self.format_name = format_name
-        self.misreadings = [m for m in REGISTRY.values() if format_name in m.formats]
+        names = {format_name, *scheme_names}
+        self.misreadings = [m for m in REGISTRY.values() if names & set(m.formats)]
         self._source: QuantizedCheckpoint | None = None
         self._modules: dict[str, str] = {}
         self._plain: dict[str, str] = {}
@@ -205,6 +207,9 @@ class CheckpointMisreadings:
         misreading = REGISTRY[name]
         if module in self._modules:
             predict, stored = misreading.predict, self._modules[module]
+            source = source.narrowed(stored)  # a mixed checkpoint's module: its config group's format
+            if source.fmt.name not in misreading.formats:
+                raise SkipTensor(f"{module} is stored as {source.fmt.name}")
         elif misreading.predict_plain is not None and module in self._plain:
             predict, stored = misreading.predict_plain, self._plain[module]
         else:

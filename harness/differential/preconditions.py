@@ -242,6 +242,7 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
     from harness.checkpoints.manifest import read_manifest
     from harness.checkpoints.recipe import Recipe
     from harness.checkpoints.writer import MANIFEST_FILE
+    from harness.formats.ct_mixed import CtMixed
     from harness.oracle.reference import format_and_knobs
 
     directory = Path(directory)
@@ -253,7 +254,10 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
         return {}
     context: dict[str, Any] = {}
     try:
-        context |= _scalars(format_and_knobs(directory)[1])
+        fmt, knobs = format_and_knobs(directory)
+        context |= _scalars(knobs)
+        if isinstance(fmt, CtMixed):
+            context[SCHEMES] = scheme_contexts(knobs)
     except (HarnessError, OSError, ValueError):
         pass
     if (
@@ -282,6 +286,17 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
     if config.get("head_dim") is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
         context["head_dim"] = hidden // heads
     return context
+
+
+#: the context key of a mixed checkpoint's config groups (harness.formats.ct_mixed): a list of (format
+#: name, the facts of its knobs and weights), one per group; no predicate names it
+SCHEMES = "_schemes"
+
+
+def scheme_contexts(knobs: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Each config group of a mixed checkpoint as (its format's name, the scalar knobs it reads with and
+    the weight scheme it declares): what a known issue of that format is judged by on its modules."""
+    return [(member.fmt.name, _scalars(member.knobs) | weight_scheme(member.config)) for member in knobs["members"]]
 
 
 def weight_scheme(quantization: dict) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from harness.core.errors import HarnessError, first_line
+from harness.core.errors import FormatError, HarnessError, first_line
 from harness.core.findings import WEIGHT_KINDS
 from harness.core.naming import canonical_name
 from harness.differential.compare import compare_logprobs, compare_weight, perplexity
@@ -69,7 +69,7 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
     outcome.version = judgement.session.versions[engine]
     finding = judgement.finding
     try:
-        reason = worker.unsupported(judgement.fmt.name)
+        reason = _unsupported_reason(judgement, worker)
         if reason:
             outcome.status, outcome.detail = "unsupported", reason
             judge_with_stand_in_kernels(judgement, engine, outcome)
@@ -277,9 +277,19 @@ def _unsupported_here(judgement: Judgement, engine: str) -> bool:
     capability): no reference load is made for it (online FP8 per block without AMX)."""
     worker = judgement.session.process(engine)
     try:
-        return worker is None or bool(worker.unsupported(judgement.fmt.name))
+        return worker is None or bool(_unsupported_reason(judgement, worker))
     except (EngineError, EngineFailure):
         return False  # its own load says so, where it is judged
+
+
+def _unsupported_reason(judgement: Judgement, worker) -> str | None:
+    """The engine's reason it cannot run the checkpoint's format here: of the first of the formats its
+    modules are stored in (a mixed checkpoint's groups, QuantFormat.schemes) that it cannot run."""
+    for scheme in judgement.fmt.schemes(judgement.knobs):
+        reason = worker.unsupported(scheme.name)
+        if reason:
+            return reason
+    return None
 
 
 def _specified_forwards(judgement: Judgement, worker: EngineProcess, load: str):
@@ -338,7 +348,7 @@ def _holds_truth(judgement: Judgement, engine: str, held: dict[str, torch.Tensor
     want, got = judgement.truth[name], held.get(name)
     if got is None or tuple(got.shape) != tuple(want.shape):
         return False
-    block = judgement.fmt.scale_block(judgement.knobs, tuple(want.shape)) if want.dim() == 2 else None
+    block = module_block(judgement.fmt, judgement.knobs, name, want)
     return compare_weight(name, got, want, judgement.engine_dtype(engine), judgement.engine_tol(engine), block).ok
 
 
@@ -581,6 +591,18 @@ def judge_held_weights(
     )
 
 
+def module_block(fmt, knobs, name: str, want: torch.Tensor) -> tuple[int, int] | None:
+    """The scale block of the weight `name` (its module's own format's in a mixed checkpoint), None
+    for a tensor that is not a matrix."""
+    if want.dim() != 2:
+        return None
+    own, own_knobs = fmt.for_module(name.removesuffix(".weight"), knobs)
+    try:
+        return own.scale_block(own_knobs, tuple(want.shape))
+    except FormatError:  # a mixed checkpoint's module no group names, its groups' blocks differing
+        return None
+
+
 def _judge_weights(engine, held, truth, dtype, tol, fmt, knobs, finding, module_notes, misreadings=None) -> None:
     """Every truth tensor against what the engine holds; a finding names what the generator did
     to that module (its manifest notes), so a reader sees the perturbation behind it."""
@@ -589,7 +611,7 @@ def _judge_weights(engine, held, truth, dtype, tol, fmt, knobs, finding, module_
             finding(engine, "weight-missing", f"no weight held for {name}", module=name)
             continue
         got = held[name]
-        block = fmt.scale_block(knobs, tuple(want.shape)) if want.dim() == 2 else None
+        block = module_block(fmt, knobs, name, want)
         shape = {"shape": list(want.shape), "block": list(block) if block else None}
         if tuple(got.shape) != tuple(want.shape):
             finding(

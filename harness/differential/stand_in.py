@@ -77,11 +77,23 @@ def judge_with_stand_in_kernels(judgement, engine: str, outcome) -> None:
     )
 
 
+def distinct_layers(judgement) -> list[int]:
+    """In a mixed checkpoint (harness.formats.ct_mixed), the first decoder layer of each assignment
+    of its Linears to config groups (a group naming one layer's MLP as Unsloth's NVFP4 releases do):
+    the loaders choose a scheme per Linear there as well; none for any other checkpoint."""
+    from harness.checkpoints.reader import Checkpoint
+    from harness.formats.ct_mixed import CtMixed, layer_assignments
+
+    if not isinstance(judgement.fmt, CtMixed):
+        return []
+    return sorted(layer_assignments(Checkpoint(judgement.directory).names(), judgement.knobs).values())
+
+
 def _run(judgement, engine: str) -> dict | str | LaneRefused:
     from harness.engines.vllm.tensor_parallel import WORKER_SPEC, check_tensor_parallel
     from harness.engines.vllm.tensor_parallel.layout import first_sparse_layer
 
-    layers = sorted({0, first_sparse_layer(judgement.config) or 0})
+    layers = sorted({0, first_sparse_layer(judgement.config) or 0, *distinct_layers(judgement)})
     try:
         worker = judgement.session.helper(engine, WORKER_SPEC, "tensor-parallel")
         if worker is None:

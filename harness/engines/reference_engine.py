@@ -167,25 +167,25 @@ class ReferenceEngine(HFModelEngine):
         modules = dict(self.model.named_modules())
         probe = {f"{name}{LEAD}": lead for name, lead in input_leads(self.model, plan.inputs).items()}
         for seed, (name, stored) in enumerate(sorted(plan.inputs.items())):
-            weight = modules[name].weight
-            rows_in = probe_input(plan.scheme, stored, weight.shape[1], rows, weight.dtype, seed)
-            quantized = quantize_activations(rows_in, plan.scheme, stored)
+            weight, scheme = modules[name].weight, plan.scheme_for(name)
+            rows_in = probe_input(scheme, stored, weight.shape[1], rows, weight.dtype, seed)
+            quantized = quantize_activations(rows_in, scheme, stored)
             if not (torch.isfinite(rows_in).all() and torch.isfinite(quantized).all() and quantized.any()):
                 continue  # a scale the model dtype cannot carry inputs for (non-finite, or all would be 0)
             probe |= {f"{name}.input": rows_in, f"{name}.quantized": quantized}
-            if plan.scheme.static:  # engines hold the scale in the model dtype: its rounding, relative
+            if scheme.static:  # engines hold the scale in the model dtype: its rounding, relative
                 exact = stored.to(torch.float64).reshape(())
                 held = stored.to(weight.dtype).to(torch.float64).reshape(())
                 probe[f"{name}.scale_rounding"] = ((held - exact).abs() / exact.abs()).reshape(1)
                 # and one that dequantizes with that held scale in the model dtype rounds each value
                 # on its own (compressed-tensors' fake quantization): that input, exactly
-                probe[f"{name}.quantized_held"] = quantize_activations(rows_in, plan.scheme, stored.to(weight.dtype))
-            elif plan.scheme.dynamic:  # a dynamic scale computed in the model dtype, as compressed-tensors'
+                probe[f"{name}.quantized_held"] = quantize_activations(rows_in, scheme, stored.to(weight.dtype))
+            elif scheme.dynamic:  # a dynamic scale computed in the model dtype, as compressed-tensors'
                 # calculate_qparams does: an int8 grid is fine enough for that scale's rounding to move codes
-                model_dtype = dataclasses.replace(plan.scheme, arithmetic="model")
+                model_dtype = dataclasses.replace(scheme, arithmetic="model")
                 probe[f"{name}.quantized_held"] = quantize_activations(rows_in, model_dtype)
-            if plan.scheme.static:
-                inverted = quantize_activations(rows_in, plan.scheme, 1.0 / stored.to(torch.float64))
+            if scheme.static:
+                inverted = quantize_activations(rows_in, scheme, 1.0 / stored.to(torch.float64))
                 if torch.isfinite(inverted).all():
                     probe[f"{name}.inverted"] = inverted
         return probe | self.probe_experts(plan, rows)
@@ -225,7 +225,7 @@ class ReferenceEngine(HFModelEngine):
         experts = experts if weight_only else {}
         for name in linears + sorted(experts):
             width, dtype = shapes.get(name) or experts[name]
-            scheme = plan.scheme if name in inputs else None
+            scheme = plan.scheme_for(name) if name in inputs else None
             try:
                 basis = basis_input(scheme, inputs.get(name), width, dtype)
             except HarnessError:  # e.g. a static scheme whose module holds no scale: nothing to model
@@ -260,11 +260,12 @@ class ReferenceEngine(HFModelEngine):
         modules, probe = dict(self.model.named_modules()), {}
         hidden_size = self.model.config.get_text_config().hidden_size
         for seed, (name, scales) in enumerate(sorted(plan.experts.items()), start=len(plan.inputs)):
-            rows_in = probe_input(plan.scheme, scales[0][0], hidden_size, rows, dtype, seed)
+            scheme = plan.scheme_for(name)
+            rows_in = probe_input(scheme, scales[0][0], hidden_size, rows, dtype, seed)
             module = modules[name] if dtype == torch.float32 else copy.deepcopy(modules[name]).float()
             candidates = [
                 tuple(t.to(dtype) for t in pair)
-                for pair in each_expert_candidates(module, plan.scheme, scales, rows_in.float())
+                for pair in each_expert_candidates(module, scheme, scales, rows_in.float())
             ]
             if not all(torch.isfinite(t).all() for pair in candidates for t in pair):
                 continue
@@ -327,6 +328,8 @@ def zero_point_products(checkpoint):
         if prefix is None:
             return None
         tensors = {s: checkpoint.tensor(f"{prefix}.{s}") for s in fmt.suffixes if f"{prefix}.{s}" in names}
-        return (2 ** knobs.get("bits", 4) - 1) * fmt.affine_parts(tensors, knobs)[2][:, columns].abs()
+        own, own_knobs = fmt.for_module(prefix, knobs, tensors)  # a mixed checkpoint's group
+        parts = own.affine_parts(tensors, own_knobs)
+        return None if parts is None else (2 ** own_knobs.get("bits", 4) - 1) * parts[2][:, columns].abs()
 
     return products

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -51,8 +51,17 @@ class QuantizedCheckpoint:
 
     def reference(self, module: str, tensors: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The module's weight as the format defines it, float64; a refusal skips the tensor."""
+        tensors = dict(tensors if tensors is not None else self.tensors(module))
         with refusal_skips():
-            return self.fmt.dequantize(dict(tensors if tensors is not None else self.tensors(module)), self.knobs)
+            fmt, knobs = self.fmt.for_module(module, self.knobs, tensors)
+            return fmt.dequantize(tensors, knobs)
+
+    def narrowed(self, module: str) -> QuantizedCheckpoint:
+        """This checkpoint as read for its quantized `module`: in a mixed checkpoint (ct_mixed), with its
+        config group's format and knobs; a module no group reads is skipped."""
+        with refusal_skips():
+            fmt, knobs = self.fmt.for_module(module, self.knobs, self.tensors(module))
+        return self if fmt is self.fmt else replace(self, fmt=fmt, knobs=dict(knobs))
 
 
 @contextmanager

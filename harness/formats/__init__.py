@@ -37,6 +37,12 @@ REGISTRY: dict[str, str] = {
 
 FORMAT_NAMES = tuple(REGISTRY)
 
+#: formats the harness reads but never writes (no generator, no campaign cell): each is made of
+#: the formats above
+READ_ONLY: dict[str, str] = {
+    "ct-mixed": "harness.formats.ct_mixed:FORMAT",
+}
+
 
 def register_format(name: str, spec: str) -> None:
     """Add a format from outside the package (a plugin, harness.core.plugins): `spec` is the
@@ -57,8 +63,10 @@ def require_formats(*names: str) -> tuple[str, ...]:
 
 
 def get_format(name: str) -> QuantFormat:
-    require_formats(name)
-    module_name, attribute = REGISTRY[name].split(":")
+    """A registered format, or one the harness only reads (READ_ONLY)."""
+    if name not in READ_ONLY:
+        require_formats(name)
+    module_name, attribute = (REGISTRY.get(name) or READ_ONLY[name]).split(":")
     return getattr(importlib.import_module(module_name), attribute)
 
 
@@ -66,7 +74,7 @@ def detect_format(quantization_config: Mapping) -> QuantFormat:
     """The one registered format whose definition matches a checkpoint's `quantization_config`."""
     from harness.formats.base import FormatError
 
-    found = [fmt for fmt in map(get_format, FORMAT_NAMES) if fmt.matches(quantization_config)]
+    found = [fmt for fmt in map(get_format, FORMAT_NAMES + tuple(READ_ONLY)) if fmt.matches(quantization_config)]
     if not found:
         raise UnsupportedFormat(
             f"{describe_scheme(quantization_config)} matches no format the harness defines (it reads "

@@ -107,6 +107,8 @@ class CtNvfp4(QuantFormat):
                 and weights.get("group_size") == nv.GROUP
             ):
                 found.append(group)
+            elif weights:  # a group of another scheme: a mixed checkpoint (ct_mixed), not NVFP4's
+                return None
         return found or None
 
     def matches(self, quantization_config):

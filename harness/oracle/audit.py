@@ -44,8 +44,9 @@ from harness.checkpoints.reader import (
 )
 from harness.checkpoints.streaming import DTYPE_NAMES
 from harness.core.errors import CheckpointError, UnsupportedCheckpoint, UnsupportedFormat
-from harness.formats import auto_round, detect_format, equivalents
+from harness.formats import auto_round, ct_mixed, detect_format, equivalents
 from harness.formats.base import FormatError, QuantFormat
+from harness.oracle.reference import QUANTIZED_STORAGE
 
 #: every check, in report order, with what it means (docs/audit.md)
 CHECKS = {
@@ -181,11 +182,43 @@ def audit_checkpoint(directory: str | Path) -> AuditResult:
     result.tensors = len(tensors)
     result.files = len({s.file for s in tensors.values()})
     tensors = per_expert(tensors)
-    knobs = check_config(qconfig, fmt, result)
-    audit_modules(tensors, equivalents.read_as(qconfig), fmt, knobs, result)  # a foreign config's ignore list
+    for scheme_config, scheme, scheme_tensors in by_scheme(qconfig, fmt, tensors):
+        knobs = check_config(scheme_config, scheme, result)
+        # a foreign config's ignore list
+        audit_modules(scheme_tensors, equivalents.read_as(scheme_config), scheme, knobs, result)
     scan_unscaled(tensors, fmt, result)
     check_names(tensors, config, result)
     return result
+
+
+def by_scheme(
+    qconfig: dict, fmt: QuantFormat, tensors: dict[str, Stored]
+) -> list[tuple[dict, QuantFormat, dict[str, Stored]]]:
+    """(config, format, tensors) to audit as one scheme: the checkpoint whole, or for a mixed checkpoint
+    (ct_mixed) each config group with its config alone, the modules it stores and every plain tensor
+    (a plain Linear its targets name is its to report). A quantized module is its targeting group's,
+    or where no group names it (targets in the model's in-memory names), the group whose format stores
+    its tensors' names (else the first, whose checks then report what does not fit)."""
+    if not isinstance(fmt, ct_mixed.CtMixed):
+        return [(qconfig, fmt, tensors)]
+    knobs = fmt.knobs_from_config(qconfig)
+    members = knobs["members"]
+    by_module: dict[str, dict[str, Stored]] = {}
+    for name, stored in tensors.items():
+        by_module.setdefault(name.rpartition(".")[0], {})[name.rpartition(".")[2]] = stored
+    owned: dict[str, dict[str, Stored]] = {member.group: {} for member in members}
+    plain: dict[str, Stored] = {}
+    for module, parts in by_module.items():
+        quantized = (set(parts) - {"weight", "bias"}) & set(fmt.suffixes) or (
+            "weight" in parts and parts["weight"].dtype in QUANTIZED_STORAGE
+        )
+        if not quantized:
+            plain |= {f"{module}.{suffix}": stored for suffix, stored in parts.items()}
+            continue
+        member = ct_mixed.targeting_group(members, knobs["ignore"], module)
+        member = member or fmt.fitting_by_names(set(parts), knobs) or members[0]
+        owned[member.group] |= {f"{module}.{suffix}": stored for suffix, stored in parts.items()}
+    return [(member.config, member.fmt, owned[member.group] | plain) for member in members]
 
 
 # -- the names against the architecture ------------------------------------------------------------

@@ -611,7 +611,8 @@ def fast_dequantize_checkpoint(
     The checkpoint, its format and the dtype are checked here, before the first tensor is asked for."""
     checkpoint = Checkpoint(directory)
     fmt, knobs = format_and_knobs(checkpoint)
-    kernel_for(fmt)
+    for scheme in fmt.schemes(knobs):
+        kernel_for(scheme)
     dequantizer = FastDequantizer(dtype, verify=verify, reuse_output=reuse_output)
     return _stream(checkpoint, fmt, knobs, dequantizer)
 
@@ -622,7 +623,7 @@ def _stream(checkpoint: Checkpoint, fmt: QuantFormat, knobs, dequantizer: FastDe
     for module, parts in sorted(modules.items()):
         tensors = {suffix: checkpoint.tensor(name) for suffix, name in parts.items()}
         try:
-            weight = dequantizer.dequantize(fmt, knobs, tensors, f"{module}.weight")
+            weight = dequantizer.dequantize(*fmt.for_module(module, knobs, tensors), tensors, f"{module}.weight")
         except FormatError as error:
             shard = checkpoint.shard_of(parts.get(fmt.marker, next(iter(parts.values()))))
             raise CheckpointError(shard, f"{module}: {error}") from None

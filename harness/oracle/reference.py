@@ -57,7 +57,8 @@ def dequantize_checkpoint(
     for module, parts in sorted(modules.items()):  # the order dequantized_names gives
         tensors = {suffix: checkpoint.tensor(name).to(device) for suffix, name in parts.items()}
         try:
-            weight = fmt.dequantize(tensors, knobs)
+            own, own_knobs = fmt.for_module(module, knobs, tensors)
+            weight = own.dequantize(tensors, own_knobs)
         except FormatError as error:
             shard = checkpoint.shard_of(parts.get(fmt.marker, next(iter(parts.values()))))
             raise CheckpointError(shard, f"{module}: {error}") from None

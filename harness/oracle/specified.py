@@ -27,6 +27,13 @@ class Plan:
     kv_kind: str = "fp8"
     #: a model's packed experts module -> per expert, the (gate, up, down) static input scales
     experts: dict[str, list[tuple]] = field(default_factory=dict)
+    #: a Linear or packed experts module whose inputs another scheme quantizes (a mixed checkpoint's
+    #: config groups, harness.formats.ct_mixed) -> that scheme
+    own: dict[str, activations.ActivationScheme] = field(default_factory=dict)
+
+    def scheme_for(self, name: str) -> activations.ActivationScheme | None:
+        """The scheme that quantizes the inputs of the Linear or packed experts module `name`."""
+        return self.own.get(name, self.scheme)
 
     @contextmanager
     def installed(self, model: torch.nn.Module, variant: str = "float64"):
@@ -46,10 +53,12 @@ class Plan:
         arithmetic, _, nudge = variant.partition("+")
         handles = [_WeightsOneUlp(model, self, nudge)] if nudge else []
         try:
-            if self.scheme:
-                scheme = dataclasses.replace(self.scheme, arithmetic=arithmetic)
-                handles += activations.install(model, self.inputs, scheme)
-                handles += expert_activations.install(model, self.experts, scheme)
+            for scheme in dict.fromkeys(map(self.scheme_for, [*self.inputs, *self.experts])):
+                inputs = {name: scale for name, scale in self.inputs.items() if self.scheme_for(name) == scheme}
+                experts = {name: scales for name, scales in self.experts.items() if self.scheme_for(name) == scheme}
+                scheme = dataclasses.replace(scheme, arithmetic=arithmetic)
+                handles += activations.install(model, inputs, scheme)
+                handles += expert_activations.install(model, experts, scheme)
             return handles + kv_cache.install(model, self.kv, arithmetic, self.kv_kind)
         except BaseException:  # a half-installed plan would change every later forward
             for handle in handles:
@@ -132,23 +141,28 @@ def plan(checkpoint, option: str = "") -> Plan | str:
     if not isinstance(config, dict):
         return "the checkpoint is not quantized"
     try:
-        scheme = activations.scheme_of(config)
+        fmt, knobs = format_and_knobs(checkpoint)
+        scheme_of = _module_schemes(config, fmt, knobs)
         kv = kv_cache.declares_fp8_kv_cache(config)
-        fmt = format_and_knobs(checkpoint)[0]
     except HarnessError as error:
         return str(error)
-    unit_kv = option.startswith("kv_cache_dtype=") and not kv  # where declared, the option changes nothing
-    if scheme is None and not kv and not unit_kv:
-        return "the config quantizes weights only"
-    result = Plan(scheme)
     names = checkpoint.names()
     modules, _ = group_modules(names, fmt, checkpoint.storage_dtypes())
-    for module, parts in modules.items() if scheme else ():
-        if activations.declared_ignored(config, module) or module.endswith("embed_tokens"):  # targets: Linear
-            continue
+    schemes = {module: scheme_of(module, set(parts)) for module, parts in modules.items()}
+    declared = [s for s in schemes.values() if s is not None] or [activations.scheme_of(config)]
+    unit_kv = option.startswith("kv_cache_dtype=") and not kv  # where declared, the option changes nothing
+    if declared[0] is None and not kv and not unit_kv:
+        return "the config quantizes weights only"
+    result = Plan(declared[0])
+    for module, parts in modules.items():
+        scheme = schemes[module]
+        if scheme is None or activations.declared_ignored(config, module) or module.endswith("embed_tokens"):
+            continue  # targets: Linear
         if scheme.static and scheme.static not in parts:
             return f"{module} has no {scheme.static} ({scheme.describe()})"
         result.inputs[canonical_name(module)] = checkpoint.tensor(parts[scheme.static]) if scheme.static else None
+        if scheme != result.scheme:
+            result.own[canonical_name(module)] = scheme
     refusal = _move_experts(result, checkpoint.config, names)
     if refusal:
         return refusal
@@ -165,10 +179,28 @@ def plan(checkpoint, option: str = "") -> Plan | str:
     return result
 
 
+def _module_schemes(config: dict, fmt, knobs):
+    """(stored module, its tensors' suffixes) -> the scheme that quantizes its input: the config's, or
+    in a mixed checkpoint its config group's (harness.formats.ct_mixed; None for a weight-only group)."""
+    from harness.formats.ct_mixed import CtMixed
+
+    if not isinstance(fmt, CtMixed):
+        scheme = activations.scheme_of(config)
+        return lambda module, suffixes: scheme
+    schemes = {member.group: activations.scheme_of(member.config) for member in knobs["members"]}
+
+    def scheme_of(module: str, suffixes: set[str]):
+        member = fmt.member(module, knobs, suffixes)
+        return schemes[member.group] if member is not None else None
+
+    return scheme_of
+
+
 def _move_experts(result: Plan, config: dict, names: list[str]) -> str | None:
     """Move the routed experts' Linears from `inputs` to `experts`, grouped per packed experts module
     as the model holds them (harness.checkpoints.model_layout); why not, where an expert is not
-    quantized like the others."""
+    quantized like the others. A packed module none of whose experts' inputs are quantized (a mixed
+    checkpoint's weight-only group) stays out."""
     from harness.checkpoints.model_layout import known_layout, layout_settings, packed_experts
 
     arch = known_layout(config, names)
@@ -181,12 +213,17 @@ def _move_experts(result: Plan, config: dict, names: list[str]) -> str | None:
         gates, ups = packing.parts
         base = target.removesuffix(".gate_up_proj")
         (downs,) = packed[f"{base}.down_proj"].parts
-        triples = []
-        for names in zip(gates, ups, downs, strict=True):
-            modules = [name.removesuffix(".weight") for name in names]
-            absent = [m for m in modules if m not in result.inputs]
-            if absent:
-                return f"{absent[0]}: an expert whose input the config does not quantize like the others"
-            triples.append(tuple(result.inputs.pop(m) for m in modules))
-        result.experts[base] = triples
+        experts = [[name.removesuffix(".weight") for name in names] for names in zip(gates, ups, downs, strict=True)]
+        every = [module for modules in experts for module in modules]
+        absent = [module for module in every if module not in result.inputs]
+        if len(absent) == len(every):
+            continue
+        if absent:
+            return f"{absent[0]}: an expert whose input the config does not quantize like the others"
+        owned = {result.own.pop(module, result.scheme) for module in every}
+        if len(owned) > 1:
+            return f"{base}: experts whose inputs the config quantizes in different schemes"
+        if owned != {result.scheme}:
+            result.own[base] = owned.pop()
+        result.experts[base] = [tuple(result.inputs.pop(m) for m in modules) for modules in experts]
     return None

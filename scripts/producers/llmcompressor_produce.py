@@ -91,6 +91,30 @@ ARCHITECTURES = {
 MLA_WHOLE_GROUPS = {"q_lora_rank": 128, "kv_lora_rank": 128}
 #: the routed experts' Linears (a case that quantizes nothing else)
 EXPERTS = ["re:.*mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$"]
+#: attention's projections and a dense model's MLP (the targets of a mixed-precision case's groups)
+ATTENTION = ["re:.*self_attn\\.(q|k|v|o)_proj$"]
+DENSE_MLP = ["re:.*mlp\\.(gate|up|down)_proj$"]
+#: mixed precision: several config groups, preset -> targets (llm-compressor's `scheme` as a dict); one
+#: compression format each (top-level format "mixed-precision") or one for all (int4 beside int8)
+MIXED = {
+    "qwen3_moe-fp8-dynamic-attn-w4a16-experts": ("qwen3_moe", {"FP8_DYNAMIC": ATTENTION, "W4A16": EXPERTS}),
+    "qwen3_moe-fp8-block-attn-nvfp4a16-experts": ("qwen3_moe", {"FP8_BLOCK": ATTENTION, "NVFP4A16": EXPERTS}),
+    "llama-fp8-attn-nvfp4-mlp": ("llama", {"FP8": ATTENTION, "NVFP4": DENSE_MLP}),
+    "llama-w8a16-attn-w4a16-mlp": ("llama", {"W8A16": ATTENTION, "W4A16": DENSE_MLP}),
+    "llama-w4a16-attn-w4a16-asym-mlp": ("llama", {"W4A16": ATTENTION, "W4A16_ASYM": DENSE_MLP}),
+    # Unsloth's NVFP4 layout: the FP8 group also names the last layer's MLP, which the NVFP4 group's
+    # pattern matches too (compressed-tensors orders regex targets as strings: NVFP4's comes first)
+    "llama-fp8-dynamic-attn-last-mlp-nvfp4a16-mlp": (
+        "llama",
+        {"FP8_DYNAMIC": [*ATTENTION, "re:model\\.layers\\.1\\.mlp\\.(gate|up|down)_proj$"], "NVFP4A16": DENSE_MLP},
+        {"num_hidden_layers": 2},
+    ),
+    "llama-fp8-dynamic-attn-last-mlp-w4a16-mlp": (
+        "llama",
+        {"FP8_DYNAMIC": [*ATTENTION, "re:model\\.layers\\.1\\.mlp\\.(gate|up|down)_proj$"], "W4A16": DENSE_MLP},
+        {"num_hidden_layers": 2},
+    ),
+}
 #: routers and the head stay unquantized (llm-compressor's examples ignore them the same way)
 IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*shared_expert_gate$", "re:.*router$"]
 KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
@@ -135,6 +159,8 @@ def cases() -> dict[str, dict]:
     # only the routed experts int4, everything else bfloat16: how Kimi-K2-Thinking ships
     table["deepseek_v3-w4a16-experts"] = {"arch": "deepseek_v3", "scheme": "W4A16", "targets": EXPERTS}
     table["qwen3_moe-fp8-block-h256"] = {"arch": "qwen3_moe", "scheme": "FP8_BLOCK", "sizes": {"hidden_size": 256}}
+    for name, (arch, groups, *sizes) in MIXED.items():
+        table[name] = {"arch": arch, "scheme": groups, "sizes": sizes[0] if sizes else {}}
     return table
 
 
@@ -221,7 +247,8 @@ def produce(name: str, case: dict, out: Path, scratch: Path) -> None:
     base = base_model(case["arch"], case.get("sizes", {}), scratch / name)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
     recipe, recorded = recipe_for(case)
-    calibrated = case.get("kv") or case.get("gptq") or case["scheme"] in CALIBRATED
+    presets = case["scheme"] if isinstance(case["scheme"], dict) else [case["scheme"]]
+    calibrated = case.get("kv") or case.get("gptq") or any(preset in CALIBRATED for preset in presets)
     options = {"dataset": calibration(), "num_calibration_samples": 8, "max_seq_length": 32}
     options = {**options, "processor": local_tokenizer()} if calibrated else {}
     oneshot(model=model, recipe=recipe, **options)

@@ -93,14 +93,16 @@ def checkpoints(tmp_path_factory):
 
 
 def quantized_modules(directory):
-    """(module name, format, knobs, tensors) for every quantized module of a checkpoint."""
+    """(module name, format, knobs, tensors) for every quantized module of a checkpoint (a mixed
+    checkpoint's module with its config group's format, as `dequant --fast` reads it)."""
     from harness.checkpoints.reader import Checkpoint
 
     checkpoint = Checkpoint(directory)
     fmt, knobs = format_and_knobs(checkpoint)
     modules, _ = group_modules(checkpoint.names(), fmt)
     for module, parts in sorted(modules.items()):
-        yield module, fmt, knobs, {suffix: checkpoint.tensor(name) for suffix, name in parts.items()}
+        tensors = {suffix: checkpoint.tensor(name) for suffix, name in parts.items()}
+        yield module, *fmt.for_module(module, knobs, tensors), tensors
 
 
 def test_every_registered_format_has_a_fast_kernel_or_says_it_has_none():

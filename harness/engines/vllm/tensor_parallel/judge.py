@@ -162,7 +162,20 @@ def expert_coverage(shards: list[Shard], truth: Truth, ep_sizes: list[int]) -> l
     return verdicts
 
 
+def for_linear(truth: Truth, linear) -> Truth:
+    """The truth as read for one Linear: in a mixed checkpoint (harness.formats.ct_mixed), with the
+    format and knobs of its config group (its first part's, as vLLM chooses one scheme per Linear)."""
+    module = linear.part_module(truth.layer, linear.parts[0])
+    tensors = {name.rpartition(".")[2]: t for name, t in truth.raw.items() if name.rpartition(".")[0] == module}
+    try:
+        fmt, knobs = truth.fmt.for_module(module, truth.knobs, tensors or None)
+    except FormatError:
+        return truth  # its tensors fit no group: the reference refuses them where they are read
+    return truth if fmt is truth.fmt else replace(truth, fmt=fmt, knobs=dict(knobs))
+
+
 def judge_shard(shard: Shard, truth: Truth) -> RankVerdict:
+    truth = for_linear(truth, shard.linear)
     verdict = RankVerdict(shard.tp, shard.rank, shard.linear.name, EXACT, parallel=shard.parallel)
     if shard.refused:
         verdict.status = REFUSED

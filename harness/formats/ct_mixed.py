@@ -1,0 +1,238 @@
+"""compressed-tensors with several config groups (mixed precision, llm-compressor's `scheme` given
+as a dict: FP8 attention beside int4 experts, int8 beside int4, ...).
+
+Each group is read as the single-group format its scheme is (`detect_format` on the config with that
+group alone), and each module in the scheme of the group that targets it, chosen as compressed-tensors
+0.20 chooses (`match_targets`, `_scheme_from_targets`): targets sorted exact names first, then regular
+expressions, each kind in string order, the first that names the module wins, else the class name
+`Linear`; a module the ignore list names is in no group, and a target repeated in a later group is that
+group's. A module whose name no target matches as stored (producers write targets in the model's
+in-memory names, which transformers may save under others: Mixtral's experts) is read in the one
+group's scheme its tensors fit; one they fit two ways is refused.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from harness.formats.base import FormatError, QuantFormat
+
+#: the class name compressed-tensors' `_match_class` matches every Linear (and vLLM's LinearBase) by
+LINEAR = "Linear"
+
+
+class Member(NamedTuple):
+    """One config group: its name, targets, the format and knobs its scheme reads as, and the
+    checkpoint's quantization_config with this group alone."""
+
+    group: str
+    targets: tuple[str, ...]
+    fmt: QuantFormat
+    knobs: dict
+    config: dict
+
+
+def _single_group_configs(config: Mapping[str, Any]) -> list[tuple[str, dict]] | None:
+    """Each config group as a config of its own (the top level kept, the group's format as the
+    format), for a compressed-tensors config of two groups or more; None for any other config."""
+    if config.get("quant_method") != "compressed-tensors":
+        return None
+    groups = config.get("config_groups")
+    if not isinstance(groups, Mapping) or len(groups) < 2:
+        return None
+    singles = []
+    for name, group in groups.items():
+        if not isinstance(group, Mapping) or not isinstance(group.get("weights"), Mapping):
+            return None  # a group that quantizes no weight (activations or attention only)
+        own_format = group.get("format") or config.get("format")
+        singles.append((str(name), {**config, "config_groups": {name: dict(group)}, "format": own_format}))
+    return singles
+
+
+def members_of(config: Mapping[str, Any]) -> list[Member] | None:
+    """The config's groups, each with the format its scheme reads as; None where the config is not
+    several groups of compressed-tensors or one group's scheme is no format the harness reads."""
+    from harness.core.errors import UnsupportedFormat
+    from harness.formats import detect_format
+
+    singles = _single_group_configs(config)
+    if singles is None:
+        return None
+    members = []
+    for name, single in singles:
+        try:
+            fmt = detect_format(single)
+            knobs = fmt.knobs_from_config(single)
+        except (UnsupportedFormat, FormatError):
+            return None
+        targets = single["config_groups"][name].get("targets") or []
+        members.append(Member(name, tuple(str(t) for t in targets), fmt, knobs, single))
+    return members
+
+
+def _names(target: str, module: str) -> bool:
+    """compressed-tensors' `match_name`: a `re:` target matches from the start of the name, any
+    other only the whole name."""
+    if target.startswith("re:"):
+        try:
+            return re.match(target.removeprefix("re:"), module) is not None
+        except re.error:
+            return False
+    return target == module
+
+
+def targeting_group(members: list[Member], ignore: list[str], module: str) -> Member | None:
+    """The member whose scheme compressed-tensors gives a Linear named `module`, None where the
+    ignore list names it or no target does."""
+    if any(_names(entry, module) or entry == LINEAR for entry in ignore):
+        return None
+    owner: dict[str, Member] = {}
+    for member in members:  # an OrderedDict in compressed-tensors: a later group's target wins
+        for target in member.targets:
+            owner[target] = member
+    ordered = sorted(owner, key=lambda target: ("re:" in target, target))
+    for target in ordered:
+        if _names(target, module):
+            return owner[target]
+    return owner.get(LINEAR)
+
+
+#: a decoder layer's index in a module name, and the rest of the name after it
+LAYER = re.compile(r"\.layers\.(\d+)\.(.+)$")
+
+
+def layer_assignments(names: list[str], knobs) -> dict[tuple, int]:
+    """Each distinct way a decoder layer's stored Linears are named by the config groups' targets
+    (every group that names each, not only the one compressed-tensors chooses: a loader may choose
+    another) -> the first layer named so."""
+    by_layer: dict[int, set[tuple]] = {}
+    for name in names:
+        module = name.rpartition(".")[0]
+        found = LAYER.search(module)
+        if found:
+            naming = tuple(m.group for m in knobs["members"] if any(_names(t, module) for t in m.targets))
+            by_layer.setdefault(int(found[1]), set()).add((found[2], naming))
+    first: dict[tuple, int] = {}
+    for layer, assignment in sorted(by_layer.items()):
+        first.setdefault(tuple(sorted(assignment)), layer)
+    return first
+
+
+class CtMixed(QuantFormat):
+    """Several config groups, each module read in its own group's format (see the module docstring).
+    Its tensors are any the compressed-tensors formats store; its knobs are its members."""
+
+    name = "ct-mixed"
+    description = "compressed-tensors with several config groups (mixed precision), each a scheme read here"
+    #: the stored weight first ('weight' for FP8 and int8, 'weight_packed' for the packed formats);
+    #: every compressed-tensors format stores a weight_scale
+    suffixes = (
+        "weight",
+        "weight_packed",
+        "weight_scale",
+        "weight_shape",
+        "weight_zero_point",
+        "weight_global_scale",
+        "input_global_scale",
+        "input_scale",
+    )
+    marker = "weight_scale"
+
+    def matches(self, quantization_config):
+        """Several groups read here, unless they are one scheme whose format reads them all itself."""
+        members = members_of(quantization_config)
+        if members is None:
+            return False
+        schemes = {(member.fmt.name, repr(member.knobs)) for member in members}
+        return len(schemes) > 1 or not members[0].fmt.matches(quantization_config)
+
+    def knobs_from_config(self, quantization_config):
+        members = members_of(quantization_config)
+        if members is None:
+            raise FormatError("quantization_config is not compressed-tensors with several config groups read here")
+        ignore = quantization_config.get("ignore") or []
+        return {"members": members, "ignore": [str(entry) for entry in ignore]}
+
+    def quantization_config(self, knobs, ignore):
+        raise FormatError("ct-mixed is read, not written: the generator writes one scheme per checkpoint")
+
+    def schemes(self, knobs):
+        return tuple(dict.fromkeys(member.fmt for member in knobs["members"]))
+
+    def for_module(self, module, knobs, tensors=None):
+        member = targeting_group(knobs["members"], knobs["ignore"], module)
+        if member is not None:
+            return member.fmt, member.knobs
+        return self.fitting(tensors, knobs) if tensors is not None else (self, knobs)
+
+    def member(self, module: str, knobs, suffixes: set[str]) -> Member | None:
+        """The group a stored module with tensors of these suffixes is read in, by its name, else by
+        the suffixes alone (fitting_by_names); None where neither tells."""
+        return targeting_group(knobs["members"], knobs["ignore"], module) or self.fitting_by_names(suffixes, knobs)
+
+    def fitting_by_names(self, suffixes: set[str], knobs) -> Member | None:
+        """The first member whose format stores exactly such tensors (by their suffixes alone: what a
+        reader of the files' headers can tell), None where none does."""
+        present = suffixes - {"bias"}
+        for member in knobs["members"]:
+            if {member.fmt.marker, member.fmt.suffixes[0]} <= present <= set(member.fmt.suffixes):
+                return member
+        return None
+
+    def fitting(self, tensors: Mapping[str, torch.Tensor], knobs) -> tuple[QuantFormat, dict]:
+        """The one member whose format the tensors fit (suffixes, then its dequantizer where two
+        formats store the same suffixes); FormatError where none does or two do differently."""
+        present = set(tensors) - {"bias"}
+        candidates = [
+            m for m in knobs["members"] if {m.fmt.marker, m.fmt.suffixes[0]} <= present <= set(m.fmt.suffixes)
+        ]
+        candidates = list({(m.fmt.name, repr(m.knobs)): m for m in candidates}.values())
+        if len(candidates) == 1:
+            return candidates[0].fmt, candidates[0].knobs
+        groups = ", ".join(m.group for m in knobs["members"])
+        if not candidates:
+            raise FormatError(f"tensors {sorted(present)} fit none of the config groups ({groups})")
+        fits, errors = [], []
+        for member in candidates:
+            try:
+                fits.append((member, member.fmt.dequantize(tensors, member.knobs)))
+            except FormatError as error:
+                errors.append(f"{member.group}: {error}")
+        if not fits:
+            raise FormatError(f"tensors fit none of the config groups ({'; '.join(errors)})")
+        first = fits[0][1]
+        if any(value.shape != first.shape or not torch.equal(value, first) for _, value in fits[1:]):
+            named = ", ".join(member.group for member, _ in fits)
+            raise FormatError(f"tensors fit config groups {named}, which read them differently")
+        return fits[0][0].fmt, fits[0][0].knobs
+
+    def dequantize(self, tensors, knobs):
+        fmt, own = self.fitting(tensors, knobs)
+        return fmt.dequantize(tensors, own)
+
+    def affine_parts(self, tensors, knobs):
+        fmt, own = self.fitting(tensors, knobs)
+        return fmt.affine_parts(tensors, own)
+
+    def redundant(self, tensors, knobs):
+        return set()  # a member's optional tensors are judged where its module is read (for_module)
+
+    def scale_block(self, knobs, shape):
+        blocks = {member.fmt.scale_block(member.knobs, shape) for member in knobs["members"]}
+        if len(blocks) != 1:
+            raise FormatError(f"the config groups scale {shape} in different blocks: ask for_module")
+        return blocks.pop()
+
+    def splits_by_rows(self, knobs):
+        return all(member.fmt.splits_by_rows(member.knobs) for member in knobs["members"])
+
+    def packed_across_rows(self, knobs):
+        packed = (member.fmt.packed_across_rows(member.knobs) for member in knobs["members"])
+        return tuple(dict.fromkeys(suffix for suffixes in packed for suffix in suffixes))
+
+
+FORMAT = CtMixed()
