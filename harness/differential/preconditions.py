@@ -242,7 +242,7 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
     from harness.checkpoints.manifest import read_manifest
     from harness.checkpoints.recipe import Recipe
     from harness.checkpoints.writer import MANIFEST_FILE
-    from harness.formats.ct_mixed import CtMixed
+    from harness.formats.mixed import MixedPrecision
     from harness.oracle.reference import format_and_knobs
 
     directory = Path(directory)
@@ -256,7 +256,7 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
     try:
         fmt, knobs = format_and_knobs(directory)
         context |= _scalars(knobs)
-        if isinstance(fmt, CtMixed):
+        if isinstance(fmt, MixedPrecision):
             context[SCHEMES] = scheme_contexts(knobs)
     except (HarnessError, OSError, ValueError):
         pass
@@ -288,7 +288,7 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
     return context
 
 
-#: the context key of a mixed checkpoint's config groups (harness.formats.ct_mixed): a list of (format
+#: the context key of a mixed checkpoint's config groups (harness.formats.mixed): a list of (format
 #: name, the facts of its knobs and weights), one per group; no predicate names it
 SCHEMES = "_schemes"
 

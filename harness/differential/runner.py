@@ -69,7 +69,7 @@ def _load_and_judge(judgement: Judgement, engine: str) -> list[torch.Tensor] | N
     outcome.version = judgement.session.versions[engine]
     finding = judgement.finding
     try:
-        reason = _unsupported_reason(judgement, worker)
+        reason = worker.unsupported_schemes(judgement.fmt, judgement.knobs)
         if reason:
             outcome.status, outcome.detail = "unsupported", reason
             judge_with_stand_in_kernels(judgement, engine, outcome)
@@ -277,19 +277,9 @@ def _unsupported_here(judgement: Judgement, engine: str) -> bool:
     capability): no reference load is made for it (online FP8 per block without AMX)."""
     worker = judgement.session.process(engine)
     try:
-        return worker is None or bool(_unsupported_reason(judgement, worker))
+        return worker is None or bool(worker.unsupported_schemes(judgement.fmt, judgement.knobs))
     except (EngineError, EngineFailure):
         return False  # its own load says so, where it is judged
-
-
-def _unsupported_reason(judgement: Judgement, worker) -> str | None:
-    """The engine's reason it cannot run the checkpoint's format here: of the first of the formats its
-    modules are stored in (a mixed checkpoint's groups, QuantFormat.schemes) that it cannot run."""
-    for scheme in judgement.fmt.schemes(judgement.knobs):
-        reason = worker.unsupported(scheme.name)
-        if reason:
-            return reason
-    return None
 
 
 def _specified_forwards(judgement: Judgement, worker: EngineProcess, load: str):

@@ -78,13 +78,13 @@ def judge_with_stand_in_kernels(judgement, engine: str, outcome) -> None:
 
 
 def distinct_layers(judgement) -> list[int]:
-    """In a mixed checkpoint (harness.formats.ct_mixed), the first decoder layer of each assignment
+    """In a mixed checkpoint (harness.formats.mixed), the first decoder layer of each assignment
     of its Linears to config groups (a group naming one layer's MLP as Unsloth's NVFP4 releases do):
     the loaders choose a scheme per Linear there as well; none for any other checkpoint."""
     from harness.checkpoints.reader import Checkpoint
-    from harness.formats.ct_mixed import CtMixed, layer_assignments
+    from harness.formats.mixed import MixedPrecision, layer_assignments
 
-    if not isinstance(judgement.fmt, CtMixed):
+    if not isinstance(judgement.fmt, MixedPrecision):
         return []
     return sorted(layer_assignments(Checkpoint(judgement.directory).names(), judgement.knobs).values())
 

@@ -177,6 +177,11 @@ class EngineProcess:
         """Why the engine cannot load format `fmt` here, or None."""
         return self.request("unsupported", format=fmt)["reason"]
 
+    def unsupported_schemes(self, fmt, knobs) -> str | None:
+        """Why the engine cannot load a checkpoint of format `fmt` here: the reason of the first of
+        the formats its modules are stored in (QuantFormat.schemes: a mixed checkpoint's groups')."""
+        return next(filter(None, (self.unsupported(scheme.name) for scheme in fmt.schemes(knobs))), None)
+
     def load(self, directory: str | Path, variant: str | None = None) -> dict:
         """Load a checkpoint (replacing any loaded one); its load report as a dict of lists.
         `variant`: another load path that must agree with the default (Engine.load_variant). A worker

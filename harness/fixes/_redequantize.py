@@ -57,7 +57,7 @@ class QuantizedCheckpoint:
             return fmt.dequantize(tensors, knobs)
 
     def narrowed(self, module: str) -> QuantizedCheckpoint:
-        """This checkpoint as read for its quantized `module`: in a mixed checkpoint (ct_mixed), with its
+        """This checkpoint as read for its quantized `module`: in a mixed checkpoint (mixed), with its
         config group's format and knobs; a module no group reads is skipped."""
         with refusal_skips():
             fmt, knobs = self.fmt.for_module(module, self.knobs, self.tensors(module))

@@ -40,7 +40,7 @@ FORMAT_NAMES = tuple(REGISTRY)
 #: formats the harness reads but never writes (no generator, no campaign cell): each is made of
 #: the formats above
 READ_ONLY: dict[str, str] = {
-    "ct-mixed": "harness.formats.ct_mixed:FORMAT",
+    "mixed-precision": "harness.formats.mixed:FORMAT",
 }
 
 

@@ -84,14 +84,14 @@ class QuantFormat:
         return values
 
     def schemes(self, knobs: Mapping[str, Any]) -> tuple[QuantFormat, ...]:
-        """The formats its modules are stored in: itself, or a mixed checkpoint's groups' (ct_mixed)."""
+        """The formats its modules are stored in: itself, or a mixed checkpoint's groups' (mixed)."""
         return (self,)
 
     def for_module(
         self, module: str, knobs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None = None
     ) -> tuple[QuantFormat, Mapping[str, Any]]:
         """The format and knobs that read the module stored as `module` (its name without `.weight`):
-        itself, or in a mixed checkpoint its config group's (ct_mixed), chosen by the module's
+        itself, or in a mixed checkpoint its config group's (mixed), chosen by the module's
         `tensors` where no group names it."""
         return self, knobs
 

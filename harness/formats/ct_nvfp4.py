@@ -107,7 +107,7 @@ class CtNvfp4(QuantFormat):
                 and weights.get("group_size") == nv.GROUP
             ):
                 found.append(group)
-            elif weights:  # a group of another scheme: a mixed checkpoint (ct_mixed), not NVFP4's
+            elif weights:  # a group of another scheme: a mixed checkpoint (mixed), not NVFP4's
                 return None
         return found or None
 

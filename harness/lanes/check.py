@@ -285,7 +285,7 @@ def check_in_process(
             f"checkpoint {directory}: {recipe.format} {recipe.arch} config={recipe.config} knobs={recipe.knobs} "
             f"layout={recipe.layout} perturb={recipe.perturb}"
         )
-    fmt, _ = format_and_knobs(directory)
+    fmt, knobs = format_and_knobs(directory)
     engines = judged_with_reference(case.engine)
     session = EngineSession(engines, work / "engines", Limits(timeout_s, memory_mb))
     try:
@@ -295,7 +295,7 @@ def check_in_process(
             return Verdict(EXIT_CANNOT_TEST, f"{case.engine} unavailable: {session.unavailable[case.engine]}")
         out(f"engine {case.engine} {session.versions[case.engine]} ({worker.info.get('python', '?')})")
         try:
-            reason = worker.unsupported(fmt.name)
+            reason = worker.unsupported_schemes(fmt, knobs)
         except (EngineError, EngineFailure) as error:
             return Verdict(EXIT_CANNOT_TEST, f"{case.engine} cannot say whether it supports {fmt.name}: {error}")
         if reason and not case.replays_issue:

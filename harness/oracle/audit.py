@@ -44,7 +44,7 @@ from harness.checkpoints.reader import (
 )
 from harness.checkpoints.streaming import DTYPE_NAMES
 from harness.core.errors import CheckpointError, UnsupportedCheckpoint, UnsupportedFormat
-from harness.formats import auto_round, ct_mixed, detect_format, equivalents
+from harness.formats import auto_round, mixed, detect_format, equivalents
 from harness.formats.base import FormatError, QuantFormat
 from harness.oracle.reference import QUANTIZED_STORAGE
 
@@ -195,11 +195,11 @@ def by_scheme(
     qconfig: dict, fmt: QuantFormat, tensors: dict[str, Stored]
 ) -> list[tuple[dict, QuantFormat, dict[str, Stored]]]:
     """(config, format, tensors) to audit as one scheme: the checkpoint whole, or for a mixed checkpoint
-    (ct_mixed) each config group with its config alone, the modules it stores and every plain tensor
+    (mixed) each config group with its config alone, the modules it stores and every plain tensor
     (a plain Linear its targets name is its to report). A quantized module is its targeting group's,
     or where no group names it (targets in the model's in-memory names), the group whose format stores
     its tensors' names (else the first, whose checks then report what does not fit)."""
-    if not isinstance(fmt, ct_mixed.CtMixed):
+    if not isinstance(fmt, mixed.MixedPrecision):
         return [(qconfig, fmt, tensors)]
     knobs = fmt.knobs_from_config(qconfig)
     members = knobs["members"]
@@ -215,7 +215,7 @@ def by_scheme(
         if not quantized:
             plain |= {f"{module}.{suffix}": stored for suffix, stored in parts.items()}
             continue
-        member = ct_mixed.targeting_group(members, knobs["ignore"], module)
+        member = mixed.targeting_group(members, knobs["ignore"], module)
         member = member or fmt.fitting_by_names(set(parts), knobs) or members[0]
         owned[member.group] |= {f"{module}.{suffix}": stored for suffix, stored in parts.items()}
     return [(member.config, member.fmt, owned[member.group] | plain) for member in members]

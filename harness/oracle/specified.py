@@ -28,7 +28,7 @@ class Plan:
     #: a model's packed experts module -> per expert, the (gate, up, down) static input scales
     experts: dict[str, list[tuple]] = field(default_factory=dict)
     #: a Linear or packed experts module whose inputs another scheme quantizes (a mixed checkpoint's
-    #: config groups, harness.formats.ct_mixed) -> that scheme
+    #: config groups, harness.formats.mixed) -> that scheme
     own: dict[str, activations.ActivationScheme] = field(default_factory=dict)
 
     def scheme_for(self, name: str) -> activations.ActivationScheme | None:
@@ -181,10 +181,10 @@ def plan(checkpoint, option: str = "") -> Plan | str:
 
 def _module_schemes(config: dict, fmt, knobs):
     """(stored module, its tensors' suffixes) -> the scheme that quantizes its input: the config's, or
-    in a mixed checkpoint its config group's (harness.formats.ct_mixed; None for a weight-only group)."""
-    from harness.formats.ct_mixed import CtMixed
+    in a mixed checkpoint its config group's (harness.formats.mixed; None for a weight-only group)."""
+    from harness.formats.mixed import MixedPrecision
 
-    if not isinstance(fmt, CtMixed):
+    if not isinstance(fmt, MixedPrecision):
         scheme = activations.scheme_of(config)
         return lambda module, suffixes: scheme
     schemes = {member.group: activations.scheme_of(member.config) for member in knobs["members"]}

@@ -72,7 +72,11 @@ CASES: dict[str, tuple[str, str]] = {
     "qwen3_moe_nvfp4": ("nvfp4 weight and input; Qwen3-MoE experts", "NVFP4_DEFAULT_CFG"),
     "mixtral_fp8": ("fp8-e4m3 weight and static input, per-tensor scales; Mixtral experts", "FP8_DEFAULT_CFG"),
     "mixtral_nvfp4": ("nvfp4 weight and input; Mixtral experts", "NVFP4_DEFAULT_CFG"),
+    "fp8_attn_nvfp4_mlp": ("MIXED_PRECISION: fp8 attention, nvfp4 MLP (weight and input)", "FP8_DEFAULT_CFG"),
 }
+#: mixed precision: case -> (module pattern, mtq config whose weight and input quantizers it takes), rules
+#: appended to the case's own config (ModelOpt applies them in order: the last that names a quantizer wins)
+MIXED_RULES: dict[str, list[tuple[str, str]]] = {"fp8_attn_nvfp4_mlp": [("*mlp*", "NVFP4_DEFAULT_CFG")]}
 #: mixtures of 4 experts, top 2 (nvidia's FP4 releases are mostly MoE)
 MOE_CONFIG = MODEL_CONFIG | {"num_experts_per_tok": 2}
 #: case -> (transformers config class, model) where it is not a Llama of MODEL_CONFIG: widths 192
@@ -192,6 +196,17 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
         quantize_case(case, Path(scratch) / "base", out_root, model_config)
 
 
+def mixed(case: str, quant_cfg: dict) -> dict:
+    """`quant_cfg` with the case's MIXED_RULES appended: each pattern's weight and input quantizers as
+    another config sets them."""
+    for pattern, config_name in MIXED_RULES.get(case, []):
+        for rule in getattr(mtq, config_name)["quant_cfg"]:
+            name = rule.get("quantizer_name", "")
+            if name in ("*weight_quantizer", "*input_quantizer") and "cfg" in rule:
+                quant_cfg["quant_cfg"].append({**copy.deepcopy(rule), "quantizer_name": pattern + name[1:]})
+    return quant_cfg
+
+
 def quantize_case(case: str, base_dir: Path, out_root: Path, model_config: dict) -> None:
     scheme, config_name = CASES[case]
     case_dir = out_root / PRODUCER / case
@@ -201,7 +216,7 @@ def quantize_case(case: str, base_dir: Path, out_root: Path, model_config: dict)
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16)
     model.eval()
-    quant_cfg = copy.deepcopy(getattr(mtq, config_name))
+    quant_cfg = mixed(case, copy.deepcopy(getattr(mtq, config_name)))
     batches = calibration_batches()
 
     def forward_loop(m: torch.nn.Module) -> None:

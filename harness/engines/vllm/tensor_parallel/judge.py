@@ -163,7 +163,7 @@ def expert_coverage(shards: list[Shard], truth: Truth, ep_sizes: list[int]) -> l
 
 
 def for_linear(truth: Truth, linear) -> Truth:
-    """The truth as read for one Linear: in a mixed checkpoint (harness.formats.ct_mixed), with the
+    """The truth as read for one Linear: in a mixed checkpoint (harness.formats.mixed), with the
     format and knobs of its config group (its first part's, as vLLM chooses one scheme per Linear)."""
     module = linear.part_module(truth.layer, linear.parts[0])
     tensors = {name.rpartition(".")[2]: t for name, t in truth.raw.items() if name.rpartition(".")[0] == module}

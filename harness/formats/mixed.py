@@ -1,5 +1,7 @@
-"""compressed-tensors with several config groups (mixed precision, llm-compressor's `scheme` given
-as a dict: FP8 attention beside int4 experts, int8 beside int4, ...).
+"""Mixed precision: a config of several groups, each a scheme of its own. compressed-tensors' (llm-
+compressor's `scheme` given as a dict: FP8 attention beside int4 experts, int8 beside int4, ...), and
+ModelOpt's `quant_algo: MIXED_PRECISION` (its export of a model quantized in several formats: one group
+per format, each naming its Linears exactly, and `quantized_layers` saying each one's `quant_algo`).
 
 Each group is read as the single-group format its scheme is (`detect_format` on the config with that
 group alone), and each module in the scheme of the group that targets it, chosen as compressed-tensors
@@ -36,10 +38,17 @@ class Member(NamedTuple):
     config: dict
 
 
+#: ModelOpt's quant_algo of a config whose Linears are quantized in several formats
+MODELOPT_MIXED = "MIXED_PRECISION"
+
+
 def _single_group_configs(config: Mapping[str, Any]) -> list[tuple[str, dict]] | None:
-    """Each config group as a config of its own (the top level kept, the group's format as the
-    format), for a compressed-tensors config of two groups or more; None for any other config."""
-    if config.get("quant_method") != "compressed-tensors":
+    """Each config group as a config of its own (the top level kept, the group's own scheme as the
+    config's: compressed-tensors' `format`, ModelOpt's `quant_algo` and `group_size`), for a
+    compressed-tensors config of two groups or more or a ModelOpt MIXED_PRECISION one; None for any
+    other config."""
+    modelopt = config.get("quant_method") == "modelopt" and str(config.get("quant_algo")).upper() == MODELOPT_MIXED
+    if config.get("quant_method") != "compressed-tensors" and not modelopt:
         return None
     groups = config.get("config_groups")
     if not isinstance(groups, Mapping) or len(groups) < 2:
@@ -48,9 +57,33 @@ def _single_group_configs(config: Mapping[str, Any]) -> list[tuple[str, dict]] |
     for name, group in groups.items():
         if not isinstance(group, Mapping) or not isinstance(group.get("weights"), Mapping):
             return None  # a group that quantizes no weight (activations or attention only)
-        own_format = group.get("format") or config.get("format")
-        singles.append((str(name), {**config, "config_groups": {name: dict(group)}, "format": own_format}))
+        single = {**config, "config_groups": {name: dict(group)}}
+        own = _modelopt_scheme(config, group) if modelopt else {"format": group.get("format") or config.get("format")}
+        if own is None:
+            return None
+        singles.append((str(name), single | own))
     return singles
+
+
+def _modelopt_scheme(config: Mapping[str, Any], group: Mapping[str, Any]) -> dict | None:
+    """The quant_algo (and group_size) `quantized_layers` gives every Linear the group names, with
+    `quantized_layers` itself left out; None where they differ or one is not listed."""
+    layers = config.get("quantized_layers")
+    targets = group.get("targets")
+    if not isinstance(layers, Mapping) or not isinstance(targets, list) or not targets:
+        return None
+    schemes = {json_key(layers.get(target)) for target in targets}
+    if len(schemes) != 1 or not isinstance(layers.get(targets[0]), Mapping):
+        return None
+    own = dict(layers[targets[0]])
+    return {"quantized_layers": None} | {k: v for k, v in own.items() if k in ("quant_algo", "group_size")}
+
+
+def json_key(value: Any) -> str:
+    """A value as a hashable key (a layer's scheme, a dict)."""
+    import json
+
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def members_of(config: Mapping[str, Any]) -> list[Member] | None:
@@ -122,14 +155,14 @@ def layer_assignments(names: list[str], knobs) -> dict[tuple, int]:
     return first
 
 
-class CtMixed(QuantFormat):
+class MixedPrecision(QuantFormat):
     """Several config groups, each module read in its own group's format (see the module docstring).
-    Its tensors are any the compressed-tensors formats store; its knobs are its members."""
+    Its tensors are any its groups' formats store; its knobs are its members."""
 
-    name = "ct-mixed"
-    description = "compressed-tensors with several config groups (mixed precision), each a scheme read here"
-    #: the stored weight first ('weight' for FP8 and int8, 'weight_packed' for the packed formats);
-    #: every compressed-tensors format stores a weight_scale
+    name = "mixed-precision"
+    description = "several config groups (compressed-tensors, ModelOpt MIXED_PRECISION), each a scheme read here"
+    #: the stored weight first ('weight' for FP8, int8 and ModelOpt's NVFP4, 'weight_packed' for
+    #: compressed-tensors' packed formats); every format of either stores a weight_scale
     suffixes = (
         "weight",
         "weight_packed",
@@ -137,6 +170,7 @@ class CtMixed(QuantFormat):
         "weight_shape",
         "weight_zero_point",
         "weight_global_scale",
+        "weight_scale_2",
         "input_global_scale",
         "input_scale",
     )
@@ -158,7 +192,7 @@ class CtMixed(QuantFormat):
         return {"members": members, "ignore": [str(entry) for entry in ignore]}
 
     def quantization_config(self, knobs, ignore):
-        raise FormatError("ct-mixed is read, not written: the generator writes one scheme per checkpoint")
+        raise FormatError("mixed-precision is read, not written: the generator writes one scheme per checkpoint")
 
     def schemes(self, knobs):
         return tuple(dict.fromkeys(member.fmt for member in knobs["members"]))
@@ -235,4 +269,4 @@ class CtMixed(QuantFormat):
         return tuple(dict.fromkeys(suffix for suffixes in packed for suffix in suffixes))
 
 
-FORMAT = CtMixed()
+FORMAT = MixedPrecision()
