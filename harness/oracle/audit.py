@@ -44,7 +44,7 @@ from harness.checkpoints.reader import (
 )
 from harness.checkpoints.streaming import DTYPE_NAMES
 from harness.core.errors import CheckpointError, UnsupportedCheckpoint, UnsupportedFormat
-from harness.formats import auto_round, mixed, detect_format, equivalents
+from harness.formats import auto_round, detect_format, equivalents, mixed
 from harness.formats.base import FormatError, QuantFormat
 from harness.oracle.reference import QUANTIZED_STORAGE
 
