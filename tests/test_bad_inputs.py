@@ -805,6 +805,15 @@ def _(sandbox, ck):
     )
 
 
+@case("gen-read-only-format", cli=True)
+def _(sandbox, ck):
+    return Expect(
+        ["mixed-precision"],
+        "is read, not written",
+        args=["gen", "--format", "mixed-precision", "--arch", "llama", "--out", str(sandbox / "new")],
+    )
+
+
 @case("gen-unknown-arch", cli=True)
 def _(sandbox, ck):
     return Expect(

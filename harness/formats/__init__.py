@@ -57,6 +57,8 @@ def register_format(name: str, spec: str) -> None:
 def require_formats(*names: str) -> tuple[str, ...]:
     """`names`, each a registered format; else one line naming the first unknown one and the known."""
     for name in names:
+        if name in READ_ONLY:
+            raise UnknownFormat(f"format '{name}' is read, not written (written: {', '.join(FORMAT_NAMES)})")
         if name not in REGISTRY:
             raise UnknownFormat(f"unknown format '{name}' (known: {', '.join(FORMAT_NAMES)})")
     return names
