@@ -60,15 +60,6 @@ class WeightCheck:
         return "weights"
 
 
-class Unquantized:
-    """The format of a checkpoint without quantization_config: tensors as stored, no scale blocks."""
-
-    name = "unquantized"
-
-    def scale_block(self, knobs, shape):
-        return None
-
-
 def not_checked(why: str) -> WeightCheck:
     return WeightCheck("not checked", [f"weights: not checked ({why})"])
 
@@ -80,6 +71,7 @@ def reference_weights(directory: str | Path):
 
     from harness.checkpoints.reader import Checkpoint
     from harness.core.naming import canonical_name
+    from harness.formats.unquantized import FORMAT as UNQUANTIZED
     from harness.oracle.reference import dequantize_checkpoint, format_and_knobs
 
     checkpoint = Checkpoint(directory)
@@ -87,7 +79,7 @@ def reference_weights(directory: str | Path):
     dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"  # as the runner reads it
     if "quantization_config" not in config:
         truth = {canonical_name(n): t.to(torch.float64) for n, t in checkpoint.tensors()}
-        return Unquantized(), {}, dtype, truth
+        return UNQUANTIZED, {}, dtype, truth  # its stored tensors, the format that stores them as they are
     fmt, knobs = format_and_knobs(checkpoint)
     return fmt, knobs, dtype, {canonical_name(n): t for n, t in dequantize_checkpoint(directory)}
 
@@ -123,7 +115,7 @@ def check_weights(held: dict, directory: str | Path, engine: str, started: float
     held = {canonical_name(name): tensor for name, tensor in held.items()}
     _judge_weights(engine, held, truth, dtype, tolerance, fmt, knobs, finding, {})
     seconds = time.perf_counter() - started
-    reference = "its stored tensors" if fmt.name == Unquantized.name else "the reference dequantization"
+    reference = "the reference dequantization" if fmt.has_scales else "its stored tensors"
     how = f"({fmt.name}, {dtype}: rel {tolerance.weight_rel:g}, abs {tolerance.weight_abs:g}; {seconds:.2f} s)"
     if not findings:
         return WeightCheck("ok", [f"weights: {len(truth)} tensors match {reference} {how}: ok"], seconds=seconds)
