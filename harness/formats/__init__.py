@@ -41,6 +41,7 @@ FORMAT_NAMES = tuple(REGISTRY)
 #: the formats above
 READ_ONLY: dict[str, str] = {
     "mixed-precision": "harness.formats.mixed:FORMAT",
+    "gptq-dynamic": "harness.formats.mixed:GPTQ_DYNAMIC",
 }
 
 

@@ -1,7 +1,11 @@
 """Mixed precision: a config of several groups, each a scheme of its own. compressed-tensors' (llm-
 compressor's `scheme` given as a dict: FP8 attention beside int4 experts, int8 beside int4, ...), and
 ModelOpt's `quant_algo: MIXED_PRECISION` (its export of a model quantized in several formats: one group
-per format, each naming its Linears exactly, and `quantized_layers` saying each one's `quant_algo`).
+per format, each naming its Linears exactly, and `quantized_layers` saying each one's `quant_algo`), and
+GPTQ's `dynamic` overrides that give the Linears a pattern matches other bits, group size, symmetry or
+act-order (GPTQModel's per-module quantization: one group per such pattern, and the config's own scheme
+for every other Linear; the first pattern in the config's order that matches a Linear decides, a `-:`
+pattern leaving it unquantized, as GPTQModel and vLLM read it).
 
 Each group is read as the single-group format its scheme is (`detect_format` on the config with that
 group alone), and each module in the scheme of the group that targets it, chosen as compressed-tensors
@@ -42,11 +46,19 @@ class Member(NamedTuple):
 MODELOPT_MIXED = "MIXED_PRECISION"
 
 
-def _single_group_configs(config: Mapping[str, Any]) -> list[tuple[str, dict]] | None:
-    """Each config group as a config of its own (the top level kept, the group's own scheme as the
-    config's: compressed-tensors' `format`, ModelOpt's `quant_algo` and `group_size`), for a
-    compressed-tensors config of two groups or more or a ModelOpt MIXED_PRECISION one; None for any
-    other config."""
+#: how a Linear's group is chosen: compressed-tensors' sorted targets, or the first that matches
+SORTED, FIRST = "sorted", "first"
+#: GPTQ's fields a `dynamic` override may set that change how a Linear is stored
+GPTQ_SCHEME = ("bits", "group_size", "sym", "desc_act")
+
+
+def _single_group_configs(config: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], dict]] | None:
+    """Each group as (its name, its targets, a config of its own: the top level kept, the group's own
+    scheme as the config's: compressed-tensors' `format`, ModelOpt's `quant_algo` and `group_size`,
+    GPTQ's overridden fields), for a compressed-tensors config of two groups or more, a ModelOpt
+    MIXED_PRECISION one or a GPTQ one with scheme overrides; None for any other config."""
+    if config.get("quant_method") == "gptq":
+        return _gptq_groups(config)
     modelopt = config.get("quant_method") == "modelopt" and str(config.get("quant_algo")).upper() == MODELOPT_MIXED
     if config.get("quant_method") != "compressed-tensors" and not modelopt:
         return None
@@ -61,8 +73,35 @@ def _single_group_configs(config: Mapping[str, Any]) -> list[tuple[str, dict]] |
         own = _modelopt_scheme(config, group) if modelopt else {"format": group.get("format") or config.get("format")}
         if own is None:
             return None
-        singles.append((str(name), single | own))
+        targets = tuple(str(t) for t in group.get("targets") or [])
+        singles.append((str(name), targets, single | own))
     return singles
+
+
+def gptq_overrides(config: Mapping[str, Any]) -> dict[str, dict]:
+    """A GPTQ config's `dynamic` patterns that store the Linears they match otherwise (other bits,
+    group size, symmetry or act-order), pattern -> those fields."""
+    dynamic = config.get("dynamic")
+    if not isinstance(dynamic, Mapping):
+        return {}
+    return {
+        str(pattern): {k: v for k, v in fields.items() if k in GPTQ_SCHEME}
+        for pattern, fields in dynamic.items()
+        if not str(pattern).startswith("-:") and isinstance(fields, Mapping) and set(fields) & set(GPTQ_SCHEME)
+    }
+
+
+def _gptq_groups(config: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], dict]] | None:
+    """A GPTQ config with scheme overrides as groups: one per overriding pattern (the config with its
+    fields, targets the pattern), then the config's own scheme for every other Linear; each keeps only
+    the `-:` patterns of `dynamic`."""
+    overrides = gptq_overrides(config)
+    if not overrides:
+        return None
+    negatives = {k: v for k, v in config["dynamic"].items() if str(k).startswith("-:")}
+    base = {**config, "dynamic": negatives}
+    groups = [(pattern, (f"re:{pattern.removeprefix('+:')}",), base | fields) for pattern, fields in overrides.items()]
+    return [*groups, ("base", (LINEAR,), base)]
 
 
 def _modelopt_scheme(config: Mapping[str, Any], group: Mapping[str, Any]) -> dict | None:
@@ -96,15 +135,21 @@ def members_of(config: Mapping[str, Any]) -> list[Member] | None:
     if singles is None:
         return None
     members = []
-    for name, single in singles:
+    for name, targets, single in singles:
         try:
             fmt = detect_format(single)
             knobs = fmt.knobs_from_config(single)
         except (UnsupportedFormat, FormatError):
             return None
-        targets = single["config_groups"][name].get("targets") or []
-        members.append(Member(name, tuple(str(t) for t in targets), fmt, knobs, single))
+        members.append(Member(name, targets, fmt, knobs, single))
     return members
+
+
+def ignore_list(config: Mapping[str, Any]) -> list[str]:
+    """The Linears a mixed config leaves unquantized, as targets: its `ignore`, or GPTQ's `-:` patterns."""
+    if config.get("quant_method") == "gptq":
+        return [f"re:{p.removeprefix('-:')}" for p in config.get("dynamic") or {} if str(p).startswith("-:")]
+    return [str(entry) for entry in config.get("ignore") or []]
 
 
 def _names(target: str, module: str) -> bool:
@@ -118,11 +163,15 @@ def _names(target: str, module: str) -> bool:
     return target == module
 
 
-def targeting_group(members: list[Member], ignore: list[str], module: str) -> Member | None:
-    """The member whose scheme compressed-tensors gives a Linear named `module`, None where the
-    ignore list names it or no target does."""
+def targeting_group(knobs: Mapping[str, Any], module: str) -> Member | None:
+    """The member whose scheme the config gives a Linear named `module` (knobs["order"]: compressed-
+    tensors' sorted targets, or the first member with a matching target), None where the ignore list
+    names it or no target does."""
+    members, ignore = knobs["members"], knobs["ignore"]
     if any(_names(entry, module) or entry == LINEAR for entry in ignore):
         return None
+    if knobs.get("order") == FIRST:
+        return next((m for m in members if any(t == LINEAR or _names(t, module) for t in m.targets)), None)
     owner: dict[str, Member] = {}
     for member in members:  # an OrderedDict in compressed-tensors: a later group's target wins
         for target in member.targets:
@@ -157,27 +206,17 @@ def layer_assignments(names: list[str], knobs) -> dict[tuple, int]:
 
 class MixedPrecision(QuantFormat):
     """Several config groups, each module read in its own group's format (see the module docstring).
-    Its tensors are any its groups' formats store; its knobs are its members."""
+    One instance per family of configs (`methods`, their quant_method): its tensors are any its groups'
+    formats store, `marker` one every such quantized module stores; its knobs are its members."""
 
-    name = "mixed-precision"
-    description = "several config groups (compressed-tensors, ModelOpt MIXED_PRECISION), each a scheme read here"
-    #: the stored weight first ('weight' for FP8, int8 and ModelOpt's NVFP4, 'weight_packed' for
-    #: compressed-tensors' packed formats); every format of either stores a weight_scale
-    suffixes = (
-        "weight",
-        "weight_packed",
-        "weight_scale",
-        "weight_shape",
-        "weight_zero_point",
-        "weight_global_scale",
-        "weight_scale_2",
-        "input_global_scale",
-        "input_scale",
-    )
-    marker = "weight_scale"
+    def __init__(self, name: str, description: str, methods: tuple[str, ...], suffixes: tuple[str, ...], marker: str):
+        self.name, self.description, self.methods = name, description, methods
+        self.suffixes, self.marker = suffixes, marker
 
     def matches(self, quantization_config):
         """Several groups read here, unless they are one scheme whose format reads them all itself."""
+        if quantization_config.get("quant_method") not in self.methods:
+            return False
         members = members_of(quantization_config)
         if members is None:
             return False
@@ -187,18 +226,18 @@ class MixedPrecision(QuantFormat):
     def knobs_from_config(self, quantization_config):
         members = members_of(quantization_config)
         if members is None:
-            raise FormatError("quantization_config is not compressed-tensors with several config groups read here")
-        ignore = quantization_config.get("ignore") or []
-        return {"members": members, "ignore": [str(entry) for entry in ignore]}
+            raise FormatError("quantization_config is not several groups of schemes read here")
+        order = FIRST if quantization_config.get("quant_method") == "gptq" else SORTED
+        return {"members": members, "ignore": ignore_list(quantization_config), "order": order}
 
     def quantization_config(self, knobs, ignore):
-        raise FormatError("mixed-precision is read, not written: the generator writes one scheme per checkpoint")
+        raise FormatError(f"{self.name} is read, not written: the generator writes one scheme per checkpoint")
 
     def schemes(self, knobs):
         return tuple(dict.fromkeys(member.fmt for member in knobs["members"]))
 
     def for_module(self, module, knobs, tensors=None):
-        member = targeting_group(knobs["members"], knobs["ignore"], module)
+        member = targeting_group(knobs, module)
         if member is not None:
             return member.fmt, member.knobs
         return self.fitting(tensors, knobs) if tensors is not None else (self, knobs)
@@ -206,7 +245,7 @@ class MixedPrecision(QuantFormat):
     def member(self, module: str, knobs, suffixes: set[str]) -> Member | None:
         """The group a stored module with tensors of these suffixes is read in, by its name, else by
         the suffixes alone (fitting_by_names); None where neither tells."""
-        return targeting_group(knobs["members"], knobs["ignore"], module) or self.fitting_by_names(suffixes, knobs)
+        return targeting_group(knobs, module) or self.fitting_by_names(suffixes, knobs)
 
     def fitting_by_names(self, suffixes: set[str], knobs) -> Member | None:
         """The first member whose format stores exactly such tensors (by their suffixes alone: what a
@@ -269,4 +308,31 @@ class MixedPrecision(QuantFormat):
         return tuple(dict.fromkeys(suffix for suffixes in packed for suffix in suffixes))
 
 
-FORMAT = MixedPrecision()
+#: compressed-tensors' and ModelOpt's: the stored weight first ('weight' for FP8, int8 and ModelOpt's
+#: NVFP4, 'weight_packed' for compressed-tensors' packed formats); every format of either stores a
+#: weight_scale
+FORMAT = MixedPrecision(
+    "mixed-precision",
+    "several config groups (compressed-tensors, ModelOpt MIXED_PRECISION), each a scheme read here",
+    ("compressed-tensors", "modelopt"),
+    (
+        "weight",
+        "weight_packed",
+        "weight_scale",
+        "weight_shape",
+        "weight_zero_point",
+        "weight_global_scale",
+        "weight_scale_2",
+        "input_global_scale",
+        "input_scale",
+    ),
+    "weight_scale",
+)
+#: GPTQ with `dynamic` overrides that store some Linears in other bits, groups, symmetry or act-order
+GPTQ_DYNAMIC = MixedPrecision(
+    "gptq-dynamic",
+    "GPTQ whose `dynamic` stores some Linears in another scheme (GPTQModel's per-module bits and groups)",
+    ("gptq",),
+    ("qweight", "qzeros", "scales", "g_idx"),
+    "qweight",
+)

@@ -215,7 +215,7 @@ def by_scheme(
         if not quantized:
             plain |= {f"{module}.{suffix}": stored for suffix, stored in parts.items()}
             continue
-        member = mixed.targeting_group(members, knobs["ignore"], module)
+        member = mixed.targeting_group(knobs, module)
         member = member or fmt.fitting_by_names(set(parts), knobs) or members[0]
         owned[member.group] |= {f"{module}.{suffix}": stored for suffix, stored in parts.items()}
     return [(member.config, member.fmt, owned[member.group] | plain) for member in members]

@@ -104,7 +104,13 @@ CASES: dict[str, tuple[str, dict]] = {
     ),
     "w4g128_mlp_w8g32_dynamic_gptq": (
         "GPTQ int4 sym group 128, the MLP int8 group 32 by a `dynamic` override (GPTQModel's per-module bits)",
-        {"bits": 4, "group_size": 128, "sym": True, "desc_act": False, "dynamic": {"+:.*\\.mlp\\..*": {"bits": 8, "group_size": 32}}},
+        {
+            "bits": 4,
+            "group_size": 128,
+            "sym": True,
+            "desc_act": False,
+            "dynamic": {"+:.*\\.mlp\\..*": {"bits": 8, "group_size": 32}},
+        },
     ),
     "mixtral_w4g128_sym_gptq": (
         "GPTQ int4 sym, group 128, desc_act False, of a Mixtral",

@@ -62,7 +62,7 @@ def test_a_module_is_its_group_as_compressed_tensors_chooses(targets, ignore, mo
             owner[target] = member.group
     linear = torch.nn.Linear(1, 1)
     for module in modules:
-        mine = targeting_group(members, ignore, module)
+        mine = targeting_group({"members": members, "ignore": ignore}, module)
         if not is_match(module, linear, list(owner), ignore):
             assert mine is None, module
             continue
@@ -191,3 +191,39 @@ def test_modelopt_mixed_precision_reads_as_its_single_format_exports():
         if name.endswith("_proj.weight"):
             single = fp8 if ".self_attn." in name else nvfp4
             assert torch.equal(value, single[name]), name
+
+
+#: GPTQ `dynamic` overrides (in the config's order) -> module names to resolve: the first matching
+#: pattern decides, a `-:` one leaves the Linear unquantized, no match keeps the config's own scheme
+DYNAMIC_CASES = [
+    (
+        {"+:.*\\.mlp\\..*": {"bits": 8, "group_size": 32}},
+        ["model.layers.0.mlp.up_proj", "model.layers.0.self_attn.q_proj"],
+    ),
+    (
+        {"-:.*\\.layers\\.1\\..*": {}, "+:.*down_proj": {"bits": 8}, ".*proj": {"group_size": 32}},
+        ["model.layers.1.mlp.down_proj", "model.layers.0.mlp.down_proj", "model.layers.0.mlp.up_proj", "lm_head"],
+    ),
+    ({".*o_proj": {"sym": False}, "+:.*self_attn.*": {"desc_act": True}}, ["x.self_attn.o_proj", "x.self_attn.q_proj"]),
+]
+
+
+@pytest.mark.parametrize(("dynamic", "modules"), DYNAMIC_CASES)
+def test_a_gptq_linear_is_its_override_as_gptqmodel_reads_it(dynamic, modules):
+    """The override GPTQModel 7.6's own `dynamic_get` gives a Linear of that name (False: left
+    unquantized), against the group gptq-dynamic reads it in."""
+    pytest.importorskip("gptqmodel")
+    from gptqmodel.quantization.config import dynamic_get
+
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False, "dynamic": dynamic}
+    fmt = detect_format(config)
+    assert fmt.name == "gptq-dynamic"
+    knobs = fmt.knobs_from_config(config)
+    for module in modules:
+        theirs, mine = dynamic_get(dynamic, module), targeting_group(knobs, module)
+        if theirs is False:
+            assert mine is None, module
+            continue
+        fields = {k: v for k, v in (theirs or {}).items() if k in ("bits", "group_size", "sym", "desc_act")}
+        assert mine is not None and {k: mine.knobs[k] for k in fields} == fields, module
+        assert mine.group == ("base" if not fields else next(p for p in dynamic if dynamic[p] == theirs)), module
