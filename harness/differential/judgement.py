@@ -25,7 +25,7 @@ from harness.checkpoints.reader import (
     read_config,
 )
 from harness.checkpoints.writer import MANIFEST_FILE
-from harness.core.errors import CheckpointError, first_line
+from harness.core.errors import CheckpointError, FormatError, first_line
 from harness.core.findings import Finding
 from harness.core.naming import canonical_name
 from harness.core.tolerances import loosest_tolerances
@@ -194,19 +194,20 @@ class Judgement:
     def redundant_tensors(self) -> set[str]:
         """Canonical names of stored tensors the format defines as their absence would (a GPTQ
         `g_idx` of k // g): an engine that leaves them unread is not reported for it."""
-        optional = getattr(self.fmt, "optional", ())
+        optional = {suffix for scheme in self.fmt.schemes(self.knobs) for suffix in scheme.optional}
         if not optional:
             return set()
         try:
             checkpoint = Checkpoint(self.directory)
             modules, _ = group_modules(checkpoint.names(), self.fmt, checkpoint.storage_dtypes())
             redundant = set()
-            for parts in modules.values():
-                if set(optional) & set(parts):
+            for module, parts in modules.items():
+                if optional & set(parts):
+                    own, own_knobs = self.fmt.for_module(module, self.knobs)  # a mixed checkpoint's group
                     tensors = {suffix: checkpoint.tensor(name) for suffix, name in parts.items() if suffix in optional}
-                    redundant |= {canonical_name(parts[s]) for s in self.fmt.redundant(tensors, self.knobs)}
+                    redundant |= {canonical_name(parts[s]) for s in own.redundant(tensors, own_knobs)}
             return redundant
-        except (CheckpointError, OSError, ValueError, KeyError):  # judged elsewhere: nothing excused
+        except (CheckpointError, FormatError, OSError, ValueError, KeyError):  # judged elsewhere: nothing excused
             return set()
 
     def finding(self, engine: str, kind: str, message: str, **extra) -> Finding:

@@ -53,10 +53,10 @@ class Plan:
         arithmetic, _, nudge = variant.partition("+")
         handles = [_WeightsOneUlp(model, self, nudge)] if nudge else []
         try:
-            for scheme in dict.fromkeys(map(self.scheme_for, [*self.inputs, *self.experts])):
-                inputs = {name: scale for name, scale in self.inputs.items() if self.scheme_for(name) == scheme}
-                experts = {name: scales for name, scales in self.experts.items() if self.scheme_for(name) == scheme}
-                scheme = dataclasses.replace(scheme, arithmetic=arithmetic)
+            for declared in dict.fromkeys(map(self.scheme_for, [*self.inputs, *self.experts])):
+                inputs = {name: scale for name, scale in self.inputs.items() if self.scheme_for(name) == declared}
+                experts = {name: scales for name, scales in self.experts.items() if self.scheme_for(name) == declared}
+                scheme = dataclasses.replace(declared, arithmetic=arithmetic)
                 handles += activations.install(model, inputs, scheme)
                 handles += expert_activations.install(model, experts, scheme)
             return handles + kv_cache.install(model, self.kv, arithmetic, self.kv_kind)
