@@ -95,10 +95,10 @@ def sixteen_bits(config: Mapping) -> list[str]:
     `.shared_expert_gate` in 16 bits) and names them there only where its own list of them matched
     (for a Mixtral, a `mlp.gate` the model lacks: cases/producers/autoround/mixtral_mxfp4_autoround)."""
     named = [f"re:{key}" if any(c in key for c in "\\*[(") else key for key in config.get("extra_config") or {}]
-    return _outside_blocks(config) + named + list(ROUTERS)
+    return outside_blocks(config) + named + list(ROUTERS)
 
 
-def _outside_blocks(config: Mapping) -> list[str]:
+def outside_blocks(config: Mapping) -> list[str]:
     """Every module outside `block_name_to_quantize` (a name, a comma-separated string of them or a
     list; the head and the embeddings of a decoder) as one `re:` entry; `lm_head` without it."""
     blocks = config.get("block_name_to_quantize")

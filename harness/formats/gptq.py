@@ -159,11 +159,12 @@ class Gptq(QuantFormat):
     def matches(self, quantization_config):
         """GPTQ's config, AutoRound's over GPTQ's packing; not one whose `dynamic` stores some Linears
         in another scheme (harness.formats.mixed reads that)."""
-        from harness.formats.mixed import gptq_overrides
+        from harness.formats.mixed import auto_round_overrides, gptq_overrides
 
         method = quantization_config.get("quant_method")
         if method == AUTO_ROUND:
-            return auto_round_packing(quantization_config) in AUTO_ROUND_PACKING
+            packing = auto_round_packing(quantization_config) in AUTO_ROUND_PACKING
+            return packing and not auto_round_overrides(quantization_config)
         return method == QUANT_METHOD and not gptq_overrides(quantization_config)
 
     def quantization_config(self, knobs, ignore):

@@ -5,7 +5,10 @@ per format, each naming its Linears exactly, and `quantized_layers` saying each 
 GPTQ's `dynamic` overrides that give the Linears a pattern matches other bits, group size, symmetry or
 act-order (GPTQModel's per-module quantization: one group per such pattern, and the config's own scheme
 for every other Linear; the first pattern in the config's order that matches a Linear decides, a `-:`
-pattern leaving it unquantized, as GPTQModel and vLLM read it).
+pattern leaving it unquantized, as GPTQModel and vLLM read it), and AutoRound's mixed bits (its
+`extra_config` giving some Linears other bits, group size or symmetry over GPTQ's packing: one group
+per such setting; a key that names a Linear exactly decides first, then the others as patterns searched
+in the config's order, a 16-bit entry leaving it unquantized, as AutoRound's loader expands them).
 
 Each group is read as the single-group format its scheme is (`detect_format` on the config with that
 group alone), and each module in the scheme of the group that targets it, chosen as compressed-tensors
@@ -46,8 +49,13 @@ class Member(NamedTuple):
 MODELOPT_MIXED = "MIXED_PRECISION"
 
 
-#: how a Linear's group is chosen: compressed-tensors' sorted targets, or the first that matches
-SORTED, FIRST = "sorted", "first"
+#: how a Linear's group is chosen: compressed-tensors' sorted targets, the first that matches
+#: (GPTQModel), or AutoRound's exact names, then its patterns in order (knobs["routes"])
+SORTED, FIRST, AUTO_ROUND = "sorted", "first", "auto-round"
+#: AutoRound's fields an `extra_config` entry may set that change how a Linear is stored
+AUTO_ROUND_SCHEME = ("bits", "group_size", "sym")
+#: AutoRound's bits for a Linear it leaves unquantized
+SIXTEEN = 16
 #: GPTQ's fields a `dynamic` override may set that change how a Linear is stored
 GPTQ_SCHEME = ("bits", "group_size", "sym", "desc_act")
 
@@ -59,6 +67,8 @@ def _single_group_configs(config: Mapping[str, Any]) -> list[tuple[str, tuple[st
     MIXED_PRECISION one or a GPTQ one with scheme overrides; None for any other config."""
     if config.get("quant_method") == "gptq":
         return _gptq_groups(config)
+    if config.get("quant_method") == AUTO_ROUND:
+        return _auto_round_groups(config)
     modelopt = config.get("quant_method") == "modelopt" and str(config.get("quant_algo")).upper() == MODELOPT_MIXED
     if config.get("quant_method") != "compressed-tensors" and not modelopt:
         return None
@@ -89,6 +99,48 @@ def gptq_overrides(config: Mapping[str, Any]) -> dict[str, dict]:
         for pattern, fields in dynamic.items()
         if not str(pattern).startswith("-:") and isinstance(fields, Mapping) and set(fields) & set(GPTQ_SCHEME)
     }
+
+
+def auto_round_overrides(config: Mapping[str, Any]) -> dict[str, dict]:
+    """AutoRound's `extra_config` entries that quantize the Linears they name otherwise than the config
+    (other bits below 16, group size or symmetry), key -> those fields."""
+    from harness.formats.gptq import AUTO_ROUND_PACKING, auto_round_packing
+
+    extra = config.get("extra_config")
+    if config.get("quant_method") != AUTO_ROUND or not isinstance(extra, Mapping):
+        return {}
+    if auto_round_packing(config) not in AUTO_ROUND_PACKING:  # GPTQ's packing only (its other packings: unsupported)
+        return {}
+    found = {}
+    for key, fields in extra.items():
+        own = {k: v for k, v in fields.items() if k in AUTO_ROUND_SCHEME} if isinstance(fields, Mapping) else {}
+        bits = own.get("bits", config.get("bits"))
+        if isinstance(bits, int) and bits < SIXTEEN and any(own[k] != config.get(k) for k in own):
+            found[str(key)] = own
+    return found
+
+
+def _auto_round_groups(config: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], dict]] | None:
+    """AutoRound's mixed bits as groups: one per distinct overriding setting (the config with its fields,
+    its keys as targets), then the config's own scheme; each keeps only the other `extra_config` entries
+    (the 16-bit ones)."""
+    overrides = auto_round_overrides(config)
+    if not overrides:
+        return None
+    rest = {k: v for k, v in config["extra_config"].items() if k not in overrides}
+    base = {**config, "extra_config": rest}
+    settings: dict[str, list[str]] = {}
+    for key, fields in overrides.items():
+        settings.setdefault(json_key(fields), []).append(key)
+    groups = [(f"settings_{i}", tuple(keys), base | overrides[keys[0]]) for i, keys in enumerate(settings.values())]
+    return [*groups, ("base", (LINEAR,), base)]
+
+
+def auto_round_routes(config: Mapping[str, Any], members: list[Member]) -> list[tuple[str, str | None]]:
+    """Every `extra_config` key in the config's order with the group it gives the Linears it names
+    (None: left in 16 bits)."""
+    owner = {key: member.group for member in members for key in member.targets if key != LINEAR}
+    return [(str(key), owner.get(str(key))) for key in config.get("extra_config") or {}]
 
 
 def _gptq_groups(config: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], dict]] | None:
@@ -149,6 +201,11 @@ def ignore_list(config: Mapping[str, Any]) -> list[str]:
     """The Linears a mixed config leaves unquantized, as targets: its `ignore`, or GPTQ's `-:` patterns."""
     if config.get("quant_method") == "gptq":
         return [f"re:{p.removeprefix('-:')}" for p in config.get("dynamic") or {} if str(p).startswith("-:")]
+    if config.get("quant_method") == AUTO_ROUND:  # its 16-bit entries are routes (auto_round_routes)
+        from harness.formats.auto_round import outside_blocks
+        from harness.formats.base import ROUTERS
+
+        return outside_blocks(config) + list(ROUTERS)
     return [str(entry) for entry in config.get("ignore") or []]
 
 
@@ -172,6 +229,8 @@ def targeting_group(knobs: Mapping[str, Any], module: str) -> Member | None:
         return None
     if knobs.get("order") == FIRST:
         return next((m for m in members if any(t == LINEAR or _names(t, module) for t in m.targets)), None)
+    if knobs.get("order") == AUTO_ROUND:
+        return _auto_round_route(knobs, module)
     owner: dict[str, Member] = {}
     for member in members:  # an OrderedDict in compressed-tensors: a later group's target wins
         for target in member.targets:
@@ -181,6 +240,23 @@ def targeting_group(knobs: Mapping[str, Any], module: str) -> Member | None:
         if _names(target, module):
             return owner[target]
     return owner.get(LINEAR)
+
+
+def _auto_round_route(knobs: Mapping[str, Any], module: str) -> Member | None:
+    """AutoRound's loader: an `extra_config` key equal to the name decides, else the first key that,
+    as a pattern, is found in it (`re.search`), else the config's own scheme; a 16-bit key: none."""
+    groups = {member.group: member for member in knobs["members"]}
+    routes = knobs["routes"]
+    for key, group in routes:
+        if key == module:
+            return groups.get(group)
+    for key, group in routes:
+        try:
+            if re.search(key, module):
+                return groups.get(group)
+        except re.error:
+            continue
+    return groups.get("base")
 
 
 #: a decoder layer's index in a module name, and the rest of the name after it
@@ -227,8 +303,10 @@ class MixedPrecision(QuantFormat):
         members = members_of(quantization_config)
         if members is None:
             raise FormatError("quantization_config is not several groups of schemes read here")
-        order = FIRST if quantization_config.get("quant_method") == "gptq" else SORTED
-        return {"members": members, "ignore": ignore_list(quantization_config), "order": order}
+        method = quantization_config.get("quant_method")
+        order = {"gptq": FIRST, AUTO_ROUND: AUTO_ROUND}.get(method, SORTED)
+        knobs = {"members": members, "ignore": ignore_list(quantization_config), "order": order}
+        return knobs | ({"routes": auto_round_routes(quantization_config, members)} if order == AUTO_ROUND else {})
 
     def quantization_config(self, knobs, ignore):
         raise FormatError(f"{self.name} is read, not written: the generator writes one scheme per checkpoint")
@@ -328,11 +406,12 @@ FORMAT = MixedPrecision(
     ),
     "weight_scale",
 )
-#: GPTQ with `dynamic` overrides that store some Linears in other bits, groups, symmetry or act-order
+#: GPTQ with `dynamic` overrides that store some Linears in other bits, groups, symmetry or act-order,
+#: and AutoRound's mixed bits over GPTQ's packing
 GPTQ_DYNAMIC = MixedPrecision(
     "gptq-dynamic",
-    "GPTQ whose `dynamic` stores some Linears in another scheme (GPTQModel's per-module bits and groups)",
-    ("gptq",),
+    "GPTQ whose `dynamic` (GPTQModel) or AutoRound's `extra_config` stores some Linears in other bits or groups",
+    ("gptq", AUTO_ROUND),
     ("qweight", "qzeros", "scales", "g_idx"),
     "qweight",
 )

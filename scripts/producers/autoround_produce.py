@@ -82,6 +82,11 @@ CASES: dict[str, tuple[str, str, dict]] = {
         {"iters": 0, "sym": False},
     ),
     "w8g128_sym_autoround": ("int8 sym, group 128, RTN (W8A16)", "auto_round", {"iters": 0, "bits": 8}),
+    "w4g128_mlp_w8g32_autoround": (
+        "int4 sym, group 128, the MLP int8 group 32 (layer_config: AutoRound's mixed bits), RTN",
+        "auto_round",
+        {"iters": 0, "layer_config": {".*mlp.*": {"bits": 8, "group_size": 32}}},
+    ),
     "w8g128_sym_autoround_gptqmodel": (
         "int8 sym, group 128, RTN (W8A16)",
         "auto_round:gptqmodel",

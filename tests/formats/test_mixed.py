@@ -227,3 +227,38 @@ def test_a_gptq_linear_is_its_override_as_gptqmodel_reads_it(dynamic, modules):
         fields = {k: v for k, v in (theirs or {}).items() if k in ("bits", "group_size", "sym", "desc_act")}
         assert mine is not None and {k: mine.knobs[k] for k in fields} == fields, module
         assert mine.group == ("base" if not fields else next(p for p in dynamic if dynamic[p] == theirs)), module
+
+
+def test_an_auto_round_linear_is_its_extra_config_as_auto_round_reads_it():
+    """AutoRound's mixed bits: the setting AutoRound 0.16's own loader expands `extra_config` into for
+    each Linear (`_expand_regex_config`: exact names kept, then patterns searched in order), against the
+    group gptq-dynamic reads it in; a 16-bit entry leaves the Linear unquantized."""
+    pytest.importorskip("auto_round")
+    from auto_round.inference.utils import _expand_regex_config
+
+    extra = {
+        "model.layers.0.mlp.up_proj": {"bits": 16},
+        ".*mlp.*": {"bits": 8, "group_size": 32},
+        "model.layers.1.mlp.down_proj": {"bits": 4, "group_size": 64},
+        "self_attn.o": {"bits": 8, "group_size": 32},
+    }
+    config = {"quant_method": "auto-round", "packing_format": "auto_round:auto_gptq", "bits": 4, "group_size": 128}
+    config |= {"sym": True, "data_type": "int", "block_name_to_quantize": "model.layers", "extra_config": extra}
+    names = [
+        f"model.layers.{i}.{m}"
+        for i in (0, 1)
+        for m in ("mlp.up_proj", "mlp.down_proj", "self_attn.o_proj", "self_attn.q_proj")
+    ]
+    model = torch.nn.Module()  # only its Linears' names are read: the layer names patterns expand over
+    model.named_modules = lambda: [(name, torch.nn.Linear(1, 1)) for name in names]
+    theirs = _expand_regex_config(dict(extra), dict(extra), names, model)
+    fmt = detect_format(config)
+    assert fmt.name == "gptq-dynamic"
+    knobs = fmt.knobs_from_config(config)
+    for name in names:
+        mine, setting = targeting_group(knobs, name), theirs.get(name, {})
+        if setting.get("bits") == 16:
+            assert mine is None, name
+            continue
+        expected = {"bits": 4, "group_size": 128} | {k: v for k, v in setting.items() if k in ("bits", "group_size")}
+        assert mine is not None and {k: mine.knobs[k] for k in expected} == expected, (name, setting)
