@@ -159,7 +159,7 @@ class Gptq(QuantFormat):
     def matches(self, quantization_config):
         """GPTQ's config, AutoRound's over GPTQ's packing; not one whose `dynamic` stores some Linears
         in another scheme (harness.formats.mixed reads that)."""
-        from harness.formats.mixed import auto_round_overrides, gptq_overrides
+        from harness.formats.mixed_groups import auto_round_overrides, gptq_overrides
 
         method = quantization_config.get("quant_method")
         if method == AUTO_ROUND:

@@ -44,7 +44,7 @@ from harness.checkpoints.reader import (
 )
 from harness.checkpoints.streaming import DTYPE_NAMES
 from harness.core.errors import CheckpointError, UnsupportedCheckpoint, UnsupportedFormat
-from harness.formats import auto_round, detect_format, equivalents, mixed
+from harness.formats import auto_round, detect_format, equivalents, mixed, mixed_groups
 from harness.formats.base import FormatError, QuantFormat
 from harness.oracle.reference import QUANTIZED_STORAGE
 
@@ -215,7 +215,7 @@ def by_scheme(
         if not quantized:
             plain |= {f"{module}.{suffix}": stored for suffix, stored in parts.items()}
             continue
-        member = mixed.targeting_group(knobs, module)
+        member = mixed_groups.targeting_group(knobs, module)
         member = member or fmt.fitting_by_names(set(parts), knobs) or members[0]
         owned[member.group] |= {f"{module}.{suffix}": stored for suffix, stored in parts.items()}
     return [(member.config, member.fmt, owned[member.group] | plain) for member in members]

@@ -21,7 +21,7 @@ from harness.core.tolerances import load_tolerances, loosest_tolerances
 from harness.differential.known_issues import readings
 from harness.differential.preconditions import SCHEMES, checkpoint_context
 from harness.formats import detect_format
-from harness.formats.mixed import Member, layer_assignments, targeting_group
+from harness.formats.mixed_groups import Member, layer_assignments, targeting_group
 from harness.oracle.audit import audit_checkpoint
 from harness.oracle.reference import dequantize_checkpoint, format_and_knobs
 
