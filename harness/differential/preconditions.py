@@ -242,7 +242,6 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
     from harness.checkpoints.manifest import read_manifest
     from harness.checkpoints.recipe import Recipe
     from harness.checkpoints.writer import MANIFEST_FILE
-    from harness.formats.mixed import MixedPrecision
     from harness.oracle.reference import format_and_knobs
 
     directory = Path(directory)
@@ -256,8 +255,8 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
     try:
         fmt, knobs = format_and_knobs(directory)
         context |= _scalars(knobs)
-        if isinstance(fmt, MixedPrecision):
-            context[SCHEMES] = scheme_contexts(knobs)
+        if fmt.groups(knobs):
+            context[SCHEMES] = scheme_contexts(fmt.groups(knobs))
     except (HarnessError, OSError, ValueError):
         pass
     if (
@@ -293,10 +292,11 @@ def checkpoint_context(directory: str | Path) -> dict[str, Any]:
 SCHEMES = "_schemes"
 
 
-def scheme_contexts(knobs: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """Each config group of a mixed checkpoint as (its format's name, the scalar knobs it reads with and
-    the weight scheme it declares): what a known issue of that format is judged by on its modules."""
-    return [(member.fmt.name, _scalars(member.knobs) | weight_scheme(member.config)) for member in knobs["members"]]
+def scheme_contexts(groups) -> list[tuple[str, dict[str, Any]]]:
+    """Each config group of a mixed checkpoint (QuantFormat.groups) as (its format's name, the scalar
+    knobs it reads with and the weight scheme it declares): what a known issue of that format is
+    judged by on its modules."""
+    return [(group.fmt.name, _scalars(group.knobs) | weight_scheme(group.config)) for group in groups]
 
 
 def weight_scheme(quantization: dict) -> dict[str, Any]:

@@ -82,10 +82,9 @@ def distinct_layers(judgement) -> list[int]:
     of its Linears to config groups (a group naming one layer's MLP as Unsloth's NVFP4 releases do):
     the loaders choose a scheme per Linear there as well; none for any other checkpoint."""
     from harness.checkpoints.reader import Checkpoint
-    from harness.formats.mixed import MixedPrecision
     from harness.formats.mixed_groups import layer_assignments
 
-    if not isinstance(judgement.fmt, MixedPrecision):
+    if judgement.fmt is None or not judgement.fmt.groups(judgement.knobs):
         return []
     return sorted(layer_assignments(Checkpoint(judgement.directory).names(), judgement.knobs).values())
 

@@ -87,6 +87,11 @@ class QuantFormat:
         """The formats its modules are stored in: itself, or a mixed checkpoint's groups' (mixed)."""
         return (self,)
 
+    def groups(self, knobs: Mapping[str, Any]) -> tuple:
+        """A mixed checkpoint's config groups in the config's order (harness.formats.mixed_groups.Member:
+        each group's format, knobs, targets and config alone); none for a checkpoint of one scheme."""
+        return ()
+
     def for_module(
         self, module: str, knobs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None = None
     ) -> tuple[QuantFormat, Mapping[str, Any]]:

@@ -59,6 +59,9 @@ class MixedPrecision(QuantFormat):
     def schemes(self, knobs):
         return tuple(dict.fromkeys(member.fmt for member in knobs["members"]))
 
+    def groups(self, knobs):
+        return tuple(knobs["members"])
+
     def for_module(self, module, knobs, tensors=None):
         member = targeting_group(knobs, module)
         if member is not None:

@@ -43,8 +43,8 @@ from harness.checkpoints.reader import (
     read_safetensors_header,
 )
 from harness.checkpoints.streaming import DTYPE_NAMES
-from harness.core.errors import CheckpointError, UnsupportedCheckpoint, UnsupportedFormat
-from harness.formats import auto_round, detect_format, equivalents, mixed, mixed_groups
+from harness.core.errors import CheckpointError, HarnessError, UnsupportedCheckpoint, UnsupportedFormat
+from harness.formats import auto_round, detect_format, equivalents, mixed_groups
 from harness.formats.base import FormatError, QuantFormat
 from harness.oracle.reference import QUANTIZED_STORAGE
 
@@ -199,10 +199,13 @@ def by_scheme(
     (a plain Linear its targets name is its to report). A quantized module is its targeting group's,
     or where no group names it (targets in the model's in-memory names), the group whose format stores
     its tensors' names (else the first, whose checks then report what does not fit)."""
-    if not isinstance(fmt, mixed.MixedPrecision):
+    try:
+        knobs = fmt.knobs_from_config(qconfig)
+    except (HarnessError, TypeError, AttributeError, KeyError, IndexError, ValueError):
+        knobs = {}  # the config is judged whole (check_config says what is wrong with it)
+    members = fmt.groups(knobs) if knobs else ()
+    if not members:
         return [(qconfig, fmt, tensors)]
-    knobs = fmt.knobs_from_config(qconfig)
-    members = knobs["members"]
     by_module: dict[str, dict[str, Stored]] = {}
     for name, stored in tensors.items():
         by_module.setdefault(name.rpartition(".")[0], {})[name.rpartition(".")[2]] = stored

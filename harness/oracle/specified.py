@@ -182,12 +182,10 @@ def plan(checkpoint, option: str = "") -> Plan | str:
 def _module_schemes(config: dict, fmt, knobs):
     """(stored module, its tensors' suffixes) -> the scheme that quantizes its input: the config's, or
     in a mixed checkpoint its config group's (harness.formats.mixed; None for a weight-only group)."""
-    from harness.formats.mixed import MixedPrecision
-
-    if not isinstance(fmt, MixedPrecision):
+    if not fmt.groups(knobs):
         scheme = activations.scheme_of(config)
         return lambda module, suffixes: scheme
-    schemes = {member.group: activations.scheme_of(member.config) for member in knobs["members"]}
+    schemes = {group.group: activations.scheme_of(group.config) for group in fmt.groups(knobs)}
 
     def scheme_of(module: str, suffixes: set[str]):
         member = fmt.member(module, knobs, suffixes)
