@@ -13,7 +13,7 @@ import torch
 
 from harness.core.dtypes import MODEL_DTYPES as DTYPES
 from harness.core.naming import canonical_name
-from harness.engines.base import Engine, LoadReport
+from harness.engines.base import Engine, EngineUnsupported, LoadReport
 from harness.engines.gptqmodel_modules import MARKER, is_quantized_linear
 
 
@@ -135,6 +135,10 @@ class HFModelEngine(Engine):
             return self.load(directory)
 
     def save(self, directory):
+        quantizer = getattr(self.model, "hf_quantizer", None)
+        if quantizer is not None and not quantizer.is_serializable():  # its own declaration (Quark's)
+            method = quantizer.quantization_config.quant_method
+            raise EngineUnsupported(f"transformers declares a model quantized with {getattr(method, 'value', method)} not serializable")
         self.model.save_pretrained(directory)
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from harness.core.errors import first_line
-from harness.engines.auto_round_modules import applied_weights
 from harness.engines.base import EngineUnsupported, LoadReport
+from harness.engines.dequantizing_modules import applied_weights
 from harness.engines.gptqmodel_modules import placed_weights
 from harness.engines.hf_common import HFModelEngine, captured_warnings, input_device, stored_names
 
@@ -32,8 +32,9 @@ def has_quantizer(method: str) -> bool:
 
 
 #: how transformers' quantizers say a backend package is missing ("Loading a GPTQ quantized model
-#: requires optimum (`pip install optimum`)", "... requires gptqmodel. Please install it with ...")
-_REQUIRES = re.compile(r"requires (?:the )?`?([A-Za-z][\w-]*)`?")
+#: requires optimum (`pip install optimum`)", "... requires gptqmodel. Please install it with ...",
+#: "Please install the latest version of Quark (>=0.12)")
+_REQUIRES = re.compile(r"(?:requires (?:the )?|Please install the latest version of )`?([A-Za-z][\w-]*)`?")
 
 
 def missing_backend(error: BaseException) -> str | None:
@@ -44,7 +45,7 @@ def missing_backend(error: BaseException) -> str | None:
     if not found:
         return None
     package = found.group(1)
-    return package if importlib.util.find_spec(package.replace("-", "_")) is None else None
+    return package if importlib.util.find_spec(package.replace("-", "_").lower()) is None else None
 
 
 class TransformersEngine(HFModelEngine):
@@ -96,7 +97,7 @@ class TransformersEngine(HFModelEngine):
         report.missing, report.unexpected = names.missing, names.unexpected
         report.mismatched = sorted(str(k) for k in info.get("mismatched_keys", []))
         # GPTQ / AWQ kernels repack at the first forward: read what their loader placed before it;
-        # AutoRound's Linears hold codes they dequantize at each forward: read what that computes
+        # AutoRound's and Quark's Linears hold codes they dequantize at each forward: read what that computes
         self.placed = placed_weights(self.model, self.fmt, self.knobs) | applied_weights(self.model)
         # compressed-tensors decompresses on the first forward: run one so weights are what it computes
         with torch.no_grad():

@@ -38,10 +38,11 @@ REGISTRY: dict[str, str] = {
 FORMAT_NAMES = tuple(REGISTRY)
 
 #: formats the harness reads but never writes (no generator, no campaign cell): each is made of
-#: the formats above
+#: the formats above, or holds one's tensors under a producer's own names
 READ_ONLY: dict[str, str] = {
     "mixed-precision": "harness.formats.mixed:FORMAT",
     "gptq-dynamic": "harness.formats.mixed:GPTQ_DYNAMIC",
+    "quark-nvfp4": "harness.formats.quark_nvfp4:FORMAT",
 }
 
 

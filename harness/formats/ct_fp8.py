@@ -82,6 +82,11 @@ def _grid_from_4d(scale: torch.Tensor, block: tuple[int, int], rows: int, cols: 
     return scale.reshape(grid)
 
 
+def per_tensor_shape(knobs: Mapping[str, Any]) -> tuple[int, ...]:
+    """How a per-tensor scale is stored: [1], or 0-D where the config was Quark's (SCALAR_SCALES)."""
+    return () if knobs.get(equivalents.SCALAR_SCALES) else (1,)
+
+
 def scale_dtype_for(knobs: Mapping[str, Any], model_dtype: torch.dtype) -> torch.dtype:
     """ct stores qparams in the dtype of the observed weight (float16 for non-float models)."""
     if knobs["scale_dtype"] == "float32":
@@ -196,6 +201,8 @@ class CtFp8(QuantFormat):
         knobs = {"input_scale": inputs.get("dynamic") is False}
         if self.strategy == "channel" and translated:
             knobs[equivalents.ROW_SCALES_1D] = True  # AutoRound's and ModelOpt's [N] row scales
+        if self.strategy == "tensor" and translated:
+            knobs[equivalents.SCALAR_SCALES] = True  # Quark's 0-D scales
         if self.strategy == "block" and translated:
             knobs[equivalents.BLOCK_GRID_4D] = True  # ModelOpt's [N/bn, 1, K/bk, 1], squeezed
         if self.strategy == "block":
@@ -243,7 +250,7 @@ class CtFp8(QuantFormat):
             raise FormatError(f"weight has {weight.dim()} dimensions, expected 2")
         rows, cols = weight.shape
         if self.strategy == "tensor":
-            require_shape("weight_scale", scale, (1,), "per-tensor scale")
+            require_shape("weight_scale", scale, per_tensor_shape(knobs), "per-tensor scale")
             return scale.reshape(1, 1)
         if self.strategy == "channel" and knobs.get(equivalents.ROW_SCALES_1D):
             require_shape("weight_scale", scale, (rows,), "one scale per output row, stored 1-D (AutoRound, ModelOpt)")
@@ -261,9 +268,13 @@ class CtFp8(QuantFormat):
         if knobs.get("input_scale"):
             input_scale = require_tensor(tensors, "input_scale")
             require_dtype("input_scale", input_scale, (torch.float32, torch.bfloat16, torch.float16))
-            require_shape("input_scale", input_scale, (1,), "static per-tensor activation scale")
+            require_shape("input_scale", input_scale, per_tensor_shape(knobs), "static per-tensor activation scale")
             require_finite("input_scale", input_scale)
         return dequantize_fp8_blocks(weight, scale, self.scale_block(knobs, (rows, cols)), "weight_scale")
+
+    def dequantize_held(self, tensors, knobs):
+        # an engine holds a per-tensor scale as its own parameter ([1] per part) whatever the file's shape
+        return super().dequantize_held(tensors, {k: v for k, v in knobs.items() if k != equivalents.SCALAR_SCALES})
 
     def scale_block(self, knobs, shape):
         if self.strategy == "tensor":

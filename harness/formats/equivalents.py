@@ -3,6 +3,7 @@ config of that format it is equivalent to, so that every reader (the formats, th
 planner) follows one definition:
 
 - AutoRound's own config (`quant_method: auto-round`): harness.formats.auto_round;
+- AMD Quark's own config (`quant_method: quark`): harness.formats.quark;
 - ModelOpt's `quant_algo: FP8_PER_CHANNEL_PER_TOKEN`: e4m3 `weight`, one float32 `weight_scale`
   per output row stored 1-D [N], no input scale; dynamic FP8 inputs per token. That is
   compressed-tensors' FP8_DYNAMIC (float-quantized, channel weights, dynamic token inputs) with
@@ -18,20 +19,22 @@ planner) follows one definition:
 
 Both foreign per-row FP8 layouts store the row scales 1-D: a config read through this module whose
 weights are per channel says so with the reading knob ROW_SCALES_1D (harness.formats.ct_fp8);
-ModelOpt's block grid says so with BLOCK_GRID_4D.
+ModelOpt's block grid says so with BLOCK_GRID_4D; Quark's 0-D per-tensor scales with SCALAR_SCALES.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from harness.formats import auto_round
+from harness.formats import auto_round, quark
 
 #: the reading knob that says a channel strategy's weight_scale is stored [N], not [N, 1]
 ROW_SCALES_1D = "row_scales_1d"
 #: the reading knob that says a block strategy's weight_scale grid is stored as ModelOpt stores it
 #: ([N/bn, 1, K/bk, 1] with its one-block dimensions squeezed), not [N/bn, K/bk]
 BLOCK_GRID_4D = "block_grid_4d"
+#: the reading knob that says a tensor strategy's weight_scale and input_scale are stored 0-D, not [1]
+SCALAR_SCALES = "scalar_scales"
 MODELOPT_PER_CHANNEL = "FP8_PER_CHANNEL_PER_TOKEN"
 MODELOPT_BLOCK_WEIGHT_ONLY = "FP8_PB_WO"
 #: ModelOpt's FP8_2D_BLOCKWISE_WEIGHT_ONLY block (`block_sizes` {-1: 128, -2: 128})
@@ -78,7 +81,7 @@ def equivalent_config(config: Mapping) -> dict | None:
     """The config of a defined format that a foreign producer's `config` is equivalent to, or None
     (the config is one of the formats' own, or undefined). UnsupportedFormat / FormatError as
     harness.formats.auto_round says."""
-    return auto_round.equivalent_config(config) or _modelopt_fp8(config)
+    return auto_round.equivalent_config(config) or _modelopt_fp8(config) or quark.equivalent_config(config)
 
 
 def read_as(config: Mapping) -> Mapping:

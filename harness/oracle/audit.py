@@ -432,6 +432,7 @@ def ignore_entries(qconfig: dict, fmt: QuantFormat) -> list[str]:
     plain unlisted (`QuantFormat.unlisted_plain`)."""
     if qconfig.get("quant_method") == auto_round.AUTO_ROUND:
         return auto_round.sixteen_bits(qconfig)
+    qconfig = equivalents.read_as(qconfig)  # a foreign list under the key of the config it reads as (Quark's `exclude`)
     probe = ["\x00probe"]
     keys = [key for key, value in fragment(fmt, probe).items() if value == probe]
     entries = [entry for key in keys for entry in listed(qconfig.get(key)) if isinstance(entry, str)]

@@ -41,6 +41,19 @@ def test_a_transposed_per_tensor_fp8_weight_is_decoded_in_checkpoint_orientation
     assert torch.equal(weight, decode_e4m3(codes) * scale.to(torch.float64))
 
 
+def test_a_weight_transposed_untagged_is_read_by_its_strides_even_when_square():
+    """Quark's FP8 schemes leave `weight.t()` without an `input_dim` tag: a square weight's shape cannot
+    say it is transposed, its strides do (the worker records `transposed_view`)."""
+    from harness.engines.vllm.tensor_parallel.worker import transposed_view
+
+    codes = torch.randn(8, 8).mul(100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    held = codes.view(torch.uint8).t().view(torch.float8_e4m3fn)  # what `Parameter(weight.t())` holds
+    assert transposed_view(held) and not transposed_view(codes) and not transposed_view(codes[:1])
+    meta = {"weight": {"input_dim": None, "transposed_view": transposed_view(held)}}
+    weight, _, _ = decode({"weight": held.clone(), "weight_scale": torch.tensor([0.5])}, meta, None)
+    assert torch.equal(weight, decode_e4m3(codes) * 0.5)
+
+
 def test_a_block_grid_of_one_row_of_blocks_is_a_grid_not_one_scale_per_row():
     """[16, 256] in 16 x 16 blocks: a [1, 16] grid has as many entries as the weight has rows (the
     main job read it as per-row scales on a Mixtral o_proj and flagged vLLM)."""

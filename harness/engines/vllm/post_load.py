@@ -8,7 +8,8 @@ does not, the tensor-parallel lane's worker runs the method's own processing wit
 step stood in (its repack is the kernel's private layout) and this module decodes what the layer
 then holds, a small decoder per layout:
 
-- FP8 `weight` (transposed where vLLM tags `input_dim` 0) times `weight_scale`: one scalar, one per
+- FP8 `weight` (transposed where vLLM tags `input_dim` 0, or where the method left the `.t()` view
+  of the loaded weight untagged, as Quark's FP8 schemes do) times `weight_scale`: one scalar, one per
   row, or a block grid;
 - MXFP4 packed `weight` times its E8M0 group scales (read by their bits);
 - NVFP4 packed `weight` times its E4M3 group scales times `weight_global_scale` (a multiplier
@@ -218,7 +219,7 @@ def decode(held: dict[str, torch.Tensor], meta: dict, block) -> tuple[torch.Tens
     if weight is None or weight.dim() != 2:
         return None
     if weight.dtype == torch.float8_e4m3fn:
-        if meta["weight"].get("input_dim") == 0:  # vLLM's (K, N) for the kernel
+        if meta["weight"].get("input_dim") == 0 or meta["weight"].get("transposed_view"):  # (K, N) for the kernel
             weight = weight.t()
         scale = held.get("weight_scale", held.get("weight_scale_inv"))
         if scale is None:

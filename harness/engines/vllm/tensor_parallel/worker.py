@@ -382,7 +382,8 @@ class TensorParallelShards(Engine):
         """The Linear built afresh (its parameters as vLLM creates them, not the sentinels), fed
         once, then processed by its quantization method's `process_weights_after_loading` (a
         stand-in kernel's own step is a no-op): the method's name and what the layer then holds
-        (`input_dim` where vLLM tags a weight it transposed), or vLLM's error."""
+        (`input_dim` where vLLM tags a weight it transposed, `transposed_view` where it transposed one
+        untagged), or vLLM's error."""
         with mocked_rank(rank, tp):
             module = build(linear, layer, quant_config, dtype)
             feed(module, linear, layer, checkpoint, self.rotary)
@@ -398,6 +399,7 @@ class TensorParallelShards(Engine):
                 "dtype": str(tensor.dtype).removeprefix("torch."),
                 "shape": list(tensor.shape),
                 "input_dim": getattr(module.get_parameter(name), "input_dim", None),
+                "transposed_view": transposed_view(tensor),
             }
             self.held[f"post/tp{tp}/rank{rank}/{linear.module(layer)}.{name}"] = tensor.clone()
         return described
@@ -407,6 +409,12 @@ class TensorParallelShards(Engine):
 
     def unload(self):
         self.held = {}
+
+
+def transposed_view(tensor) -> bool:
+    """Whether a 2-D parameter is the `.t()` of a contiguous tensor: a method that transposes a weight
+    for its kernel without tagging `input_dim` (Quark's FP8 schemes) leaves such a view."""
+    return tensor.dim() == 2 and min(tensor.shape) > 1 and tensor.stride() == (1, tensor.shape[0])
 
 
 def gpt_oss_layer(linears, layer: int, dtype):

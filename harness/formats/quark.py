@@ -1,0 +1,152 @@
+"""AMD Quark's own config (`quant_method: quark`, written by quark.torch's `export_safetensors`) read
+as the defined format its tensors are laid out in (harness.formats.equivalents).
+
+Quark's config holds one `global_quant_config` (QuantizationSpecs for `weight`, `input_tensors`,
+`output_tensors`), optional per-layer overrides (`layer_quant_config`, `layer_type_quant_config`),
+`exclude` (the modules left unquantized) and `export` (`weight_format`, `pack_method`,
+`kv_cache_group`). Measured on amd-quark 0.13's own exports (cases/producers/quark):
+
+- FP8 per tensor (its `fp8` scheme: weight and input fp8_e4m3 `per_tensor`, static): e4m3 `weight`,
+  one bfloat16 `weight_scale` stored 0-D (a multiplier, amax / 448) and a 0-D `input_scale`. That is
+  compressed-tensors' float-quantized tensor strategy with static inputs, its [1] scales stored 0-D
+  (the reading knob SCALAR_SCALES).
+- FP8 per channel (`ptpc_fp8`: weight `per_channel` on axis 0, input `per_channel` on axis 1 and
+  dynamic, i.e. one scale per token): e4m3 `weight`, bfloat16 `weight_scale` [N]. That is
+  compressed-tensors' FP8_DYNAMIC, its [N, 1] scales stored [N] (ROW_SCALES_1D).
+
+- NVFP4 (`nvfp4`: weight and input specs each a pair, e2m1 per group of 16 and the e4m3 scales'
+  own per-tensor scale): ModelOpt's tensors under Quark's names, a format of its own
+  (harness.formats.quark_nvfp4; `is_nvfp4` below).
+
+Whatever else Quark writes is UnsupportedFormat with what it declares: int4/uint4 packed along the
+outputs in its `reorder` order, int8 with zero points, MXFP4 (`weight` holding the e2m1 bytes),
+per-layer overrides, fake-quantized exports, KV-cache and output quantization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from harness.core.errors import UnsupportedFormat
+
+QUANT_METHOD = "quark"
+FP8 = "fp8_e4m3"
+#: NVFP4's group: one e4m3 scale per 16 columns
+NVFP4_GROUP = 16
+
+
+def from_quark(config: Mapping) -> bool:
+    return config.get("quant_method") == QUANT_METHOD
+
+
+def _spec(value: object, where: str) -> Mapping | None:
+    """One QuantizationSpec (a list of them is a two-level scheme other than the NVFP4 one read here)."""
+    if value is None or isinstance(value, Mapping):
+        return value
+    raise UnsupportedFormat(
+        f"Quark's {where} is {type(value).__name__} of specs (a two-level scheme): not defined here"
+    )
+
+
+def _describe(spec: Mapping | None) -> str:
+    if spec is None:
+        return "none"
+    dynamic = "dynamic" if spec.get("is_dynamic") else "static"
+    return f"{spec.get('dtype')} {spec.get('qscheme')} {dynamic}"
+
+
+def _fp8_weights(spec: Mapping) -> dict | None:
+    """compressed-tensors' weight args for an FP8 weight spec Quark defines as one of ours."""
+    if spec.get("dtype") != FP8 or spec.get("is_dynamic") or spec.get("symmetric") is False:
+        return None
+    args = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "dynamic": False}
+    if spec.get("qscheme") == "per_tensor":
+        return args | {"strategy": "tensor"}
+    if spec.get("qscheme") == "per_channel" and spec.get("ch_axis") == 0:
+        return args | {"strategy": "channel"}
+    return None
+
+
+def _fp8_inputs(spec: Mapping | None) -> dict | None | bool:
+    """compressed-tensors' input args for Quark's input spec (None: not quantized); False where
+    Quark's spec is not one of ours."""
+    if spec is None:
+        return None
+    if spec.get("dtype") != FP8 or spec.get("symmetric") is False:
+        return False
+    args = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None}
+    if spec.get("qscheme") == "per_tensor":
+        return args | {"strategy": "tensor", "dynamic": bool(spec.get("is_dynamic"))}
+    if spec.get("qscheme") == "per_channel" and spec.get("ch_axis") == 1 and spec.get("is_dynamic"):
+        return args | {"strategy": "token", "dynamic": True}  # one scale per token of the input
+    return False
+
+
+def _nvfp4_levels(value: object) -> bool:
+    """Whether a spec is Quark's NVFP4 pair: e2m1 per group of 16, then its e4m3 scales' per-tensor scale."""
+    if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, Mapping) for v in value)):
+        return False
+    codes, scales = value
+    return (codes.get("dtype"), codes.get("qscheme"), codes.get("group_size")) == (
+        "fp4",
+        "per_group",
+        NVFP4_GROUP,
+    ) and (scales.get("dtype"), scales.get("qscheme"), bool(scales.get("is_scale_quant"))) == (FP8, "per_tensor", True)
+
+
+def is_nvfp4(config: Mapping) -> bool:
+    """Whether a Quark config is its NVFP4 scheme, weights and inputs or weights only, with nothing
+    beyond (harness.formats.quark_nvfp4 reads it)."""
+    scheme = config.get("global_quant_config") or {}
+    inputs = scheme.get("input_tensors")
+    return (
+        from_quark(config)
+        and _beyond_global(config) is None
+        and scheme.get("output_tensors") is None
+        and _nvfp4_levels(scheme.get("weight"))
+        and (inputs is None or _nvfp4_levels(inputs))
+    )
+
+
+def _beyond_global(config: Mapping) -> str | None:
+    """What a Quark config declares beyond its one global scheme, in words; None where nothing."""
+    export = config.get("export") or {}
+    if export.get("weight_format", "real_quantized") != "real_quantized":
+        return f"Quark's weight_format {export.get('weight_format')!r}: only real_quantized is defined"
+    for key in ("layer_quant_config", "layer_type_quant_config"):
+        if config.get(key):
+            return f"Quark's {key} (per-layer overrides of the global scheme): not defined here"
+    if config.get("kv_cache_quant_config") or export.get("kv_cache_group"):
+        return "Quark's KV-cache quantization (kv_cache_group): not defined here"
+    return None
+
+
+def equivalent_config(config: Mapping) -> dict | None:
+    """The compressed-tensors config a Quark config is equivalent to; None for any other config and
+    for Quark's NVFP4 (a format of its own). What Quark declares beyond the definitions above is
+    UnsupportedFormat, in its words."""
+    if not from_quark(config) or is_nvfp4(config):
+        return None
+    beyond = _beyond_global(config)
+    if beyond:
+        raise UnsupportedFormat(beyond)
+    scheme = config.get("global_quant_config") or {}
+    weight = _spec(scheme.get("weight"), "weight")
+    inputs = _spec(scheme.get("input_tensors"), "input_tensors")
+    if _spec(scheme.get("output_tensors"), "output_tensors") is not None:
+        raise UnsupportedFormat("Quark's output_tensors quantization: not defined here")
+    weights = _fp8_weights(weight) if weight is not None else None
+    activations = _fp8_inputs(inputs)
+    if weights is None or activations is False:
+        raise UnsupportedFormat(
+            f"Quark's scheme (weight {_describe(weight)}, input {_describe(inputs)}): only FP8 weights per tensor "
+            "or per channel, with static per-tensor or dynamic per-token FP8 inputs or none, are defined here"
+        )
+    group = {"format": "float-quantized", "weights": weights, "input_activations": activations, "targets": ["Linear"]}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": group},
+        "ignore": list(config.get("exclude") or []),
+        "quantization_status": "compressed",
+    }

@@ -1,0 +1,149 @@
+"""Produce FP8, int4, MXFP4 and NVFP4 checkpoints with AMD Quark (``quark.torch``) and its safetensors export.
+
+Standalone producer script: it imports only amd-quark, torch, safetensors, transformers and the standard library,
+never the harness. It builds a tiny random-weight Llama in bfloat16 (fixed seed, weights drawn from a seeded
+generator so they do not depend on the transformers version's init), takes the scheme's config from Quark's own
+``LLMTemplate.get("llama").get_config(scheme=...)``, runs ``ModelQuantizer(config).quantize_model(model, batches)``
+with a few random token-id sequences as calibration data, freezes it and writes the checkpoint with
+``quark.torch.export_safetensors`` (config.json with quant_method "quark", model.safetensors).
+
+Output: ``OUT/quark/<case>/`` holding the exported checkpoint, ``provenance.json`` and
+``producer_truth/weights.safetensors``: each quantized Linear weight as Quark itself reads the exported files back,
+float32: ``import_model_from_safetensors`` into a fresh copy of the base model, then each ``QParamsLinear``'s
+``_get_qweight(weight)`` (the dequantized weight its forward multiplies by). Failures per case go to
+``OUT/quark/FAILED.json``.
+
+Usage: python scripts/producers/quark_produce.py --out DIR [--only SUBSTRING ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import producing  # noqa: E402  (beside this script)
+import torch  # noqa: E402
+from quark.torch import LLMTemplate, ModelQuantizer, export_safetensors, import_model_from_safetensors  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+PRODUCER = "quark"
+SEED = 0
+MODEL_CONFIG = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+}
+CALIB_SAMPLES = 4
+CALIB_SEQLEN = 32
+
+# case -> (scheme label, LLMTemplate scheme, kv_cache_scheme)
+CASES: dict[str, tuple[str, str, str | None]] = {
+    "fp8": ("fp8-e4m3 weight and static input, per-tensor scales (bfloat16, 0-D)", "fp8", None),
+    "fp8_kv": ("fp8-e4m3 weight and static input per tensor, fp8 KV cache scales", "fp8", "fp8"),
+    "ptpc_fp8": ("fp8-e4m3 weight per channel, dynamic per-token fp8 input", "ptpc_fp8", None),
+    "int8": ("int8 weight and static input, per-tensor scales and zero points", "int8", None),
+    "uint4_wo_128": ("uint4 weight-only, groups of 128, zero points (asymmetric)", "uint4_wo_128", None),
+    "int4_wo_128": ("int4 weight-only, groups of 128, symmetric", "int4_wo_128", None),
+    "mxfp4": ("OCP MXFP4 weight and dynamic input (e2m1, E8M0 scales per 32)", "mxfp4", None),
+    "nvfp4": ("NVFP4 weight and input (e2m1, e4m3 scales per 16, float32 second-level scale)", "nvfp4", None),
+}
+
+PACKAGES = ("torch", "amd-quark", "transformers", "accelerate", "safetensors", "huggingface-hub")
+
+
+def calibration_batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(SEED + 1)
+    return [
+        torch.randint(3, MODEL_CONFIG["vocab_size"], (1, CALIB_SEQLEN), generator=generator)
+        for _ in range(CALIB_SAMPLES)
+    ]
+
+
+def producer_truth(base_dir: Path, case_dir: Path) -> dict[str, torch.Tensor]:
+    """Each quantized Linear's weight as Quark reads the exported files back (float32)."""
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16).eval()
+    model = import_model_from_safetensors(model, str(case_dir))
+    truth = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if hasattr(module, "_get_qweight") and getattr(module, "weight_quantizer", None) is not None:
+                truth[f"{name}.weight"] = module._get_qweight(module.weight).float().contiguous()
+    if not truth:
+        raise RuntimeError("import_model_from_safetensors left no quantized Linear")
+    return truth
+
+
+def base_model(directory: Path) -> None:
+    producing.build_seeded_llama(directory, MODEL_CONFIG, SEED)
+
+
+def run_case(case: str, base_dir: Path, out_root: Path) -> None:
+    scheme, template_scheme, kv_scheme = CASES[case]
+    case_dir = out_root / PRODUCER / case
+    if case_dir.exists():
+        shutil.rmtree(case_dir)
+    started = time.time()
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16).eval()
+    config = LLMTemplate.get("llama").get_config(scheme=template_scheme, kv_cache_scheme=kv_scheme)
+    quantizer = ModelQuantizer(config)
+    model = quantizer.quantize_model(model, calibration_batches())
+    model = quantizer.freeze(model)
+    export_safetensors(model, output_dir=str(case_dir))
+    files = producing.digests(case_dir)
+    (case_dir / "producer_truth").mkdir()
+    save_file(producer_truth(base_dir, case_dir), case_dir / "producer_truth" / "weights.safetensors")
+    notes = [
+        "base model: tiny random Llama, bfloat16, weights ~ N(0, 0.02) from torch.Generator(seed), norms = 1",
+        f"calibration: {CALIB_SAMPLES} random token-id sequences of length {CALIB_SEQLEN} (seed {SEED + 1})",
+        "producer_truth: import_model_from_safetensors(fresh base model, case_dir), then each QParamsLinear's "
+        "_get_qweight(weight): Quark's own reading of the exported files",
+        f"elapsed_s={time.time() - started:.2f}",
+    ]
+    provenance = {
+        "producer": "amd-quark",
+        "producer_version": importlib.metadata.version("amd-quark"),
+        "packages": producing.package_versions(PACKAGES),
+        "case": case,
+        "arch": model.config.architectures[0],
+        "scheme": scheme,
+        "recipe": {
+            "template": f'quark.torch.LLMTemplate.get("llama").get_config(scheme={template_scheme!r}, '
+            f"kv_cache_scheme={kv_scheme!r})",
+            "calibration": {"samples": CALIB_SAMPLES, "seqlen": CALIB_SEQLEN, "seed": SEED + 1},
+            "export": "quark.torch.export_safetensors(quantizer.freeze(model), output_dir=case_dir)",
+            "model_config": MODEL_CONFIG,
+        },
+        "command": " ".join([sys.executable, *sys.argv]),
+        "seed": SEED,
+        "files": files,
+        "notes": notes,
+    }
+    (case_dir / "provenance.json").write_text(json.dumps(provenance, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path, help="output root; cases go to OUT/quark/")
+    parser.add_argument("--only", nargs="*", default=[], help="run only cases whose name contains one of these")
+    args = parser.parse_args()
+    cases = [c for c in CASES if not args.only or any(s in c for s in args.only)]
+    return producing.run_cases(PRODUCER, cases, args.out, base_model, run_case)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""AMD Quark's own configs (harness/formats/quark.py, quark_nvfp4.py), on what amd-quark 0.13 wrote
+(cases/producers/quark): FP8 per tensor and per channel read as compressed-tensors' FP8 with Quark's
+scale shapes, NVFP4 as ModelOpt's tensors under Quark's names, everything else unsupported in words."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from harness.core.errors import UnsupportedFormat
+from harness.formats import detect_format, equivalents, get_format
+from harness.formats.base import FormatError
+from harness.formats.modelopt_nvfp4 import WEIGHT_ONLY
+
+CORPUS = Path(__file__).resolve().parents[2] / "cases" / "producers" / "quark"
+
+
+def quantization_config(case: str) -> dict:
+    return json.loads((CORPUS / case / "config.json").read_text())["quantization_config"]
+
+
+def module_tensors(case: str, module: str) -> dict[str, torch.Tensor]:
+    stored = load_file(CORPUS / case / "model.safetensors")
+    return {name.rpartition(".")[2]: t for name, t in stored.items() if name.rpartition(".")[0] == module}
+
+
+@pytest.mark.parametrize(
+    ("case", "format_name", "reading_knob"),
+    [("fp8", "ct-fp8-tensor", equivalents.SCALAR_SCALES), ("ptpc_fp8", "ct-fp8-channel", equivalents.ROW_SCALES_1D)],
+)
+def test_quarks_fp8_is_compressed_tensors_fp8_with_its_scale_shapes(case, format_name, reading_knob):
+    config = quantization_config(case)
+    fmt = detect_format(config)
+    knobs = fmt.knobs_from_config(config)
+    assert (fmt.name, knobs[reading_knob]) == (format_name, True)
+    assert equivalents.read_as(config)["ignore"] == config["exclude"] == ["lm_head"]
+    tensors = module_tensors(case, "model.layers.0.self_attn.k_proj")
+    weight = fmt.dequantize(tensors, knobs)
+    assert weight.shape == tensors["weight"].shape and torch.isfinite(weight).all()
+
+
+@pytest.mark.parametrize(
+    ("case", "said"),
+    [
+        ("fp8_kv", "per-layer overrides"),
+        ("int8", "weight int8 per_tensor static, input int8 per_tensor static"),
+        ("uint4_wo_128", "weight uint4 per_group static, input none"),
+        ("int4_wo_128", "weight int4 per_group static, input none"),
+        ("mxfp4", "weight fp4 per_group static, input fp4 per_group dynamic"),
+    ],
+)
+def test_what_quark_writes_beyond_the_definitions_is_unsupported_in_its_words(case, said):
+    with pytest.raises(UnsupportedFormat, match=said):
+        detect_format(quantization_config(case))
+
+
+def test_a_0d_per_tensor_scale_is_quarks_and_an_engines_held_scale_is_its_own():
+    """Read from Quark's file, a per-tensor scale is 0-D; [1] there is refused. An engine holds it as its
+    own parameter ([1] per part in vLLM), read as it is."""
+    fmt = get_format("ct-fp8-tensor")
+    config = quantization_config("fp8")
+    knobs = fmt.knobs_from_config(config)
+    tensors = module_tensors("fp8", "model.layers.0.self_attn.k_proj")
+    as_stored = fmt.dequantize(tensors, knobs)
+    one_d = {name: t.reshape(1) if name.endswith("_scale") else t for name, t in tensors.items()}
+    with pytest.raises(FormatError, match="expected \\[\\]"):
+        fmt.dequantize(one_d, knobs)
+    assert torch.equal(fmt.dequantize_held(one_d, knobs), as_stored)
+
+
+def test_quarks_nvfp4_is_modelopts_tensors_under_quarks_names():
+    config = quantization_config("nvfp4")
+    fmt = detect_format(config)
+    knobs = fmt.knobs_from_config(config)
+    assert fmt.name == "quark-nvfp4" and not knobs.get(WEIGHT_ONLY)
+    tensors = module_tensors("nvfp4", "model.layers.0.mlp.down_proj")
+    assert set(tensors) == set(fmt.suffixes)
+    modelopt = get_format("modelopt-nvfp4")
+    renamed = {("input_scale" if name == "input_scale_2" else name): t for name, t in tensors.items()}
+    assert torch.equal(
+        fmt.dequantize(tensors, knobs), modelopt.dequantize(renamed, {"global_scale_convention": "multiplier"})
+    )
+    without_input = {name: t for name, t in tensors.items() if name != "input_scale_2"}
+    with pytest.raises(FormatError, match="input_scale_2"):
+        fmt.dequantize(without_input, knobs)
+
+
+def test_quarks_weight_only_nvfp4_reads_without_an_input_scale():
+    config = quantization_config("nvfp4")
+    config["global_quant_config"]["input_tensors"] = None  # what its weight-only NVFP4 writes
+    fmt = detect_format(config)
+    knobs = fmt.knobs_from_config(config)
+    assert fmt.name == "quark-nvfp4" and knobs[WEIGHT_ONLY]
+    tensors = module_tensors("nvfp4", "model.layers.0.mlp.down_proj")
+    tensors.pop("input_scale_2")
+    assert torch.isfinite(fmt.dequantize(tensors, knobs)).all()
+
+
+def test_quarks_nvfp4_is_read_not_generated():
+    from harness.formats import require_formats
+
+    with pytest.raises(Exception, match="read, not written"):
+        require_formats("quark-nvfp4")
