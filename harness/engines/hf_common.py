@@ -138,7 +138,9 @@ class HFModelEngine(Engine):
         quantizer = getattr(self.model, "hf_quantizer", None)
         if quantizer is not None and not quantizer.is_serializable():  # its own declaration (Quark's)
             method = quantizer.quantization_config.quant_method
-            raise EngineUnsupported(f"transformers declares a model quantized with {getattr(method, 'value', method)} not serializable")
+            raise EngineUnsupported(
+                f"transformers declares a model quantized with {getattr(method, 'value', method)} not serializable"
+            )
         self.model.save_pretrained(directory)
 
 

@@ -43,6 +43,7 @@ READ_ONLY: dict[str, str] = {
     "mixed-precision": "harness.formats.mixed:FORMAT",
     "gptq-dynamic": "harness.formats.mixed:GPTQ_DYNAMIC",
     "quark-nvfp4": "harness.formats.quark_nvfp4:FORMAT",
+    "quark-int4": "harness.formats.quark_int4:FORMAT",
 }
 
 

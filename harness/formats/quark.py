@@ -18,9 +18,13 @@ Quark's config holds one `global_quant_config` (QuantizationSpecs for `weight`, 
   own per-tensor scale): ModelOpt's tensors under Quark's names, a format of its own
   (harness.formats.quark_nvfp4; `is_nvfp4` below).
 
-Whatever else Quark writes is UnsupportedFormat with what it declares: int4/uint4 packed along the
-outputs in its `reorder` order, int8 with zero points, MXFP4 (`weight` holding the e2m1 bytes),
-per-layer overrides, fake-quantized exports, KV-cache and output quantization.
+- int4 and uint4 weight-only over groups (`int4_wo_128`, `uint4_wo_128`: packed along the outputs in
+  its `reorder` order, AutoAWQ's): AWQ's layout under Quark's names, signed codes where symmetric
+  (harness.formats.quark_int4; `int4_weights` below).
+
+Whatever else Quark writes is UnsupportedFormat with what it declares: int8 with zero points, MXFP4
+(`weight` holding the e2m1 bytes), int4 in its `order` packing, per-layer overrides, fake-quantized
+exports, KV-cache and output quantization.
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ QUANT_METHOD = "quark"
 FP8 = "fp8_e4m3"
 #: NVFP4's group: one e4m3 scale per 16 columns
 NVFP4_GROUP = 16
+#: Quark's int4 packing order, AutoAWQ's (vLLM's `canonicalize_quark_packed_int4` leaves it as it is)
+PACK_REORDER = "reorder"
+#: Quark's 4-bit integer dtypes: signed codes (symmetric) and unsigned codes with zero points
+INT4_DTYPES = ("int4", "uint4")
 
 
 def from_quark(config: Mapping) -> bool:
@@ -108,6 +116,25 @@ def is_nvfp4(config: Mapping) -> bool:
     )
 
 
+def int4_weights(config: Mapping) -> Mapping | None:
+    """The weight spec of a Quark config that is its int4 or uint4 weight-only scheme over groups,
+    with nothing beyond (harness.formats.quark_int4 reads it); None for any other config."""
+    scheme = config.get("global_quant_config") or {}
+    weight = scheme.get("weight")
+    if not (from_quark(config) and isinstance(weight, Mapping)) or _beyond_global(config) is not None:
+        return None
+    if scheme.get("input_tensors") is not None or scheme.get("output_tensors") is not None:
+        return None
+    group = weight.get("group_size")
+    if weight.get("dtype") not in INT4_DTYPES or (weight.get("qscheme"), weight.get("ch_axis")) != ("per_group", -1):
+        return None
+    if not (isinstance(group, int) and not isinstance(group, bool) and group > 0):
+        return None
+    if (config.get("export") or {}).get("pack_method", PACK_REORDER) != PACK_REORDER:
+        return None
+    return weight
+
+
 def _beyond_global(config: Mapping) -> str | None:
     """What a Quark config declares beyond its one global scheme, in words; None where nothing."""
     export = config.get("export") or {}
@@ -123,9 +150,9 @@ def _beyond_global(config: Mapping) -> str | None:
 
 def equivalent_config(config: Mapping) -> dict | None:
     """The compressed-tensors config a Quark config is equivalent to; None for any other config and
-    for Quark's NVFP4 (a format of its own). What Quark declares beyond the definitions above is
+    for Quark's NVFP4 and int4 (formats of their own). What Quark declares beyond the definitions above is
     UnsupportedFormat, in its words."""
-    if not from_quark(config) or is_nvfp4(config):
+    if not from_quark(config) or is_nvfp4(config) or int4_weights(config) is not None:
         return None
     beyond = _beyond_global(config)
     if beyond:

@@ -48,8 +48,6 @@ def test_quarks_fp8_is_compressed_tensors_fp8_with_its_scale_shapes(case, format
     [
         ("fp8_kv", "per-layer overrides"),
         ("int8", "weight int8 per_tensor static, input int8 per_tensor static"),
-        ("uint4_wo_128", "weight uint4 per_group static, input none"),
-        ("int4_wo_128", "weight int4 per_group static, input none"),
         ("mxfp4", "weight fp4 per_group static, input fp4 per_group dynamic"),
     ],
 )
@@ -105,3 +103,27 @@ def test_quarks_nvfp4_is_read_not_generated():
 
     with pytest.raises(Exception, match="read, not written"):
         require_formats("quark-nvfp4")
+
+
+@pytest.mark.parametrize(("case", "signed"), [("uint4_wo_128", False), ("int4_wo_128", True)])
+def test_quarks_int4_is_awqs_packing_under_quarks_names(case, signed):
+    """uint4: (q - z) * scale as AWQ reads the same words; int4: signed nibbles, zero points 0."""
+    from harness.formats.quark_int4 import AWQ_NAMES, SIGNED
+
+    config = quantization_config(case)
+    fmt = detect_format(config)
+    knobs = fmt.knobs_from_config(config)
+    assert (fmt.name, knobs) == ("quark-int4", {"group_size": 128, SIGNED: signed})
+    tensors = module_tensors(case, "model.layers.0.mlp.down_proj")
+    awq = {AWQ_NAMES[name]: t for name, t in tensors.items()}
+    as_awq = get_format("awq").dequantize(awq, {"group_size": 128})
+    weight = fmt.dequantize(tensors, knobs)
+    if signed:  # the same words read as signed nibbles: 16 scale-steps lower where the top bit is set
+        steps = (as_awq - weight) / get_format("awq").affine_parts(awq, {"group_size": 128})[2]
+        assert set(steps.round().unique().tolist()) <= {0.0, 16.0} and (steps.round() == 16).any()
+        with pytest.raises(FormatError, match="weight_zero_point"):
+            fmt.dequantize({**tensors, "weight_zero_point": torch.ones_like(tensors["weight_zero_point"])}, knobs)
+    else:
+        assert torch.equal(weight, as_awq)
+    with pytest.raises(FormatError, match="weight_scale"):  # said under the file's names, not AWQ's
+        fmt.dequantize({**tensors, "weight_scale": tensors["weight_scale"][:1]}, knobs)
