@@ -12,7 +12,8 @@ transformers' fp8 config; ModelOpt's `quant_algo`):
 - INT8, dynamic per token, symmetric (compressed-tensors' W8A8): s = amax(row) / 127.5 (its
   `calculate_qparams`: amax / ((127 - -128) / 2)), x -> round(clamp(x / s, -128, 127)) * s;
 - NVFP4 (FP4 E2M1, tensor_group, groups of 16): with G the global scale in the divisor convention
-  (compressed-tensors' `input_global_scale`; ModelOpt's `input_scale` is 1 / G), each group's
+  (compressed-tensors' `input_global_scale`; ModelOpt's `input_scale` and Quark's `input_scale_2`
+  are 1 / G), each group's
   scale b = e4m3(amax / 6 * G) and x -> e2m1(x * G / b) * b / G.
 - MXFP4, dynamic, groups of 32 (OCP MX v1.0, as AutoRound declares and computes it: its
   `quant_mx`): each group's scale 2**X with X = floor(log2(amax)) - 2 (2 the E2M1 maximum's
@@ -39,7 +40,7 @@ import torch
 
 from harness.core.errors import HarnessError
 from harness.core.numerics import E2M1_MAX, E2M1_TABLE, E4M3_MAX, NVFP4_GROUP, encode_e2m1, encode_e4m3, encode_e5m2
-from harness.formats import auto_round, equivalents
+from harness.formats import auto_round, equivalents, quark
 from harness.formats.ct_mxfp4 import GROUP as MXFP4_GROUP
 
 #: compressed-tensors' symmetric int8 scale divisor: (127 - -128) / 2
@@ -70,6 +71,10 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
     """The activation scheme a quantization_config declares, or None (weight-only). A scheme
     outside the definitions above is a one-line HarnessError."""
     method, original = quantization_config.get("quant_method"), quantization_config
+    if quark.is_nvfp4(original):  # Quark's own names: ModelOpt's NVFP4 inputs, the multiplier `input_scale_2`
+        if original["global_quant_config"].get("input_tensors") is None:
+            return None
+        return ActivationScheme("nvfp4", "tensor_group", True, NVFP4_GROUP, "input_scale_2", multiplier=True)
     quantization_config = equivalents.read_as(quantization_config)
     if quantization_config.get("quant_method") == "fp8":  # FineGrainedFP8 (DeepSeek): dynamic 1 x block_cols groups
         if quantization_config.get("activation_scheme", "dynamic") != "dynamic":
@@ -110,10 +115,11 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
 
 
 def declared_ignored(quantization_config: Mapping, module: str) -> bool:
-    """Whether the config leaves `module` unquantized: its `ignore` (compressed-tensors, ModelOpt)
-    or `modules_to_not_convert` (transformers' fp8) names it exactly, by `re:` pattern or by
-    wildcard."""
-    patterns = quantization_config.get("ignore") or quantization_config.get("modules_to_not_convert") or []
+    """Whether the config leaves `module` unquantized: its `ignore` (compressed-tensors, ModelOpt),
+    `modules_to_not_convert` (transformers' fp8) or `exclude` (Quark) names it exactly, by `re:`
+    pattern or by wildcard."""
+    get = quantization_config.get
+    patterns = get("ignore") or get("modules_to_not_convert") or get("exclude") or []
     for pattern in patterns:
         if not isinstance(pattern, str):
             continue

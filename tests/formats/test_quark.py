@@ -127,3 +127,14 @@ def test_quarks_int4_is_awqs_packing_under_quarks_names(case, signed):
         assert torch.equal(weight, as_awq)
     with pytest.raises(FormatError, match="weight_scale"):  # said under the file's names, not AWQ's
         fmt.dequantize({**tensors, "weight_scale": tensors["weight_scale"][:1]}, knobs)
+
+
+def test_quarks_nvfp4_inputs_are_modelopts_with_quarks_scale_name_and_its_exclude_list_is_read():
+    from harness.oracle.activations import declared_ignored, scheme_of
+
+    config = quantization_config("nvfp4")
+    scheme = scheme_of(config)
+    assert (scheme.kind, scheme.group_size, scheme.static, scheme.multiplier) == ("nvfp4", 16, "input_scale_2", True)
+    assert declared_ignored(config, "lm_head") and not declared_ignored(config, "model.layers.0.mlp.up_proj")
+    config["global_quant_config"]["input_tensors"] = None
+    assert scheme_of(config) is None
