@@ -44,6 +44,7 @@ READ_ONLY: dict[str, str] = {
     "gptq-dynamic": "harness.formats.mixed:GPTQ_DYNAMIC",
     "quark-nvfp4": "harness.formats.quark_nvfp4:FORMAT",
     "quark-int4": "harness.formats.quark_int4:FORMAT",
+    "quark-mxfp4": "harness.formats.quark_mxfp4:FORMAT",
 }
 
 

@@ -22,9 +22,11 @@ Quark's config holds one `global_quant_config` (QuantizationSpecs for `weight`, 
   its `reorder` order, AutoAWQ's): AWQ's layout under Quark's names, signed codes where symmetric
   (harness.formats.quark_int4; `int4_weights` below).
 
-Whatever else Quark writes is UnsupportedFormat with what it declares: int8 with zero points, MXFP4
-(`weight` holding the e2m1 bytes), int4 in its `order` packing, per-layer overrides, fake-quantized
-exports, KV-cache and output quantization.
+- MXFP4 (`mxfp4`: weight and dynamic input e2m1 per group of 32, E8M0 scales, `even` rounding):
+  compressed-tensors' MXFP4 tensors under Quark's names (harness.formats.quark_mxfp4; `is_mxfp4`).
+
+Whatever else Quark writes is UnsupportedFormat with what it declares: int8 with zero points, int4
+in its `order` packing, per-layer overrides, fake-quantized exports, KV-cache and output quantization.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ QUANT_METHOD = "quark"
 FP8 = "fp8_e4m3"
 #: NVFP4's group: one e4m3 scale per 16 columns
 NVFP4_GROUP = 16
+#: OCP MXFP4's group: one E8M0 scale per 32 columns
+MXFP4_GROUP = 32
 #: Quark's int4 packing order, AutoAWQ's (vLLM's `canonicalize_quark_packed_int4` leaves it as it is)
 PACK_REORDER = "reorder"
 #: Quark's 4-bit integer dtypes: signed codes (symmetric) and unsigned codes with zero points
@@ -135,6 +139,33 @@ def int4_weights(config: Mapping) -> Mapping | None:
     return weight
 
 
+def _mxfp4_spec(spec: object, dynamic: bool) -> bool:
+    """Whether a spec is OCP MXFP4 as Quark writes it: e2m1 per group of 32, E8M0 scales, `even` rounding."""
+    return isinstance(spec, Mapping) and (
+        spec.get("dtype"),
+        spec.get("qscheme"),
+        spec.get("group_size"),
+        spec.get("ch_axis"),
+        spec.get("scale_format"),
+        spec.get("scale_calculation_mode"),
+        bool(spec.get("is_dynamic")),
+    ) == ("fp4", "per_group", MXFP4_GROUP, -1, "e8m0", "even", dynamic)
+
+
+def is_mxfp4(config: Mapping) -> bool:
+    """Whether a Quark config is its MXFP4 scheme, weights with dynamic inputs or weights only, with
+    nothing beyond (harness.formats.quark_mxfp4 reads it)."""
+    scheme = config.get("global_quant_config") or {}
+    inputs = scheme.get("input_tensors")
+    return (
+        from_quark(config)
+        and _beyond_global(config) is None
+        and scheme.get("output_tensors") is None
+        and _mxfp4_spec(scheme.get("weight"), dynamic=False)
+        and (inputs is None or _mxfp4_spec(inputs, dynamic=True))
+    )
+
+
 def _beyond_global(config: Mapping) -> str | None:
     """What a Quark config declares beyond its one global scheme, in words; None where nothing."""
     export = config.get("export") or {}
@@ -150,9 +181,9 @@ def _beyond_global(config: Mapping) -> str | None:
 
 def equivalent_config(config: Mapping) -> dict | None:
     """The compressed-tensors config a Quark config is equivalent to; None for any other config and
-    for Quark's NVFP4 and int4 (formats of their own). What Quark declares beyond the definitions above is
+    for Quark's NVFP4, MXFP4 and int4 (formats of their own). What Quark declares beyond the definitions above is
     UnsupportedFormat, in its words."""
-    if not from_quark(config) or is_nvfp4(config) or int4_weights(config) is not None:
+    if not from_quark(config) or is_nvfp4(config) or is_mxfp4(config) or int4_weights(config) is not None:
         return None
     beyond = _beyond_global(config)
     if beyond:

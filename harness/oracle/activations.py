@@ -20,8 +20,9 @@ transformers' fp8 config; ModelOpt's `quant_algo`):
   exponent) clamped to [-127, 127], x -> e2m1(clamp(x / 2**X, -6, 6)) * 2**X. AutoRound's RCEIL
   variant (`act_data_type: mx_fp_rceil`, its `quant_mx_rceil`) takes X = ceil(log2(amax / 6)),
   computed in float32 as it computes it (`exponent="ceil"`): no element then saturates.
-  compressed-tensors' own MXFP4 activations round the amax to a power of two first (up from a
-  mantissa of 1.75): a different definition, not modelled here.
+  Quark's MXFP4 (`scale_calculation_mode: even`, its `even_round`) rounds the float32 amax to a
+  power of two first (up from a mantissa of 1.75, as ct's MX weight scales), then takes its
+  exponent minus 2 (`exponent="even"`). compressed-tensors' own MXFP4 activations are not modelled.
 
 A group (or row) whose amax is zero stays zero. Arithmetic is float64 and the result is cast back
 to the activation's dtype; `arithmetic="model"` computes the same definition in the activation's
@@ -42,6 +43,7 @@ from harness.core.errors import HarnessError
 from harness.core.numerics import E2M1_MAX, E2M1_TABLE, E4M3_MAX, NVFP4_GROUP, encode_e2m1, encode_e4m3, encode_e5m2
 from harness.formats import auto_round, equivalents, quark
 from harness.formats.ct_mxfp4 import GROUP as MXFP4_GROUP
+from harness.formats.ct_mxfp4 import round_to_power_of_two
 
 #: compressed-tensors' symmetric int8 scale divisor: (127 - -128) / 2
 INT8_HALF_RANGE = 127.5
@@ -59,7 +61,7 @@ class ActivationScheme:
     static: str = ""  # the stored tensor suffix of a static scale ("input_scale", "input_global_scale")
     multiplier: bool = False  # NVFP4: the stored global is 1 / G (ModelOpt)
     arithmetic: str = "float64"  # or "model": the activation's own dtype
-    exponent: str = "floor"  # MXFP4's scale exponent: "floor" (OCP MX) or "ceil" (AutoRound's RCEIL)
+    exponent: str = "floor"  # MXFP4's scale exponent: "floor" (OCP MX), "ceil" (AutoRound's RCEIL), "even" (Quark's)
 
     def describe(self) -> str:
         how = "dynamic" if self.dynamic and not self.static else f"static {self.static}"
@@ -71,10 +73,8 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
     """The activation scheme a quantization_config declares, or None (weight-only). A scheme
     outside the definitions above is a one-line HarnessError."""
     method, original = quantization_config.get("quant_method"), quantization_config
-    if quark.is_nvfp4(original):  # Quark's own names: ModelOpt's NVFP4 inputs, the multiplier `input_scale_2`
-        if original["global_quant_config"].get("input_tensors") is None:
-            return None
-        return ActivationScheme("nvfp4", "tensor_group", True, NVFP4_GROUP, "input_scale_2", multiplier=True)
+    if quark.is_nvfp4(original) or quark.is_mxfp4(original):
+        return _quark_scheme(original)
     quantization_config = equivalents.read_as(quantization_config)
     if quantization_config.get("quant_method") == "fp8":  # FineGrainedFP8 (DeepSeek): dynamic 1 x block_cols groups
         if quantization_config.get("activation_scheme", "dynamic") != "dynamic":
@@ -112,6 +112,16 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
         f"activations of {bits} bits, type {args.get('type')!r}, strategy {strategy!r} are not defined here"
         f" (quant_method {method!r})"
     )
+
+
+def _quark_scheme(config: Mapping) -> ActivationScheme | None:
+    """The inputs of Quark's FP4 schemes, read under its own names: NVFP4's are ModelOpt's, with the
+    multiplier `input_scale_2`; MXFP4's are dynamic, their scales by Quark's `even` rounding."""
+    if config["global_quant_config"].get("input_tensors") is None:
+        return None
+    if quark.is_nvfp4(config):
+        return ActivationScheme("nvfp4", "tensor_group", True, NVFP4_GROUP, "input_scale_2", multiplier=True)
+    return ActivationScheme("mxfp4", "group", True, MXFP4_GROUP, exponent="even")
 
 
 def declared_ignored(quantization_config: Mapping, module: str) -> bool:
@@ -184,13 +194,19 @@ def quantize_activations(x: torch.Tensor, scheme: ActivationScheme, stored: torc
 
 def _mxfp4(x: torch.Tensor, size: int, work: torch.dtype, rule: str = "floor") -> torch.Tensor:
     """MX FP4 of `x` in groups of `size`. OCP's floor rule: the scale exponent from frexp
-    (floor(log2) exactly, in any dtype); the ceil rule as AutoRound computes it, in float32. Powers
-    of two and E2M1 values are exact in `work`."""
+    (floor(log2) exactly, in any dtype); the ceil rule as AutoRound computes it, in float32; the
+    even rule as Quark computes it (float32 amax rounded to a power of two, as ct's MX weights'
+    scales are: a zero amax counts as the smallest normal). Powers of two and E2M1 values are exact
+    in `work`."""
     groups, columns = _grouped(x, size)
     amax = groups.abs().amax(dim=-1, keepdim=True)
     if rule == "ceil":  # ceil(log2(amax / 6)), float32 as quant_mx_rceil (a zero amax: its values stay 0)
         shared = torch.ceil(torch.log2(amax.to(torch.float32) / E2M1_MAX)).to(torch.int64)
         shared = torch.where(amax > 0, shared, 0)
+    elif rule == "even":  # Quark's `even_round`: the float32 amax rounded to a power of two first (up from 1.75)
+        power = round_to_power_of_two(amax.to(torch.float32)).to(torch.float64)
+        shared = torch.where(power > 0, torch.log2(power.clamp(min=2.0**-149)), -126.0).to(torch.int64)
+        shared = shared - MX_ELEMENT_EXPONENT
     else:
         _, exponent = torch.frexp(amax.to(torch.float64))  # amax = m * 2**e, m in [0.5, 1): floor(log2) = e - 1
         shared = exponent - 1 - MX_ELEMENT_EXPONENT

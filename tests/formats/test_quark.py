@@ -48,7 +48,6 @@ def test_quarks_fp8_is_compressed_tensors_fp8_with_its_scale_shapes(case, format
     [
         ("fp8_kv", "per-layer overrides"),
         ("int8", "weight int8 per_tensor static, input int8 per_tensor static"),
-        ("mxfp4", "weight fp4 per_group static, input fp4 per_group dynamic"),
     ],
 )
 def test_what_quark_writes_beyond_the_definitions_is_unsupported_in_its_words(case, said):
@@ -138,3 +137,37 @@ def test_quarks_nvfp4_inputs_are_modelopts_with_quarks_scale_name_and_its_exclud
     assert declared_ignored(config, "lm_head") and not declared_ignored(config, "model.layers.0.mlp.up_proj")
     config["global_quant_config"]["input_tensors"] = None
     assert scheme_of(config) is None
+
+
+def test_quarks_mxfp4_is_compressed_tensors_mxfp4_under_quarks_names():
+    config = quantization_config("mxfp4")
+    fmt = detect_format(config)
+    assert fmt.name == "quark-mxfp4"
+    tensors = module_tensors("mxfp4", "model.layers.0.mlp.down_proj")
+    assert set(tensors) == set(fmt.suffixes)
+    renamed = {("weight_packed" if name == "weight" else name): t for name, t in tensors.items()}
+    assert torch.equal(fmt.dequantize(tensors, {}), get_format("ct-mxfp4").dequantize(renamed, {}))
+    with pytest.raises(FormatError, match="weight has 1 dimensions"):  # said under the file's names
+        fmt.dequantize({**tensors, "weight": tensors["weight"].flatten()}, {})
+
+
+@pytest.mark.nightly
+def test_the_even_mxfp4_activation_rule_is_quarks_own():
+    """Quark's MXFP4 inputs (`scale_calculation_mode: even`): the activation definition against amd-quark's
+    own MX fake quantization of the same tensor (`fake_quantize_mx`), element for element (skipped
+    without amd-quark). Nightly: importing quark.torch takes about 25 s here; in CI the corpus case
+    quark/mxfp4 checks the same through transformers' forward (its activation probe, 14/14 as specified)."""
+    pytest.importorskip("quark")
+    from quark.torch.kernel.hw_emulation.hw_emulation_interface import fake_quantize_mx
+
+    from harness.oracle.activations import quantize_activations, scheme_of
+
+    scheme = scheme_of(quantization_config("mxfp4"))
+    assert (scheme.kind, scheme.exponent, scheme.group_size) == ("mxfp4", "even", 32)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 256, generator=generator) * torch.logspace(-3, 2, 256)
+    x[0, :32] = 0  # a group of zeros stays zero
+    x[1, 32:64] *= 1.75 / x[1, 32:64].abs().max()  # an amax at the rounding boundary
+    x[2, 64:96] *= 1.74 / x[2, 64:96].abs().max()  # just below it
+    theirs = fake_quantize_mx(x, axis=-1, block_size=32, scale_calculation_mode="even", mx_element_dtype="fp4")
+    assert torch.equal(quantize_activations(x, scheme), theirs)

@@ -1,0 +1,60 @@
+"""`quark-mxfp4` (read, not written): AMD Quark's OCP MXFP4 export (`quant_method: quark`, its
+`mxfp4` and `mxfp4_weight_only` schemes; harness.formats.quark.is_mxfp4 says which configs).
+
+compressed-tensors' MXFP4 tensors (harness.formats.ct_mxfp4) under Quark's names, measured on
+amd-quark 0.13's own export (cases/producers/quark/mxfp4): `weight` uint8 [N, K/2] (E2M1 codes, even
+column in the low nibble) and `weight_scale` uint8 [N, K/32] (E8M0, biased exponents):
+W = e2m1 * 2**(weight_scale - 127). Its inputs, where quantized, are dynamic MXFP4 with Quark's
+`even` scale rounding (harness.oracle.activations).
+"""
+
+from __future__ import annotations
+
+from harness.formats import quark
+from harness.formats.base import FormatError
+from harness.formats.ct_mxfp4 import FORMAT as CT_MXFP4
+from harness.formats.ct_mxfp4 import CtMxfp4
+
+#: Quark's name -> compressed-tensors'
+CT_NAMES = {"weight": "weight_packed"}
+
+
+class QuarkMxfp4(CtMxfp4):
+    name = "quark-mxfp4"
+    description = "AMD Quark MXFP4 (uint8 weight of E2M1 codes, uint8 E8M0 weight_scale per 32 columns)"
+    suffixes = ("weight", "weight_scale")
+    marker = "weight_scale"
+    knobs = {}
+
+    def matches(self, quantization_config):
+        return quark.is_mxfp4(quantization_config)
+
+    def quantization_config(self, knobs, ignore):
+        """The fields of Quark's config the harness reads besides the scheme (the generator writes none)."""
+        return {"quant_method": quark.QUANT_METHOD, "exclude": list(ignore)}
+
+    def knobs_from_config(self, quantization_config):
+        if not quark.is_mxfp4(quantization_config):
+            raise FormatError("quantization_config is not Quark's MXFP4 scheme")
+        return {}
+
+    def schemes(self, knobs):
+        # the kernel an engine needs is MXFP4's, asked of a format a capability probe can write
+        return (CT_MXFP4,)
+
+    def quantize(self, weight, knobs, *, model_dtype, activation_amax):
+        """compressed-tensors' MXFP4 quantization under Quark's names: the tensors this format stores,
+        their dtypes and shapes (the audit's model of a module); no generator writes this format."""
+        result = super().quantize(weight, knobs, model_dtype=model_dtype, activation_amax=activation_amax)
+        result.tensors = {"weight": result.tensors["weight_packed"], "weight_scale": result.tensors["weight_scale"]}
+        return result
+
+    def dequantize(self, tensors, knobs):
+        renamed = {CT_NAMES.get(name, name): t for name, t in tensors.items()}
+        try:
+            return super().dequantize(renamed, knobs)
+        except FormatError as error:  # said under the names the file holds
+            raise FormatError(str(error).replace("weight_packed", "weight")) from None
+
+
+FORMAT = QuarkMxfp4()
