@@ -80,8 +80,12 @@ WARM_WITH_VLLM = (
     ("torch._inductor.codecache", "triton_key"),
 )
 #: modules whose OpenBLAS starts a thread pool at import that shuts down at a fork and re-creates
-#: itself after it (OpenBLAS's pthread_atfork handlers): their threads are allowed, no other
-BLAS_POOLS = ("numpy", "cv2")
+#: itself after it (OpenBLAS's pthread_atfork handlers): their threads are allowed, no other.
+#: scipy bundles an OpenBLAS of its own, and transformers imports it wherever it is installed (its
+#: loss functions, `scipy.optimize`): amd-quark brings it into the ci environment
+BLAS_POOLS = ("numpy", "scipy.linalg", "cv2")
+#: preloaded first where installed: a pool the preloaded modules would start anyway
+PRELOAD_WHERE_INSTALLED = ("scipy.linalg",)
 #: what importing PRELOAD wrote into os.environ (name -> value, None where it removed one): a
 #: forked worker's environment is replaced by its request's, then these writes are made again,
 #: as the same imports would have made them in a fresh worker
@@ -110,10 +114,12 @@ def _thread_count() -> int:
 
 
 def preloaded_modules() -> tuple[str, ...]:
-    """What this interpreter's zygote imports: PRELOAD, and PRELOAD_WITH_VLLM where vLLM is installed."""
+    """What this interpreter's zygote imports: PRELOAD, PRELOAD_WITH_VLLM where vLLM is installed, and
+    first the thread pools of PRELOAD_WHERE_INSTALLED that they would start anyway."""
     from importlib.util import find_spec
 
-    return PRELOAD + (PRELOAD_WITH_VLLM if find_spec("vllm") is not None else ())
+    installed = tuple(name for name in PRELOAD_WHERE_INSTALLED if find_spec(name.partition(".")[0]) is not None)
+    return installed + PRELOAD + (PRELOAD_WITH_VLLM if find_spec("vllm") is not None else ())
 
 
 def _preload() -> dict:

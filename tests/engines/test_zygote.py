@@ -139,6 +139,24 @@ def test_a_zygote_refuses_to_serve_when_preloading_starts_a_thread(tmp_path):
     assert "'ready': False" in greeting.stdout and "Python thread" in greeting.stdout
 
 
+def interpreters() -> list[str]:
+    """This environment's interpreter, and vLLM's where built."""
+    from harness.engines.vllm.engine import find_vllm_python
+
+    return [sys.executable, *filter(None, [find_vllm_python()])]
+
+
+@pytest.mark.parametrize("python", interpreters(), ids=lambda path: Path(path).parts[-3])
+def test_each_environments_own_zygote_is_ready_to_serve(python):
+    """The real preload in each environment the suite runs: a package that starts a thread pool at
+    import (scipy's OpenBLAS, which transformers imports wherever scipy is installed) would leave
+    the zygote refusing to serve, and every worker then starts afresh (4 s each: the whole suite
+    several times slower, and no test fails)."""
+    probe = "import harness.engines.zygote as z; print(repr(z._preload()))"
+    greeting = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True, timeout=300)
+    assert "'ready': True" in greeting.stdout.splitlines()[-1], greeting.stdout.splitlines()[-1]
+
+
 PARENT_OF_A_WORKER = """
 import sys
 from pathlib import Path
