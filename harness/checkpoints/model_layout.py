@@ -108,6 +108,35 @@ def misplaced_experts(config: Mapping, names: Iterable[str]) -> str | None:
     )
 
 
+#: transformers 5's in-memory names of a block's fused expert tensors ([E, 2I, H] gate and up, [E, H, I] down)
+FUSED_EXPERT_TENSORS = ("gate_up_proj", "down_proj")
+
+
+def fused_experts(config: Mapping, names: Iterable[str]) -> str | None:
+    """Why a checkpoint's routed experts are not read: each projection's experts stored as one tensor
+    under transformers 5's in-memory names (`mlp.experts.gate_up_proj`), where the architecture's
+    checkpoints store a Linear per expert (AMD Quark 0.13 exports transformers 5's state dict as it
+    holds it); None otherwise. gpt-oss's checkpoints pack experts so: read (packed_experts)."""
+    names = [canonical_name(name) for name in names]
+    try:
+        arch = known_layout(config, names)
+    except LayoutError:
+        return None
+    if arch is None or arch.moe is None or arch.packs_experts:
+        return None
+    fused = sorted(
+        name
+        for name in names
+        if name.rpartition(".")[0].endswith(".experts") and name.rpartition(".")[2] in FUSED_EXPERT_TENSORS
+    )
+    if not fused:
+        return None
+    return (
+        f"{len(fused)} routed-expert tensor(s) stored fused under transformers 5's in-memory names (e.g. {fused[0]}), "
+        f"not a Linear per expert as {config.get('model_type')} checkpoints store them: a layout not read here"
+    )
+
+
 #: the suffixes an expert's first projection is stored under in some format (weight, packed, GPTQ/AWQ's qweight)
 _SUFFIXES = ("weight", "weight_packed", "qweight")
 

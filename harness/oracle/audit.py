@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy
 import torch
 
+from harness.checkpoints.model_layout import fused_experts
 from harness.checkpoints.packed_experts import expert_views
 from harness.checkpoints.reader import (
     CONFIG_FILE,
@@ -179,6 +180,9 @@ def audit_checkpoint(directory: str | Path) -> AuditResult:
     for problem in config_problems(config):
         result.add("config", "", CONFIG_FILE, problem, module="")
     tensors = read_layout(directory, result)
+    fused = fused_experts(config, tensors)
+    if fused:
+        raise UnsupportedCheckpoint(config_path, fused)
     result.tensors = len(tensors)
     result.files = len({s.file for s in tensors.values()})
     tensors = per_expert(tensors)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from harness.checkpoints.model_layout import fused_experts
 from harness.checkpoints.reader import Checkpoint
 from harness.core.errors import CheckpointError, UnsupportedCheckpoint, UnsupportedFormat
 from harness.formats import detect_format
@@ -77,6 +78,9 @@ def dequantized_names(directory: str | Path) -> list[str]:
 def format_and_knobs(source: str | Path | Checkpoint) -> tuple[QuantFormat, dict]:
     """The checkpoint's format and the parameters its dequantizer needs, from config.json."""
     checkpoint = source if isinstance(source, Checkpoint) else Checkpoint(source)
+    fused = fused_experts(checkpoint.config, checkpoint.names())
+    if fused:
+        raise UnsupportedCheckpoint(checkpoint.directory / "config.json", fused)
     try:
         fmt = detect_format(checkpoint.quantization_config)
         return fmt, fmt.knobs_from_config(checkpoint.quantization_config)

@@ -171,3 +171,34 @@ def test_the_even_mxfp4_activation_rule_is_quarks_own():
     x[2, 64:96] *= 1.74 / x[2, 64:96].abs().max()  # just below it
     theirs = fake_quantize_mx(x, axis=-1, block_size=32, scale_calculation_mode="even", mx_element_dtype="fp4")
     assert torch.equal(quantize_activations(x, scheme), theirs)
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe_fp8", "mixtral_mxfp4"])
+def test_experts_saved_fused_under_transformers_in_memory_names_are_said_unsupported(case):
+    """Quark 0.13 on transformers 5 saves a mixture's experts as transformers holds them (one 3-D tensor
+    per projection): the reference and audit say so and stop, rather than report their own weights missing."""
+    from harness.core.errors import Unsupported
+    from harness.oracle.audit import audit_checkpoint
+    from harness.oracle.reference import format_and_knobs
+
+    for read in (format_and_knobs, audit_checkpoint):
+        with pytest.raises(Unsupported, match="stored fused under transformers 5's in-memory names"):
+            read(CORPUS / case)
+
+
+def test_gpt_oss_packed_experts_are_its_own_layout_not_fused_in_memory_names(tmp_path):
+    """gpt-oss's release packs each projection's experts in one tensor (`mlp.experts.gate_up_proj_blocks`,
+    and unquantized `mlp.experts.gate_up_proj`): its own layout, read; not a fused in-memory export."""
+    from safetensors import safe_open
+
+    from harness.checkpoints.model_layout import fused_experts
+    from harness.checkpoints.reader import Checkpoint
+    from harness.checkpoints.recipe import Recipe
+    from harness.checkpoints.writer import generate
+
+    generate(Recipe(format="mxfp4", arch="gpt_oss", seed=0), tmp_path / "gpt-oss")
+    config = Checkpoint(tmp_path / "gpt-oss").config
+    stored = [name for path in (tmp_path / "gpt-oss").glob("*.safetensors") for name in safe_open(path, "pt").keys()]
+    unquantized = [name.removesuffix("_blocks") for name in stored if name.endswith("_blocks")]
+    assert unquantized and all(".mlp.experts." in name for name in unquantized)
+    assert fused_experts(config, stored) is None and fused_experts(config, unquantized) is None
