@@ -21,7 +21,7 @@ import torch
 
 from harness.checkpoints.architectures import Architecture, architecture_for
 from harness.checkpoints.saved_config import model_settings
-from harness.core.errors import Unsupported
+from harness.core.errors import HarnessError, Unsupported
 from harness.core.naming import canonical_name
 
 
@@ -118,18 +118,18 @@ def fused_experts(config: Mapping, names: Iterable[str]) -> str | None:
     checkpoints store a Linear per expert (AMD Quark 0.13 exports transformers 5's state dict as it
     holds it); None otherwise. gpt-oss's checkpoints pack experts so: read (packed_experts)."""
     names = [canonical_name(name) for name in names]
-    try:
-        arch = known_layout(config, names)
-    except LayoutError:
-        return None
-    if arch is None or arch.moe is None or arch.packs_experts:
-        return None
     fused = sorted(
         name
         for name in names
         if name.rpartition(".")[0].endswith(".experts") and name.rpartition(".")[2] in FUSED_EXPERT_TENSORS
     )
-    if not fused:
+    if not fused:  # the config is not read at all then (a malformed one is audit's to report)
+        return None
+    try:
+        arch = known_layout(config, names)
+    except (LayoutError, HarnessError):
+        return None
+    if arch is None or arch.moe is None or arch.packs_experts:
         return None
     return (
         f"{len(fused)} routed-expert tensor(s) stored fused under transformers 5's in-memory names (e.g. {fused[0]}), "

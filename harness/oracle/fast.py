@@ -469,9 +469,12 @@ class Mxfp4Kernel:
     """`ct-mxfp4`: one lookup per packed byte in a table of both its values for each E8M0 scale
     code (a byte's scale is that of its 32-column group: 16 bytes per group, the last partial)."""
 
-    packed, scale = "weight_packed", "weight_scale"
+    scale = "weight_scale"
     #: bytes of weight_packed per scale group
     group_bytes = MXFP4_GROUP // 2
+
+    def __init__(self, packed: str = "weight_packed"):
+        self.packed = packed  # Quark's MXFP4 holds the codes in `weight`
 
     def shape(self, tensors):
         packed = tensors[self.packed]
@@ -537,7 +540,7 @@ def kernel_for(fmt: QuantFormat) -> Fp8Kernel | Nvfp4Kernel | IntKernel | Mxfp4K
     if isinstance(fmt, CtPackQuantized):
         return IntKernel(fmt.bits)
     if isinstance(fmt, CtMxfp4):
-        return Mxfp4Kernel()
+        return Mxfp4Kernel(fmt.suffixes[0])
     if isinstance(fmt, CtNvfp4):
         return Nvfp4Kernel("weight_packed", "weight_global_scale", nv.DIVIDE)
     if isinstance(fmt, ModeloptNvfp4):
