@@ -31,7 +31,7 @@ in its `order` packing, per-layer overrides, fake-quantized exports, KV-cache an
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from harness.core.errors import UnsupportedFormat
 
@@ -109,34 +109,49 @@ def _nvfp4_levels(value: object) -> bool:
 def is_nvfp4(config: Mapping) -> bool:
     """Whether a Quark config is its NVFP4 scheme, weights and inputs or weights only, with nothing
     beyond (harness.formats.quark_nvfp4 reads it)."""
+    return _one_global_scheme(config, _nvfp4_levels, _nvfp4_levels)
+
+
+def _one_global_scheme(config: Mapping, weight: Callable[[object], bool], inputs: Callable[[object], bool]) -> bool:
+    """Whether a Quark config is one global scheme with nothing beyond, its weight spec passing
+    `weight` and its input spec absent (weights only) or passing `inputs`."""
     scheme = config.get("global_quant_config") or {}
-    inputs = scheme.get("input_tensors")
     return (
         from_quark(config)
         and _beyond_global(config) is None
         and scheme.get("output_tensors") is None
-        and _nvfp4_levels(scheme.get("weight"))
-        and (inputs is None or _nvfp4_levels(inputs))
+        and weight(scheme.get("weight"))
+        and (scheme.get("input_tensors") is None or inputs(scheme.get("input_tensors")))
     )
+
+
+def fragment(ignore: list[str]) -> dict:
+    """The fields of Quark's config the harness reads besides the scheme (no generator writes one)."""
+    return {"quant_method": QUANT_METHOD, "exclude": list(ignore)}
 
 
 def int4_weights(config: Mapping) -> Mapping | None:
     """The weight spec of a Quark config that is its int4 or uint4 weight-only scheme over groups,
     with nothing beyond (harness.formats.quark_int4 reads it); None for any other config."""
-    scheme = config.get("global_quant_config") or {}
-    weight = scheme.get("weight")
-    if not (from_quark(config) and isinstance(weight, Mapping)) or _beyond_global(config) is not None:
-        return None
-    if scheme.get("input_tensors") is not None or scheme.get("output_tensors") is not None:
-        return None
-    group = weight.get("group_size")
-    if weight.get("dtype") not in INT4_DTYPES or (weight.get("qscheme"), weight.get("ch_axis")) != ("per_group", -1):
-        return None
-    if not (isinstance(group, int) and not isinstance(group, bool) and group > 0):
+    if not _one_global_scheme(config, _int4_groups, lambda inputs: False):
         return None
     if (config.get("export") or {}).get("pack_method", PACK_REORDER) != PACK_REORDER:
         return None
-    return weight
+    return config["global_quant_config"]["weight"]
+
+
+def _int4_groups(spec: object) -> bool:
+    """Whether a spec is Quark's int4 or uint4 over groups of inputs."""
+    if not isinstance(spec, Mapping):
+        return False
+    group = spec.get("group_size")
+    return (
+        spec.get("dtype") in INT4_DTYPES
+        and (spec.get("qscheme"), spec.get("ch_axis")) == ("per_group", -1)
+        and isinstance(group, int)
+        and not isinstance(group, bool)
+        and group > 0
+    )
 
 
 def _mxfp4_spec(spec: object, dynamic: bool) -> bool:
@@ -155,15 +170,7 @@ def _mxfp4_spec(spec: object, dynamic: bool) -> bool:
 def is_mxfp4(config: Mapping) -> bool:
     """Whether a Quark config is its MXFP4 scheme, weights with dynamic inputs or weights only, with
     nothing beyond (harness.formats.quark_mxfp4 reads it)."""
-    scheme = config.get("global_quant_config") or {}
-    inputs = scheme.get("input_tensors")
-    return (
-        from_quark(config)
-        and _beyond_global(config) is None
-        and scheme.get("output_tensors") is None
-        and _mxfp4_spec(scheme.get("weight"), dynamic=False)
-        and (inputs is None or _mxfp4_spec(inputs, dynamic=True))
-    )
+    return _one_global_scheme(config, lambda w: _mxfp4_spec(w, dynamic=False), lambda i: _mxfp4_spec(i, dynamic=True))
 
 
 def _beyond_global(config: Mapping) -> str | None:

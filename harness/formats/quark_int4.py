@@ -45,8 +45,7 @@ class QuarkInt4(Awq):
         return quark.int4_weights(quantization_config) is not None
 
     def quantization_config(self, knobs, ignore):
-        """The fields of Quark's config the harness reads besides the scheme (the generator writes none)."""
-        return {"quant_method": quark.QUANT_METHOD, "exclude": list(ignore)}
+        return quark.fragment(ignore)
 
     def knobs_from_config(self, quantization_config):
         weight = quark.int4_weights(quantization_config)

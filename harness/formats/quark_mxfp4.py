@@ -30,8 +30,7 @@ class QuarkMxfp4(CtMxfp4):
         return quark.is_mxfp4(quantization_config)
 
     def quantization_config(self, knobs, ignore):
-        """The fields of Quark's config the harness reads besides the scheme (the generator writes none)."""
-        return {"quant_method": quark.QUANT_METHOD, "exclude": list(ignore)}
+        return quark.fragment(ignore)
 
     def knobs_from_config(self, quantization_config):
         if not quark.is_mxfp4(quantization_config):
