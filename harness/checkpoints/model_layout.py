@@ -80,11 +80,8 @@ def foreign_experts(config: Mapping, names: Iterable[str]) -> list[str]:
     layers past num_hidden_layers (DeepSeek-V3's multi-token prediction) are not the decoder's; an
     unregistered architecture, or a config without its layout, has none."""
     names = [canonical_name(name) for name in names]
-    try:
-        arch = known_layout(config, names)
-    except LayoutError:
-        return []
-    if arch is None or arch.moe is None:
+    arch = _moe_layout(config, names)
+    if arch is None:
         return []
     settings = layout_settings(config)
     expected = arch.modules(settings)
@@ -125,16 +122,23 @@ def fused_experts(config: Mapping, names: Iterable[str]) -> str | None:
     )
     if not fused:  # the config is not read at all then (a malformed one is audit's to report)
         return None
-    try:
-        arch = known_layout(config, names)
-    except (LayoutError, HarnessError):
-        return None
-    if arch is None or arch.moe is None or arch.packs_experts:
+    arch = _moe_layout(config, names)
+    if arch is None or arch.packs_experts:
         return None
     return (
         f"{len(fused)} routed-expert tensor(s) stored fused under transformers 5's in-memory names (e.g. {fused[0]}), "
         f"not a Linear per expert as {config.get('model_type')} checkpoints store them: a layout not read here"
     )
+
+
+def _moe_layout(config: Mapping, names: list[str]) -> Architecture | None:
+    """The registered mixture-of-experts architecture of `config` whose layout it gives; None for
+    any other (unregistered, dense, or a config its layout cannot be read from: audit's to report)."""
+    try:
+        arch = known_layout(config, names)
+    except HarnessError:  # LayoutError, or a config the model class refuses
+        return None
+    return arch if arch is not None and arch.moe is not None else None
 
 
 #: the suffixes an expert's first projection is stored under in some format (weight, packed, GPTQ/AWQ's qweight)

@@ -76,7 +76,9 @@ def dequantized_names(directory: str | Path) -> list[str]:
 
 
 def format_and_knobs(source: str | Path | Checkpoint) -> tuple[QuantFormat, dict]:
-    """The checkpoint's format and the parameters its dequantizer needs, from config.json."""
+    """The checkpoint's format and the parameters its dequantizer needs, from config.json; a layout
+    no format reads (a mixture's experts stored fused under transformers 5's in-memory names,
+    model_layout.fused_experts, from the tensor names) is unsupported here, before any format."""
     checkpoint = source if isinstance(source, Checkpoint) else Checkpoint(source)
     fused = fused_experts(checkpoint.config, checkpoint.names())
     if fused:
