@@ -131,6 +131,10 @@ LLAMA_SCHEMES = (
     "NVFP4A16",
     "NVFP4",
     "MXFP4A16",
+    "MXFP8A16",
+    "MXFP8",
+    "W4AFP8",
+    "W4A8",
 )
 
 

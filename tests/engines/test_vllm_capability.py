@@ -33,6 +33,12 @@ INC_CPU = (
     "NotImplementedError: INC on CPU: unsupported config INCLayerConfig(bits=8, group_size=128, sym=True, "
     "packing_format='auto_round:auto_gptq', backend='auto', data_type='int', quantized=True)"
 )
+#: llm-compressor's W4AFP8 export (cases/producers/llmcompressor/llama-w4afp8) on CPU: the scheme needs
+#: Hopper exactly, so compressed-tensors' selection has none left (vLLM 0.32, measured 2026-12-07)
+NO_SCHEME = (
+    "NotImplementedError: No compressed-tensors compatible scheme was found for "
+    "layer_name='model.layers.0.self_attn.qkv_proj', weight_quant=QuantizationArgs(num_bits=4, type='int')"
+)
 
 
 def test_missing_kernels_are_classified_with_vllms_reasons():
@@ -45,6 +51,7 @@ def test_missing_kernels_are_classified_with_vllms_reasons():
     assert "cpu_gemm_wna16" in missing_kernel(RuntimeError(NO_AVX512_OP))
     assert "AVX-512 or AMX" in missing_kernel(RuntimeError(NO_AVX512_KV))
     assert "bits=8" in missing_kernel(NotImplementedError(INC_CPU))
+    assert "qkv_proj" in missing_kernel(NotImplementedError(NO_SCHEME))
 
 
 def test_other_failures_are_not_capabilities():
@@ -68,3 +75,16 @@ def test_the_cache_keeps_answers_per_environment(tmp_path):
     assert cache.get("env-b", "fp8-block") == (False, None), "another environment must probe for itself"
     (tmp_path / "sub" / "capabilities.json").write_text("not json")
     assert cache.get("env-a", "fp8-block") == (False, None), "a damaged cache is no cache"
+
+
+def test_a_format_no_probe_can_be_written_of_is_answered_by_its_own_load(tmp_path):
+    """A read-only format (llm-compressor's W4A8 as `ct-w4a8`) cannot be generated: no probe is
+    built, nothing is cached, and the checkpoint's own load says what vLLM can do with it."""
+    from harness.engines.vllm.capability import unsupported_reason
+
+    def construct(directory):
+        raise AssertionError("no probe is built of a format the harness does not write")
+
+    cache = CapabilityCache(tmp_path / "capabilities.json")
+    assert unsupported_reason("ct-w4a8", construct, cache) is None
+    assert not cache.path.exists()

@@ -36,7 +36,10 @@ MISSING_KERNEL = re.compile(
     r"FP8 KV cache on CPU requires|"  # "... x86 with AVX-512 or AMX": an AVX2-only CPU
     r"INC on CPU: unsupported config|"  # AutoRound's own config on CPU: int4 symmetric GPTQ packing only
     r"\"\w+\" not implemented for '(Float|Half|BFloat16)'|"  # a CPU kernel without this dtype (int4 in float32)
-    r"is not supported for the current GPU\. Minimum capability: \d+\. Current capability: -1"  # a GPU-only method on CPU (moe_wna16)
+    r"is not supported for the current GPU\. Minimum capability: \d+\. Current capability: -1|"  # a GPU-only method on CPU (moe_wna16)
+    # compressed-tensors' scheme selection, which passes over a scheme this device lacks (W4AFP8:
+    # Hopper only) and then has none left
+    r"No compressed-tensors compatible scheme was found for"
 )
 #: the shape the probe writes: every fused part a multiple of 128 rows, a head size vLLM's CPU
 #: attention supports (tests/engines/test_vllm_engine.py runs the same)
@@ -173,6 +176,10 @@ def unsupported_reason(fmt: str, construct, cache: CapabilityCache | None = None
     dtype: no CPU int4 kernel computes in float32; online quantization: its scheme's FP8 kernel);
     the other options share the plain engine's answer (a compiled probe would cost a compile per
     format, and a declined KV cache is said at its load)."""
+    from harness.formats import READ_ONLY
+
+    if fmt in READ_ONLY:  # no probe can be written of it: the checkpoint's own load answers (its missing kernel
+        return None  # is vLLM's "unsupported" there too: VllmEngine.load)
     cache = cache or CapabilityCache()
     key, entry = environment_key(), f"{fmt}[{setting}]" if setting else fmt
     known, reason = cache.get(key, entry)

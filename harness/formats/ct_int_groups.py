@@ -1,0 +1,120 @@
+"""`ct-w4a8` (read, not written): compressed-tensors `int-quantized` int4 weights per group with
+quantized inputs, as llm-compressor 0.14 saves its W4A8 and W4AFP8 presets.
+
+compressed-tensors packs int4 codes (`pack-quantized`, harness.formats.ct_int4) only for a
+weight-only scheme; a scheme that also quantizes its inputs is saved `int-quantized`: the codes
+unpacked, one int8 per element. Measured on llm-compressor 0.14's own exports
+(cases/producers/llmcompressor/llama-w4a8, llama-w4afp8): `weight` int8 [N, K] holding codes in
+[-8, 7] (two's complement), `weight_scale` in the model dtype [N, ceil(K/g)], symmetric, no zero
+point; W = code * weight_scale[row, column // g]. Config: one config group, int 4-bit `group` weights
+of `group_size` g, dynamic per-token inputs: int8 (W4A8) or FP8 (W4AFP8), read by
+harness.oracle.activations from the config as every other format's.
+
+Scales and codes are compressed-tensors' (harness.formats.ct_int4: the same `calculate_qparams`
+and rounding as its pack-quantized int4); only the container differs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness.core.errors import UnsupportedFormat
+from harness.core.numerics import ceil_div
+from harness.formats.base import (
+    FormatError,
+    Knob,
+    QuantFormat,
+    QuantizedWeight,
+    require_dtype,
+    require_finite,
+    require_shape,
+    require_tensor,
+)
+from harness.formats.ct_common import single_group, single_group_config
+from harness.formats.ct_int4 import GROUP_SIZES, SCALE_DTYPES, code_range, ct_int_qparams, group_min_max
+from harness.formats.fp8_block import expand_block_grid
+
+FORMAT_NAME = "int-quantized"
+BITS = 4
+
+
+def config_group(config) -> dict | None:
+    """The single config group of a compressed-tensors int-quantized config of int4 weights, else None."""
+    group = single_group(config, FORMAT_NAME)
+    weights = (group or {}).get("weights")
+    if not isinstance(weights, dict) or (weights.get("type"), weights.get("num_bits")) != ("int", BITS):
+        return None
+    return group
+
+
+class CtIntGroups(QuantFormat):
+    name = "ct-w4a8"
+    description = (
+        "compressed-tensors int-quantized int4 weights per group, one int8 per code, with quantized inputs "
+        "(llm-compressor's W4A8 and W4AFP8)"
+    )
+    suffixes = ("weight", "weight_scale")
+    marker = "weight_scale"
+    knobs = {"group_size": Knob(128, GROUP_SIZES, "columns that share one weight_scale")}
+
+    def matches(self, quantization_config):
+        return config_group(quantization_config) is not None
+
+    def quantization_config(self, knobs, ignore):
+        """The weights' part of the config (no generator writes this format; its inputs are a preset's)."""
+        weights = {"dynamic": False, "num_bits": BITS, "strategy": "group", "symmetric": True, "type": "int"}
+        return single_group_config(FORMAT_NAME, weights | {"group_size": knobs["group_size"]}, ignore)
+
+    def knobs_from_config(self, quantization_config):
+        group = config_group(quantization_config)
+        if group is None:
+            raise FormatError(f"quantization_config is not compressed-tensors {FORMAT_NAME} int{BITS}")
+        weights = group["weights"]
+        wanted = {"strategy": "group", "symmetric": True}
+        wrong = {key: weights.get(key) for key, value in wanted.items() if weights.get(key, True) != value}
+        if wrong or weights.get("actorder") not in (None, "static", "weight"):
+            raise UnsupportedFormat(
+                f"compressed-tensors {FORMAT_NAME} int{BITS} with {wrong or {'actorder': weights.get('actorder')}} "
+                f"weights (the harness defines {wanted} only)"
+            )
+        size = weights.get("group_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise FormatError(f"group_size {size!r} is not a positive int")
+        return {"group_size": size}
+
+    def quantize(self, weight, knobs, *, model_dtype, activation_amax):
+        """compressed-tensors' int4 codes and scales (as ct-int4's symmetric ones), unpacked: the
+        tensors this format stores (the audit's model of a module); no generator writes it."""
+        weight = weight.to(model_dtype)
+        rows, cols = weight.shape
+        block = self.scale_block(knobs, (rows, cols))
+        lo, hi = group_min_max(weight, block[1])
+        scale, _ = ct_int_qparams(lo, hi, BITS, True)
+        qmin, qmax = code_range(BITS)
+        codes = torch.round((weight / expand_block_grid(scale, rows, cols, block)).clamp(qmin, qmax)).to(torch.int8)
+        truth = codes.to(torch.float64) * expand_block_grid(scale.to(torch.float64), rows, cols, block)
+        return QuantizedWeight({"weight": codes, "weight_scale": scale}, truth=truth)
+
+    def dequantize(self, tensors, knobs):
+        weight = require_tensor(tensors, "weight")
+        scale = require_tensor(tensors, "weight_scale")
+        require_dtype("weight", weight, (torch.int8,))
+        require_dtype("weight_scale", scale, SCALE_DTYPES)
+        if weight.dim() != 2:
+            raise FormatError(f"weight has {weight.dim()} dimensions, expected 2")
+        rows, cols = weight.shape
+        qmin, qmax = code_range(BITS)
+        outside = int(((weight < qmin) | (weight > qmax)).sum())
+        if outside:
+            raise FormatError(f"weight holds {outside} value(s) outside int{BITS}'s [{qmin}, {qmax}]")
+        group = knobs["group_size"]
+        require_shape("weight_scale", scale, (rows, ceil_div(cols, group)), f"one scale per {group} columns")
+        require_finite("weight_scale", scale)
+        column_group = torch.arange(cols) // group
+        return weight.to(torch.float64) * scale.to(torch.float64)[:, column_group]
+
+    def scale_block(self, knobs, shape):
+        return 1, knobs["group_size"]
+
+
+FORMAT = CtIntGroups()
