@@ -46,6 +46,7 @@ READ_ONLY: dict[str, str] = {
     "quark-int4": "harness.formats.quark_int4:FORMAT",
     "quark-mxfp4": "harness.formats.quark_mxfp4:FORMAT",
     "ct-w4a8": "harness.formats.ct_int_groups:FORMAT",
+    "ct-mxfp8": "harness.formats.ct_mxfp8:FORMAT",
 }
 
 

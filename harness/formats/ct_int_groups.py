@@ -47,6 +47,14 @@ def config_group(config) -> dict | None:
     return group
 
 
+def require_int4_codes(weight: torch.Tensor) -> None:
+    """FormatError where an int8 `weight` holds a value no int4 code has."""
+    qmin, qmax = code_range(BITS)
+    outside = int(((weight < qmin) | (weight > qmax)).sum())
+    if outside:
+        raise FormatError(f"weight holds {outside} value(s) outside int{BITS}'s [{qmin}, {qmax}]")
+
+
 class CtIntGroups(QuantFormat):
     name = "ct-w4a8"
     description = (
@@ -103,13 +111,10 @@ class CtIntGroups(QuantFormat):
         if weight.dim() != 2:
             raise FormatError(f"weight has {weight.dim()} dimensions, expected 2")
         rows, cols = weight.shape
-        qmin, qmax = code_range(BITS)
-        outside = int(((weight < qmin) | (weight > qmax)).sum())
-        if outside:
-            raise FormatError(f"weight holds {outside} value(s) outside int{BITS}'s [{qmin}, {qmax}]")
         group = knobs["group_size"]
         require_shape("weight_scale", scale, (rows, ceil_div(cols, group)), f"one scale per {group} columns")
         require_finite("weight_scale", scale)
+        require_int4_codes(weight)  # last: the first check that reads the codes' values
         column_group = torch.arange(cols) // group
         return weight.to(torch.float64) * scale.to(torch.float64)[:, column_group]
 

@@ -55,8 +55,10 @@ from harness.formats import nvfp4_common as nv
 from harness.formats.base import FormatError, QuantFormat
 from harness.formats.ct_fp8 import CtFp8
 from harness.formats.ct_int4 import CtPackQuantized, read_weight_shape
+from harness.formats.ct_int_groups import CtIntGroups, require_int4_codes
 from harness.formats.ct_mxfp4 import E8M0_BIAS, CtMxfp4
 from harness.formats.ct_mxfp4 import GROUP as MXFP4_GROUP
+from harness.formats.ct_mxfp8 import CtMxfp8
 from harness.formats.ct_nvfp4 import CtNvfp4
 from harness.formats.ct_w8a8 import CtW8a8
 from harness.formats.fp8_block import Fp8Block, decode_ue8m0
@@ -243,7 +245,7 @@ def code_pairs(table: torch.Tensor) -> torch.Tensor:
 
 
 class Fp8Kernel:
-    """`fp8-block`, `ct-fp8-*`, `modelopt-fp8` and `ct-w8a8`: a one-byte code (e4m3 or int8) x its
+    """`fp8-block`, `ct-fp8-*`, `modelopt-fp8`, `ct-mxfp8` and `ct-w8a8`: a one-byte code (e4m3 or int8) x its
     block's scale, one float32 multiply per element (a per-tensor scale is one block the size of
     the weight)."""
 
@@ -325,6 +327,15 @@ class Fp8Kernel:
             if stored.dim() == 1
             else scales,
         }
+
+
+class Int4InInt8Kernel(Fp8Kernel):
+    """`ct-w4a8`: int4 codes one per int8 byte, read as ct-w8a8's, after the one check of their
+    values the reference makes (run_reference_checks stops at the first read of the codes)."""
+
+    def fill(self, out, fmt, knobs, tensors, runner: TileRunner) -> None:
+        require_int4_codes(tensors[self.packed])
+        super().fill(out, fmt, knobs, tensors, runner)
 
 
 class IntKernel:
@@ -537,6 +548,10 @@ def kernel_for(fmt: QuantFormat) -> Fp8Kernel | Nvfp4Kernel | IntKernel | Mxfp4K
         return Fp8Kernel("weight_scale")
     if isinstance(fmt, CtW8a8):
         return Fp8Kernel("weight_scale", INT8_TABLE)
+    if isinstance(fmt, CtIntGroups):
+        return Int4InInt8Kernel("weight_scale", INT8_TABLE)
+    if isinstance(fmt, CtMxfp8):  # e4m3 codes, E8M0 bytes per 32 columns: read by their bits
+        return Fp8Kernel("weight_scale")
     if isinstance(fmt, CtPackQuantized):
         return IntKernel(fmt.bits)
     if isinstance(fmt, CtMxfp4):

@@ -72,3 +72,19 @@ def test_codes_outside_int4_scales_of_the_wrong_grid_and_asymmetric_weights_are_
     asymmetric["config_groups"]["group_0"]["weights"]["symmetric"] = False
     with pytest.raises(UnsupportedFormat, match="symmetric"):
         FORMAT.knobs_from_config(asymmetric)
+
+
+def test_the_fast_path_refuses_what_the_reference_refuses():
+    from harness.oracle.fast import FastDequantizer
+
+    config = quantization_config("llama-w4a8")
+    knobs = FORMAT.knobs_from_config(config)
+    tensors = module_tensors("llama-w4a8", "model.layers.0.mlp.down_proj")
+    fast = FastDequantizer(torch.float32, verify=False)
+    assert torch.equal(fast.dequantize(FORMAT, knobs, tensors), FORMAT.dequantize(tensors, knobs).float())
+    wide = dict(tensors, weight=tensors["weight"].clone())
+    wide["weight"][3, 5] = -9
+    with pytest.raises(FormatError, match="outside int4"):
+        fast.dequantize(FORMAT, knobs, wide)
+    with pytest.raises(FormatError, match="weight_scale"):
+        fast.dequantize(FORMAT, knobs, dict(tensors, weight_scale=tensors["weight_scale"][:1]))
