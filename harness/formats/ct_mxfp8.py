@@ -1,5 +1,5 @@
 """`ct-mxfp8` (read, not written): compressed-tensors `mxfp8-quantized`, OCP microscaling FP8 weights
-(llm-compressor 0.14's MXFP8A16 preset).
+(llm-compressor 0.14's MXFP8A16 and MXFP8 presets).
 
 Measured on llm-compressor 0.14's own export (cases/producers/llmcompressor/llama-mxfp8a16): `weight`
 float8_e4m3fn [N, K] and `weight_scale` uint8 [N, ceil(K/32)], one E8M0 scale per 32 consecutive
@@ -11,15 +11,14 @@ of two as MXFP4's are (harness.formats.ct_mxfp4.round_to_power_of_two: ct rounds
 mantissa for both widths), exponent = 127 + log2(that) - 8 (8 = floor(log2(448)), the E4M3
 maximum's exponent) clamped to [0, 255]; codes = e4m3(clamp(w / scale, -448, 448)).
 
-Its MXFP8 preset adds dynamic MXFP8 inputs (E8M0 scales per 32 columns of each token), which the
-activation definitions here do not model (as compressed-tensors' own MXFP4 inputs): UnsupportedFormat.
+Its MXFP8 preset adds dynamic MXFP8 inputs (E8M0 scales per 32 columns of each token), defined in
+harness.oracle.activations as compressed-tensors computes them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from harness.core.errors import UnsupportedFormat
 from harness.core.numerics import encode_e4m3
 from harness.formats import ct_mxfp4 as mx
 from harness.formats.base import (
@@ -53,7 +52,7 @@ def config_group(config) -> dict | None:
 
 class CtMxfp8(QuantFormat):
     name = "ct-mxfp8"
-    description = "compressed-tensors MXFP8 (e4m3 weight, uint8 E8M0 weight_scale per 32 columns), weight-only"
+    description = "compressed-tensors MXFP8 (e4m3 weight, uint8 E8M0 weight_scale per 32 columns)"
     suffixes = ("weight", "weight_scale")
     marker = "weight_scale"
     knobs = {}
@@ -73,12 +72,7 @@ class CtMxfp8(QuantFormat):
         wrong = {key: weights.get(key) for key, value in WEIGHTS.items() if weights.get(key) != value}
         if wrong:
             raise FormatError(f"{FORMAT_NAME} weights need {WEIGHTS}, config has {wrong}")
-        if group.get("input_activations"):
-            raise UnsupportedFormat(
-                f"{FORMAT_NAME} with quantized inputs (MXFP8 activations, E8M0 scales per {mx.GROUP} columns "
-                "of each token): not defined here; its weights alone (MXFP8A16) are"
-            )
-        return {}
+        return {}  # its MXFP8 inputs, where the config quantizes them: harness.oracle.activations
 
     def quantize(self, weight, knobs, *, model_dtype, activation_amax):
         """compressed-tensors' MXFP8 codes and scales: the tensors this format stores (the audit's model

@@ -22,7 +22,14 @@ transformers' fp8 config; ModelOpt's `quant_algo`):
   computed in float32 as it computes it (`exponent="ceil"`): no element then saturates.
   Quark's MXFP4 (`scale_calculation_mode: even`, its `even_round`) rounds the float32 amax to a
   power of two first (up from a mantissa of 1.75, as ct's MX weight scales), then takes its
-  exponent minus 2 (`exponent="even"`). compressed-tensors' own MXFP4 activations are not modelled.
+  exponent minus 2 (`exponent="even"`).
+- MXFP4 and MXFP8 as compressed-tensors computes them (its MXFP4 and MXFP8 presets: float 4- or 8-bit
+  `group` inputs of 32 with `scale_dtype: torch.uint8`, dynamic): `calculate_qparams` ->
+  `generate_mx_scales`, the group amax rounded to a power of two as its MX weight scales are (up from
+  a mantissa of 1.75, E2M1's rounding for both widths), its exponent minus the element maximum's
+  (2 for E2M1, 8 for E4M3: floor(log2(448))), the scale 2**X, x -> element(clamp(x / 2**X)) * 2**X
+  (the `even` rule: compressed-tensors rounds the amax in the activation's dtype, the same power of
+  two for every amax normal there).
 
 A group (or row) whose amax is zero stays zero. Arithmetic is float64 and the result is cast back
 to the activation's dtype; `arithmetic="model"` computes the same definition in the activation's
@@ -52,16 +59,30 @@ MX_ELEMENT_EXPONENT = 2
 MX_SCALE_EXPONENT = 127
 
 
+def _e2m1_values(x: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+    return E2M1_TABLE.to(work)[encode_e2m1(x)]
+
+
+def _e4m3_values(x: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+    return encode_e4m3(x).to(work)
+
+
+#: an MX element: its maximum's exponent (floor(log2(max))), its maximum, its rounding (values in `work`)
+MX_ELEMENTS = {"mxfp4": (MX_ELEMENT_EXPONENT, E2M1_MAX, _e2m1_values), "mxfp8": (8, E4M3_MAX, _e4m3_values)}
+
+
 @dataclass(frozen=True)
 class ActivationScheme:
-    kind: str  # "fp8", "int8", "nvfp4" or "mxfp4"; "fp8_e5m2" (static only: vLLM's e5m2 KV cache)
+    kind: str  # "fp8", "int8", "nvfp4", "mxfp4" or "mxfp8"; "fp8_e5m2" (static only: vLLM's e5m2 KV cache)
     strategy: str  # "tensor", "token", "group", "tensor_group"
     dynamic: bool  # scales computed from the activation (NVFP4's group scales always are)
     group_size: int | None = None
     static: str = ""  # the stored tensor suffix of a static scale ("input_scale", "input_global_scale")
     multiplier: bool = False  # NVFP4: the stored global is 1 / G (ModelOpt)
     arithmetic: str = "float64"  # or "model": the activation's own dtype
-    exponent: str = "floor"  # MXFP4's scale exponent: "floor" (OCP MX), "ceil" (AutoRound's RCEIL), "even" (Quark's)
+    exponent: str = (
+        "floor"  # an MX scale's exponent: "floor" (OCP MX), "ceil" (AutoRound's RCEIL), "even" (Quark's, ct's)
+    )
 
     def describe(self) -> str:
         how = "dynamic" if self.dynamic and not self.static else f"static {self.static}"
@@ -88,6 +109,10 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
         return None
     args = inputs[0]
     bits, strategy = args.get("num_bits"), args.get("strategy") or "tensor"  # ModelOpt states none: per tensor
+    if _ct_mx(args) and method != auto_round.AUTO_ROUND:  # compressed-tensors' MXFP4 and MXFP8 presets
+        if args.get("dynamic") is not True:
+            raise HarnessError(f"MX activations are defined here dynamic, in groups of {MXFP4_GROUP}, only")
+        return ActivationScheme(f"mxfp{bits}", "group", True, MXFP4_GROUP, exponent="even")
     if bits == 8 and args.get("type") == "float":
         dynamic = args.get("dynamic") is True
         if strategy not in ("tensor", "token", "group") or (strategy == "token" and not dynamic):
@@ -112,6 +137,14 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
         f"activations of {bits} bits, type {args.get('type')!r}, strategy {strategy!r} are not defined here"
         f" (quant_method {method!r})"
     )
+
+
+def _ct_mx(args: Mapping) -> bool:
+    """Whether input args are compressed-tensors' MX scheme (its `should_generate_mx_scales`)."""
+    return (args.get("num_bits"), args.get("type"), args.get("strategy"), args.get("group_size")) in (
+        (4, "float", "group", MXFP4_GROUP),
+        (8, "float", "group", MXFP4_GROUP),
+    ) and args.get("scale_dtype") == "torch.uint8"
 
 
 def _quark_scheme(config: Mapping) -> ActivationScheme | None:
@@ -179,8 +212,8 @@ def quantize_activations(x: torch.Tensor, scheme: ActivationScheme, stored: torc
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         result = torch.round((x64 / safe).clamp(-128, 127)) * safe
         return torch.where(scale > 0, result, torch.zeros_like(result)).to(x.dtype)
-    if scheme.kind == "mxfp4":
-        return _mxfp4(x64, scheme.group_size, work, scheme.exponent).to(x.dtype)
+    if scheme.kind in MX_ELEMENTS:
+        return _mx(x64, scheme.group_size, work, scheme.exponent, scheme.kind).to(x.dtype)
     value = float(stored.to(torch.float64).reshape(()))
     global_scale = 1.0 / value if scheme.multiplier else value
     groups, columns = _grouped(x64, NVFP4_GROUP)
@@ -192,28 +225,29 @@ def quantize_activations(x: torch.Tensor, scheme: ActivationScheme, stored: torc
     return values.flatten(-2)[..., :columns].to(x.dtype)
 
 
-def _mxfp4(x: torch.Tensor, size: int, work: torch.dtype, rule: str = "floor") -> torch.Tensor:
-    """MX FP4 of `x` in groups of `size`. OCP's floor rule: the scale exponent from frexp
-    (floor(log2) exactly, in any dtype); the ceil rule as AutoRound computes it, in float32; the
-    even rule as Quark computes it (float32 amax rounded to a power of two, as ct's MX weights'
-    scales are: a zero amax counts as the smallest normal). Powers of two and E2M1 values are exact
-    in `work`."""
+def _mx(x: torch.Tensor, size: int, work: torch.dtype, rule: str, kind: str) -> torch.Tensor:
+    """MX FP4 or FP8 (`kind`, MX_ELEMENTS) of `x` in groups of `size`. OCP's floor rule: the scale
+    exponent from frexp (floor(log2) exactly, in any dtype); the ceil rule as AutoRound computes it,
+    in float32; the even rule as Quark computes it (the float32 amax rounded to a power of two, as
+    ct's MX weights' scales are: a zero amax counts as the smallest normal), which is compressed-tensors'
+    too (it rounds in the activation's dtype: the same power of two for every amax normal there).
+    Powers of two and element values are exact in `work`."""
+    element_exponent, element_max, encode = MX_ELEMENTS[kind]
     groups, columns = _grouped(x, size)
     amax = groups.abs().amax(dim=-1, keepdim=True)
     if rule == "ceil":  # ceil(log2(amax / 6)), float32 as quant_mx_rceil (a zero amax: its values stay 0)
-        shared = torch.ceil(torch.log2(amax.to(torch.float32) / E2M1_MAX)).to(torch.int64)
+        shared = torch.ceil(torch.log2(amax.to(torch.float32) / element_max)).to(torch.int64)
         shared = torch.where(amax > 0, shared, 0)
-    elif rule == "even":  # Quark's `even_round`: the float32 amax rounded to a power of two first (up from 1.75)
+    elif rule == "even":  # Quark's `even_round` and ct's MX scales: the amax rounded to a power of two (up from 1.75)
         power = round_to_power_of_two(amax.to(torch.float32)).to(torch.float64)
         shared = torch.where(power > 0, torch.log2(power.clamp(min=2.0**-149)), -126.0).to(torch.int64)
-        shared = shared - MX_ELEMENT_EXPONENT
+        shared = shared - element_exponent
     else:
         _, exponent = torch.frexp(amax.to(torch.float64))  # amax = m * 2**e, m in [0.5, 1): floor(log2) = e - 1
-        shared = exponent - 1 - MX_ELEMENT_EXPONENT
+        shared = exponent - 1 - element_exponent
     shared = shared.clamp(-MX_SCALE_EXPONENT, MX_SCALE_EXPONENT)
     scale = torch.ldexp(torch.ones_like(amax, dtype=torch.float64), shared).to(work)
-    codes = encode_e2m1((groups / scale).clamp(-E2M1_MAX, E2M1_MAX))
-    values = E2M1_TABLE.to(work)[codes] * scale
+    values = encode((groups / scale).clamp(-element_max, element_max), work) * scale
     values = torch.where(amax > 0, values, torch.zeros_like(values))
     return values.flatten(-2)[..., :columns]
 

@@ -42,7 +42,7 @@ def basis_value(scheme: ActivationScheme | None, stored: torch.Tensor | None, dt
         value = 1.0
     elif scheme.kind == "fp8" and scheme.static:
         value = float(stored.to(torch.float64).reshape(()))
-    elif scheme.kind == "fp8":
+    elif scheme.kind in ("fp8", "mxfp8"):  # MXFP8: 1.75 rounds up to the power 2, its scale 2**-7: 224 exact
         value = E4M3_MAX * 2.0**-8
     elif scheme.kind == "int8":
         value = 127 * 2.0**-6

@@ -31,6 +31,10 @@ STATIC_OFFSETS = (0.25, 0.3125)
 #: a scale computed over the wrong extent (one for all tokens) pushes the rows with the smaller ones
 #: into E4M3's subnormals (a power-of-two ratio alone would keep their mantissas exact)
 DYNAMIC_SCALES = (2.0**-4, 2.0**4, 2.0**-8, 2.0**0)
+#: an MXFP8 group's amax, in units of its scale: 1.5 * 2**8, an E4M3 value whose power of two (its
+#: mantissa below 1.75) is 2**8, so the MX scale is the probe's own power of two, while FP8's amax / 448
+#: would not be one (a kernel that scales MXFP8 inputs as FP8 groups moves them off the grid)
+MXFP8_AMAX = 384.0
 #: E2M1 values below the largest, each with the distance to the next one up
 _E2M1_STEPS = ((0.0, 0.5), (0.5, 0.5), (1.0, 0.5), (1.5, 0.5), (2.0, 1.0), (3.0, 1.0), (4.0, 2.0))
 
@@ -65,12 +69,13 @@ def probe_input(
     sign = torch.where(torch.rand(rows, in_features, generator=generator) < 0.5, -1.0, 1.0).to(torch.float64)
     x = sign * (torch.exp2(exponent) * mantissa + offset * step) * scale
     if not static:  # one element of each group that computes a scale sits at its amax, 448 * scale
+        top = MXFP8_AMAX if scheme.kind == "mxfp8" else E4M3_MAX
         for columns in groups:
             if scheme.strategy == "tensor":
-                x[0, columns.start] = E4M3_MAX * scale[0, columns.start]
+                x[0, columns.start] = top * scale[0, columns.start]
                 break
             pick = columns.start + torch.randint(0, len(columns), (rows,), generator=generator)
-            x[torch.arange(rows), pick] = E4M3_MAX * scale[torch.arange(rows), pick]
+            x[torch.arange(rows), pick] = top * scale[torch.arange(rows), pick]
     return x.to(dtype)
 
 

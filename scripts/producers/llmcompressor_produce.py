@@ -131,6 +131,7 @@ LLAMA_SCHEMES = (
     "NVFP4A16",
     "NVFP4",
     "MXFP4A16",
+    "MXFP4",
     "MXFP8A16",
     "MXFP8",
     "W4AFP8",

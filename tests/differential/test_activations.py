@@ -80,6 +80,46 @@ def test_mxfp4_activations_are_ocp_mx_as_autoround_computes_them():
     assert torch.equal(quantize_activations(x[:1, :32], scheme), torch.zeros(1, 32, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_mx_activations_are_compressed_tensors_own(bits):
+    """compressed-tensors' MXFP4 and MXFP8 inputs (its presets' float `group` args of 32 with uint8
+    scales, dynamic) as `scheme_of` reads them equal compressed-tensors' own `calculate_qparams` and
+    `fake_quantize`, bit for bit: random groups, a zero group, an amax mantissa of 1.99 (rounded up to
+    the next power of two) and a partial group's neighbours, in bfloat16 and float32."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    from harness.oracle.activations import scheme_of
+
+    declared = {"num_bits": bits, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True}
+    declared |= {"dynamic": True, "scale_dtype": "torch.uint8"}
+    config = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"input_activations": declared}}}
+    scheme = scheme_of(config)
+    assert (scheme.kind, scheme.group_size, scheme.exponent) == (f"mxfp{bits}", 32, "even")
+    args = QuantizationArgs(**(declared | {"scale_dtype": torch.uint8}))
+    generator = torch.Generator().manual_seed(bits)
+    x = torch.randn(6, 96, generator=generator) * torch.exp2(
+        torch.randint(-20, 20, (6, 1), generator=generator).float()
+    )
+    x[0, :32] = 0.0
+    x[1, :32] = torch.linspace(-1.9, 1.99, 32) * 2.0**-5
+    for dtype in (torch.bfloat16, torch.float32):
+        data = x.to(dtype)
+        grouped = data.reshape(6, 3, 32)
+        scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+        theirs = fake_quantize(data, scale, zero, args)
+        ours = quantize_activations(data, scheme)
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), dtype
+    # not the FP8 per-group rule (amax / 448): the probe's inputs tell the two apart
+    from harness.oracle.probe_inputs import probe_input
+
+    if bits == 8:
+        probe = probe_input(scheme, None, 96, 8, torch.bfloat16, seed=0)
+        fp8_groups = ActivationScheme("fp8", "group", True, 32)
+        assert not torch.equal(quantize_activations(probe, scheme), quantize_activations(probe, fp8_groups))
+
+
 def test_the_schemes_the_formats_declare_are_read():
     from harness.formats import get_format
 
@@ -297,6 +337,7 @@ def test_an_ill_conditioned_checkpoint_is_not_an_activation_finding(real_session
         (ActivationScheme("nvfp4", "tensor_group", True, 16, "input_global_scale"), torch.tensor([311.7])),
         (ActivationScheme("nvfp4", "tensor_group", True, 16, "input_scale", multiplier=True), torch.tensor([1 / 97.3])),
         (ActivationScheme("mxfp4", "group", True, 32), None),
+        (ActivationScheme("mxfp8", "group", True, 32, exponent="even"), None),
     ],
 )
 def test_probe_inputs_quantize_the_same_in_every_arithmetic_and_far_from_their_grid(scheme, stored, dtype):
@@ -316,13 +357,14 @@ def test_probe_inputs_quantize_the_same_in_every_arithmetic_and_far_from_their_g
         exact = quantize_activations(x, scheme, stored)
         rounded = quantize_activations(x, dataclasses.replace(scheme, arithmetic="model"), stored)
         assert ((exact.double() - rounded.double()).abs() <= 2**-6 * exact.double().abs()).all()
-        if scheme.kind == "fp8" and scheme.dynamic:  # a power-of-two scale: nothing to round at all
+        if scheme.kind in ("fp8", "mxfp8") and scheme.dynamic:  # a power-of-two scale: nothing to round at all
             assert torch.equal(exact, rounded)
         moved = (exact.double() - x.double()).abs() / x.double().abs().clamp_min(1e-30)
-        if scheme.kind == "fp8":
-            from harness.oracle.probe_inputs import DYNAMIC_SCALES
+        if scheme.kind in ("fp8", "mxfp8"):
+            from harness.oracle.probe_inputs import DYNAMIC_SCALES, MXFP8_AMAX
 
-            amaxes = torch.tensor([448 * s for s in DYNAMIC_SCALES], dtype=torch.float64)  # each group's amax
+            top = MXFP8_AMAX if scheme.kind == "mxfp8" else 448
+            amaxes = torch.tensor([top * s for s in DYNAMIC_SCALES], dtype=torch.float64)  # each group's amax
             saturated = torch.isin(x.double().abs(), amaxes) if scheme.dynamic else torch.zeros_like(x, dtype=bool)
             # a fraction f of a step 2**(e-3) above 2**e * m, m <= 1.875: at least f / 8 / 1.93 (f = 3/8
             # dynamic, 1/4 static less the model dtype's rounding of x and of its quantized value)

@@ -1,5 +1,5 @@
-"""llm-compressor's MXFP8A16 export (cases/producers/llmcompressor/llama-mxfp8a16), read as `ct-mxfp8`
-(harness/formats/ct_mxfp8.py); its MXFP8 preset's MX inputs are refused in words."""
+"""llm-compressor's MXFP8A16 and MXFP8 exports (cases/producers/llmcompressor), read as `ct-mxfp8`
+(harness/formats/ct_mxfp8.py), and its MXFP8 export's inputs by compressed-tensors' MX rule."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.core.errors import UnsupportedFormat
 from harness.formats import detect_format, get_format
 from harness.formats.base import FormatError
 
@@ -35,9 +34,14 @@ def test_mxfp8a16_is_e4m3_codes_times_a_power_of_two_per_32_columns():
     assert torch.equal(weight, tensors["weight"].to(torch.float64) * powers.repeat_interleave(32, 1))
 
 
-def test_mxfp8_inputs_are_refused_in_words():
-    with pytest.raises(UnsupportedFormat, match="MXFP8 activations"):
-        FORMAT.knobs_from_config(quantization_config("llama-mxfp8"))
+def test_mxfp8_reads_the_same_weights_and_its_inputs_by_compressed_tensors_mx_rule():
+    from harness.oracle.activations import scheme_of
+
+    config = quantization_config("llama-mxfp8")
+    assert detect_format(config) is FORMAT and FORMAT.knobs_from_config(config) == {}
+    scheme = scheme_of(config)
+    assert (scheme.kind, scheme.strategy, scheme.group_size, scheme.dynamic) == ("mxfp8", "group", 32, True)
+    assert scheme_of(quantization_config("llama-mxfp8a16")) is None
 
 
 def test_its_model_of_compressed_tensors_round_trips_and_nan_scales_are_refused():
