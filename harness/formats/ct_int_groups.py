@@ -30,21 +30,13 @@ from harness.formats.base import (
     require_shape,
     require_tensor,
 )
-from harness.formats.ct_common import single_group, single_group_config
+from harness.formats.ct_common import single_group_config
 from harness.formats.ct_int4 import GROUP_SIZES, SCALE_DTYPES, code_range, ct_int_qparams, group_min_max
+from harness.formats.ct_w8a8 import FORMAT_NAME
+from harness.formats.ct_w8a8 import config_group as int_quantized_group
 from harness.formats.fp8_block import expand_block_grid
 
-FORMAT_NAME = "int-quantized"
 BITS = 4
-
-
-def config_group(config) -> dict | None:
-    """The single config group of a compressed-tensors int-quantized config of int4 weights, else None."""
-    group = single_group(config, FORMAT_NAME)
-    weights = (group or {}).get("weights")
-    if not isinstance(weights, dict) or (weights.get("type"), weights.get("num_bits")) != ("int", BITS):
-        return None
-    return group
 
 
 def require_int4_codes(weight: torch.Tensor) -> None:
@@ -66,7 +58,7 @@ class CtIntGroups(QuantFormat):
     knobs = {"group_size": Knob(128, GROUP_SIZES, "columns that share one weight_scale")}
 
     def matches(self, quantization_config):
-        return config_group(quantization_config) is not None
+        return int_quantized_group(quantization_config, BITS) is not None
 
     def quantization_config(self, knobs, ignore):
         """The weights' part of the config (no generator writes this format; its inputs are a preset's)."""
@@ -74,7 +66,7 @@ class CtIntGroups(QuantFormat):
         return single_group_config(FORMAT_NAME, weights | {"group_size": knobs["group_size"]}, ignore)
 
     def knobs_from_config(self, quantization_config):
-        group = config_group(quantization_config)
+        group = int_quantized_group(quantization_config, BITS)
         if group is None:
             raise FormatError(f"quantization_config is not compressed-tensors {FORMAT_NAME} int{BITS}")
         weights = group["weights"]

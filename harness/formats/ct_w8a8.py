@@ -41,11 +41,12 @@ DYNAMIC_TOKEN_INT8 = {
 }
 
 
-def config_group(config) -> dict | None:
-    """The single config group of a compressed-tensors int-quantized int8 config, else None."""
+def config_group(config, bits: int = BITS) -> dict | None:
+    """The single config group of a compressed-tensors int-quantized config of `bits`-bit int weights
+    (int8 here; int4 codes one per int8: harness.formats.ct_int_groups), else None."""
     group = single_group(config, FORMAT_NAME)
     weights = (group or {}).get("weights")
-    if not isinstance(weights, dict) or (weights.get("type"), weights.get("num_bits")) != ("int", BITS):
+    if not isinstance(weights, dict) or (weights.get("type"), weights.get("num_bits")) != ("int", bits):
         return None
     return group
 

@@ -178,8 +178,10 @@ def unsupported_reason(fmt: str, construct, cache: CapabilityCache | None = None
     format, and a declined KV cache is said at its load)."""
     from harness.formats import READ_ONLY
 
-    if fmt in READ_ONLY:  # no probe can be written of it: the checkpoint's own load answers (its missing kernel
-        return None  # is vLLM's "unsupported" there too: VllmEngine.load)
+    # no probe can be written of a read-only format: the checkpoint's own load answers (a missing kernel
+    # is vLLM's "unsupported" there too: VllmEngine.load)
+    if fmt in READ_ONLY:
+        return None
     cache = cache or CapabilityCache()
     key, entry = environment_key(), f"{fmt}[{setting}]" if setting else fmt
     known, reason = cache.get(key, entry)
