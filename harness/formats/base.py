@@ -84,7 +84,10 @@ class QuantFormat:
         return values
 
     def schemes(self, knobs: Mapping[str, Any]) -> tuple[QuantFormat, ...]:
-        """The formats its modules are stored in: itself, or a mixed checkpoint's groups' (mixed)."""
+        """The formats whose kernels an engine needs to load it: itself, a mixed checkpoint's groups'
+        (mixed), or the written format whose tensors a producer's layout holds under its own names
+        (Quark's: AWQ's, ct-mxfp4's, modelopt-nvfp4's), which a capability probe can write; a read-only
+        format that is itself is answered by the checkpoint's own load."""
         return (self,)
 
     def groups(self, knobs: Mapping[str, Any]) -> tuple:
