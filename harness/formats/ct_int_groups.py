@@ -19,22 +19,11 @@ from __future__ import annotations
 import torch
 
 from harness.core.errors import UnsupportedFormat
-from harness.core.numerics import ceil_div
-from harness.formats.base import (
-    FormatError,
-    Knob,
-    QuantFormat,
-    QuantizedWeight,
-    require_dtype,
-    require_finite,
-    require_shape,
-    require_tensor,
-)
+from harness.formats.base import FormatError, Knob, QuantFormat
 from harness.formats.ct_common import single_group_config
-from harness.formats.ct_int4 import GROUP_SIZES, SCALE_DTYPES, code_range, ct_int_qparams, group_min_max
-from harness.formats.ct_w8a8 import FORMAT_NAME
+from harness.formats.ct_int4 import GROUP_SIZES, code_range
+from harness.formats.ct_w8a8 import FORMAT_NAME, quantize_codes, read_codes
 from harness.formats.ct_w8a8 import config_group as int_quantized_group
-from harness.formats.fp8_block import expand_block_grid
 
 BITS = 4
 
@@ -85,29 +74,13 @@ class CtIntGroups(QuantFormat):
     def quantize(self, weight, knobs, *, model_dtype, activation_amax):
         """compressed-tensors' int4 codes and scales (as ct-int4's symmetric ones), unpacked: the
         tensors this format stores (the audit's model of a module); no generator writes it."""
-        weight = weight.to(model_dtype)
-        rows, cols = weight.shape
-        block = self.scale_block(knobs, (rows, cols))
-        lo, hi = group_min_max(weight, block[1])
-        scale, _ = ct_int_qparams(lo, hi, BITS, True)
-        qmin, qmax = code_range(BITS)
-        codes = torch.round((weight / expand_block_grid(scale, rows, cols, block)).clamp(qmin, qmax)).to(torch.int8)
-        truth = codes.to(torch.float64) * expand_block_grid(scale.to(torch.float64), rows, cols, block)
-        return QuantizedWeight({"weight": codes, "weight_scale": scale}, truth=truth)
+        return quantize_codes(weight, BITS, knobs["group_size"], model_dtype)
 
     def dequantize(self, tensors, knobs):
-        weight = require_tensor(tensors, "weight")
-        scale = require_tensor(tensors, "weight_scale")
-        require_dtype("weight", weight, (torch.int8,))
-        require_dtype("weight_scale", scale, SCALE_DTYPES)
-        if weight.dim() != 2:
-            raise FormatError(f"weight has {weight.dim()} dimensions, expected 2")
-        rows, cols = weight.shape
         group = knobs["group_size"]
-        require_shape("weight_scale", scale, (rows, ceil_div(cols, group)), f"one scale per {group} columns")
-        require_finite("weight_scale", scale)
+        weight, scale = read_codes(tensors, group)
         require_int4_codes(weight)  # last: the first check that reads the codes' values
-        column_group = torch.arange(cols) // group
+        column_group = torch.arange(weight.shape[1]) // group
         return weight.to(torch.float64) * scale.to(torch.float64)[:, column_group]
 
     def scale_block(self, knobs, shape):

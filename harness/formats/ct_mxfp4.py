@@ -87,10 +87,11 @@ def round_to_power_of_two(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(rounded > info.max, torch.inf, rounded).to(amax.dtype)
 
 
-def ct_mx_scale(group_amax: torch.Tensor) -> torch.Tensor:
-    """`calculate_qparams` for MX scales: the scale parameter (a power of two) in amax's dtype."""
+def ct_mx_scale(group_amax: torch.Tensor, element_exponent: int = ELEMENT_EXPONENT) -> torch.Tensor:
+    """`calculate_qparams` for MX scales: the scale parameter (a power of two) in amax's dtype;
+    `element_exponent` the element maximum's (E2M1's 2; E4M3's 8: harness.formats.ct_mxfp8)."""
     power = round_to_power_of_two(group_amax).to(torch.float64)
-    exponent = (torch.log2(power) + (E8M0_BIAS - ELEMENT_EXPONENT)).clamp(0, 255)  # -inf (a zero amax) -> 0
+    exponent = (torch.log2(power) + (E8M0_BIAS - element_exponent)).clamp(0, 255)  # -inf (a zero amax) -> 0
     scale = torch.exp2(exponent - E8M0_BIAS).to(group_amax.dtype)
     return torch.where(scale == 0, torch.tensor(ZERO_SCALE, dtype=scale.dtype), scale)
 

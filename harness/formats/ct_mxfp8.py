@@ -82,11 +82,10 @@ class CtMxfp8(QuantFormat):
         weight = weight.to(model_dtype)
         rows, cols = weight.shape
         block = (1, mx.GROUP)
-        power = mx.round_to_power_of_two(block_amax(weight, block).to(model_dtype)).to(torch.float64)
-        stored = (torch.log2(power) + (mx.E8M0_BIAS - ELEMENT_EXPONENT)).clamp(0, 255).to(torch.uint8)
-        scale = mx.decode_e8m0(stored)
-        codes = encode_e4m3(weight.to(torch.float64) / expand_block_grid(scale, rows, cols, block))
-        truth = codes.to(torch.float64) * expand_block_grid(scale, rows, cols, block)
+        scale = mx.ct_mx_scale(block_amax(weight, block).to(model_dtype), ELEMENT_EXPONENT)
+        stored = mx.compress_mx_scale(scale)
+        codes = encode_e4m3(weight.to(torch.float64) / expand_block_grid(scale.to(torch.float64), rows, cols, block))
+        truth = codes.to(torch.float64) * expand_block_grid(mx.decode_e8m0(stored), rows, cols, block)
         return QuantizedWeight({"weight": codes, "weight_scale": stored}, truth=truth)
 
     def dequantize(self, tensors, knobs):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from harness.core.errors import UnsupportedFormat
+from harness.core.numerics import ceil_div
 from harness.formats.base import (
     FormatError,
     QuantFormat,
@@ -27,6 +28,7 @@ from harness.formats.base import (
 )
 from harness.formats.ct_common import single_group, single_group_config
 from harness.formats.ct_int4 import SCALE_DTYPES, code_range, ct_int_qparams, group_min_max
+from harness.formats.fp8_block import expand_block_grid
 
 FORMAT_NAME = "int-quantized"
 BITS = 8
@@ -49,6 +51,39 @@ def config_group(config, bits: int = BITS) -> dict | None:
     if not isinstance(weights, dict) or (weights.get("type"), weights.get("num_bits")) != ("int", bits):
         return None
     return group
+
+
+def quantize_codes(weight: torch.Tensor, bits: int, group: int, model_dtype: torch.dtype) -> QuantizedWeight:
+    """compressed-tensors' symmetric `bits`-bit codes, one per int8, and their scales per row and
+    `group` columns (the whole row: per channel), computed in the model dtype as its observer sees
+    the module's weight."""
+    weight = weight.to(model_dtype)
+    rows, cols = weight.shape
+    lo, hi = group_min_max(weight, group)
+    scale, _ = ct_int_qparams(lo, hi, bits, True)
+    expanded = expand_block_grid(scale, rows, cols, (1, group))
+    qmin, qmax = code_range(bits)
+    codes = torch.round((weight / expanded).clamp(qmin, qmax)).to(torch.int8)
+    truth = codes.to(torch.float64) * expanded.to(torch.float64)
+    return QuantizedWeight({"weight": codes, "weight_scale": scale}, truth=truth)
+
+
+def read_codes(tensors, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` int8 [N, K] and `weight_scale` [N, ceil(K / group)] (group None: one per row), checked;
+    the codes' values are the caller's to check."""
+    weight = require_tensor(tensors, "weight")
+    scale = require_tensor(tensors, "weight_scale")
+    require_dtype("weight", weight, (torch.int8,))
+    require_dtype("weight_scale", scale, SCALE_DTYPES)
+    if weight.dim() != 2:
+        raise FormatError(f"weight has {weight.dim()} dimensions, expected 2")
+    rows, cols = weight.shape
+    if group is None:
+        require_shape("weight_scale", scale, (rows, 1), "one scale per output row")
+    else:
+        require_shape("weight_scale", scale, (rows, ceil_div(cols, group)), f"one scale per {group} columns")
+    require_finite("weight_scale", scale)
+    return weight, scale
 
 
 class CtW8a8(QuantFormat):
@@ -90,23 +125,10 @@ class CtW8a8(QuantFormat):
         return {}
 
     def quantize(self, weight, knobs, *, model_dtype, activation_amax):
-        weight = weight.to(model_dtype)  # the observer sees the module's weight, in the model dtype
-        lo, hi = group_min_max(weight, weight.shape[1])
-        scale, _ = ct_int_qparams(lo, hi, BITS, True)
-        qmin, qmax = code_range(BITS)
-        codes = torch.round((weight / scale).clamp(qmin, qmax)).to(torch.int8)
-        truth = codes.to(torch.float64) * scale.to(torch.float64)
-        return QuantizedWeight({"weight": codes, "weight_scale": scale}, truth=truth)
+        return quantize_codes(weight, BITS, weight.shape[1], model_dtype)
 
     def dequantize(self, tensors, knobs):
-        weight = require_tensor(tensors, "weight")
-        scale = require_tensor(tensors, "weight_scale")
-        require_dtype("weight", weight, (torch.int8,))
-        require_dtype("weight_scale", scale, SCALE_DTYPES)
-        if weight.dim() != 2:
-            raise FormatError(f"weight has {weight.dim()} dimensions, expected 2")
-        require_shape("weight_scale", scale, (weight.shape[0], 1), "one scale per output row")
-        require_finite("weight_scale", scale)
+        weight, scale = read_codes(tensors, None)
         return weight.to(torch.float64) * scale.to(torch.float64)
 
     def scale_block(self, knobs, shape):
