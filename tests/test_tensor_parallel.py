@@ -24,7 +24,7 @@ from harness.engines.process import EngineProcess, Limits
 from harness.engines.vllm.engine import find_vllm_python
 from harness.engines.vllm.tensor_parallel import EXACT, FINDING, WORKER_SPEC, check_tensor_parallel, parse_tp_sizes
 from harness.engines.vllm.tensor_parallel.judge import Shard, judge, load_truth
-from harness.engines.vllm.tensor_parallel.layout import decoder_linears, owned_slice, vocab_linears
+from harness.engines.vllm.tensor_parallel.layout import decoder_linears, owned_slice, part_piece, vocab_linears
 
 NVFP4_SPLIT = "vllm-tp-nvfp4-row-parallel-split-inside-groups"
 VLLM_PYTHON = find_vllm_python()
@@ -125,6 +125,18 @@ def shard_as_a_correct_loader(
                     held[suffix] = torch.cat(pieces)
             shards.append(Shard(tp, rank, linear, sizes if linear.kind != "row" else [], None, held))
     return shards
+
+
+def test_a_fused_layers_held_tensors_split_into_each_parts_piece():
+    """qkv_proj of rows 4 + 2 + 2: a per-part scale gives each part its own element, a layer-wide
+    static input scale (0-D, or [1] as vLLM holds Quark int8's) is every part's, the rest its rows."""
+    weight = torch.arange(8 * 3).reshape(8, 3)
+    per_part, scalar, one = torch.tensor([1.0, 2.0, 3.0]), torch.tensor(0.5), torch.tensor([0.25])
+    layout = [(0, 4), (4, 2), (6, 2)]
+    for index, (start, rows) in enumerate(layout):
+        assert torch.equal(part_piece(weight, index, 3, start, rows), weight[start : start + rows])
+        assert part_piece(per_part, index, 3, start, rows).tolist() == [index + 1.0]
+        assert part_piece(scalar, index, 3, start, rows) is scalar and part_piece(one, index, 3, start, rows) is one
 
 
 def test_a_correct_sharding_is_exact(channel_checkpoint):

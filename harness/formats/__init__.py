@@ -45,6 +45,7 @@ READ_ONLY: dict[str, str] = {
     "quark-nvfp4": "harness.formats.quark_nvfp4:FORMAT",
     "quark-int4": "harness.formats.quark_int4:FORMAT",
     "quark-mxfp4": "harness.formats.quark_mxfp4:FORMAT",
+    "quark-int8": "harness.formats.quark_int8:FORMAT",
     "ct-w4a8": "harness.formats.ct_int_groups:FORMAT",
     "ct-mxfp8": "harness.formats.ct_mxfp8:FORMAT",
 }

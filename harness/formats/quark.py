@@ -25,8 +25,12 @@ Quark's config holds one `global_quant_config` (QuantizationSpecs for `weight`, 
 - MXFP4 (`mxfp4`: weight and dynamic input e2m1 per group of 32, E8M0 scales, `even` rounding):
   compressed-tensors' MXFP4 tensors under Quark's names (harness.formats.quark_mxfp4; `is_mxfp4`).
 
-Whatever else Quark writes is UnsupportedFormat with what it declares: int8 with zero points, int4
-in its `order` packing, per-layer overrides, fake-quantized exports, KV-cache and output quantization.
+- INT8 per tensor (`int8`: weight and input int8 `per_tensor`, static, symmetric): int8 `weight`,
+  float32 0-D `weight_scale` and `input_scale`, int8 0-D `weight_zero_point` and `input_zero_point`
+  (zeros: symmetric), a format of its own (harness.formats.quark_int8; `int8_per_tensor` below).
+
+Whatever else Quark writes is UnsupportedFormat with what it declares: asymmetric int8, int4 in its
+`order` packing, per-layer overrides, fake-quantized exports, KV-cache and output quantization.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ MXFP4_GROUP = 32
 PACK_REORDER = "reorder"
 #: Quark's 4-bit integer dtypes: signed codes (symmetric) and unsigned codes with zero points
 INT4_DTYPES = ("int4", "uint4")
+INT8 = "int8"
 
 
 def from_quark(config: Mapping) -> bool:
@@ -154,6 +159,22 @@ def _int4_groups(spec: object) -> bool:
     )
 
 
+def _int8_per_tensor(spec: object) -> bool:
+    """Whether a spec is Quark's symmetric static int8 per tensor (its `int8` scheme's weight and input)."""
+    return isinstance(spec, Mapping) and (
+        spec.get("dtype"),
+        spec.get("qscheme"),
+        bool(spec.get("is_dynamic")),
+        spec.get("symmetric"),
+    ) == (INT8, "per_tensor", False, True)
+
+
+def int8_per_tensor(config: Mapping) -> bool:
+    """Whether a Quark config is its int8 scheme: symmetric static int8 per tensor for the weight and,
+    where quantized, the input, with nothing beyond (harness.formats.quark_int8 reads it)."""
+    return _one_global_scheme(config, _int8_per_tensor, _int8_per_tensor)
+
+
 def _mxfp4_spec(spec: object, dynamic: bool) -> bool:
     """Whether a spec is OCP MXFP4 as Quark writes it: e2m1 per group of 32, E8M0 scales, `even` rounding."""
     return isinstance(spec, Mapping) and (
@@ -188,9 +209,11 @@ def _beyond_global(config: Mapping) -> str | None:
 
 def equivalent_config(config: Mapping) -> dict | None:
     """The compressed-tensors config a Quark config is equivalent to; None for any other config and
-    for Quark's NVFP4, MXFP4 and int4 (formats of their own). What Quark declares beyond the definitions above is
+    for Quark's NVFP4, MXFP4, int8 and int4 (formats of their own). What Quark declares beyond the definitions above is
     UnsupportedFormat, in its words."""
-    if not from_quark(config) or is_nvfp4(config) or is_mxfp4(config) or int4_weights(config) is not None:
+    if not from_quark(config) or is_nvfp4(config) or is_mxfp4(config) or int8_per_tensor(config):
+        return None
+    if int4_weights(config) is not None:
         return None
     beyond = _beyond_global(config)
     if beyond:

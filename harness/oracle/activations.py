@@ -11,6 +11,8 @@ transformers' fp8 config; ModelOpt's `quant_algo`):
   and DeepSeek's 1 x 128); a last partial group is the columns that remain;
 - INT8, dynamic per token, symmetric (compressed-tensors' W8A8): s = amax(row) / 127.5 (its
   `calculate_qparams`: amax / ((127 - -128) / 2)), x -> round(clamp(x / s, -128, 127)) * s;
+- INT8, static per tensor, symmetric (Quark's `int8`): the same with the stored `input_scale` s (its
+  zero point 0, harness.formats.quark_int8);
 - NVFP4 (FP4 E2M1, tensor_group, groups of 16): with G the global scale in the divisor convention
   (compressed-tensors' `input_global_scale`; ModelOpt's `input_scale` and Quark's `input_scale_2`
   are 1 / G), each group's
@@ -94,7 +96,7 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
     """The activation scheme a quantization_config declares, or None (weight-only). A scheme
     outside the definitions above is a one-line HarnessError."""
     method, original = quantization_config.get("quant_method"), quantization_config
-    if quark.is_nvfp4(original) or quark.is_mxfp4(original):
+    if quark.is_nvfp4(original) or quark.is_mxfp4(original) or quark.int8_per_tensor(original):
         return _quark_scheme(original)
     quantization_config = equivalents.read_as(quantization_config)
     if quantization_config.get("quant_method") == "fp8":  # FineGrainedFP8 (DeepSeek): dynamic 1 x block_cols groups
@@ -148,10 +150,13 @@ def _ct_mx(args: Mapping) -> bool:
 
 
 def _quark_scheme(config: Mapping) -> ActivationScheme | None:
-    """The inputs of Quark's FP4 schemes, read under its own names: NVFP4's are ModelOpt's, with the
-    multiplier `input_scale_2`; MXFP4's are dynamic, their scales by Quark's `even` rounding."""
+    """The inputs of Quark's schemes read under its own names: NVFP4's are ModelOpt's, with the
+    multiplier `input_scale_2`; MXFP4's are dynamic, their scales by Quark's `even` rounding; int8's
+    static per tensor."""
     if config["global_quant_config"].get("input_tensors") is None:
         return None
+    if quark.int8_per_tensor(config):
+        return ActivationScheme("int8", "tensor", False, static="input_scale")
     if quark.is_nvfp4(config):
         return ActivationScheme("nvfp4", "tensor_group", True, NVFP4_GROUP, "input_scale_2", multiplier=True)
     return ActivationScheme("mxfp4", "group", True, MXFP4_GROUP, exponent="even")
@@ -208,7 +213,10 @@ def quantize_activations(x: torch.Tensor, scheme: ActivationScheme, stored: torc
             result = _fp8(groups, groups.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).flatten(-2)[..., :columns]
         return result.to(x.dtype)
     if scheme.kind == "int8":
-        scale = x64.abs().amax(dim=-1, keepdim=True) / INT8_HALF_RANGE
+        if scheme.static:
+            scale = stored.to(work).reshape(())
+        else:
+            scale = x64.abs().amax(dim=-1, keepdim=True) / INT8_HALF_RANGE
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         result = torch.round((x64 / safe).clamp(-128, 127)) * safe
         return torch.where(scale > 0, result, torch.zeros_like(result)).to(x.dtype)

@@ -65,6 +65,7 @@ from harness.formats.fp8_block import Fp8Block, decode_ue8m0
 from harness.formats.int_packing import pack, packed_extent, unpack
 from harness.formats.modelopt_fp8 import ModeloptFp8
 from harness.formats.modelopt_nvfp4 import ModeloptNvfp4
+from harness.formats.quark_int8 import QuarkInt8
 from harness.oracle.reference import format_and_knobs, group_modules
 
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -245,7 +246,7 @@ def code_pairs(table: torch.Tensor) -> torch.Tensor:
 
 
 class Fp8Kernel:
-    """`fp8-block`, `ct-fp8-*`, `modelopt-fp8`, `ct-mxfp8` and `ct-w8a8`: a one-byte code (e4m3 or int8) x its
+    """`fp8-block`, `ct-fp8-*`, `modelopt-fp8`, `ct-mxfp8`, `ct-w8a8` and `quark-int8`: a one-byte code (e4m3 or int8) x its
     block's scale, one float32 multiply per element (a per-tensor scale is one block the size of
     the weight)."""
 
@@ -546,7 +547,7 @@ def kernel_for(fmt: QuantFormat) -> Fp8Kernel | Nvfp4Kernel | IntKernel | Mxfp4K
         return Fp8Kernel("weight_scale_inv")
     if isinstance(fmt, CtFp8 | ModeloptFp8):
         return Fp8Kernel("weight_scale")
-    if isinstance(fmt, CtW8a8):
+    if isinstance(fmt, CtW8a8 | QuarkInt8):  # int8 codes x a per-row or per-tensor scale
         return Fp8Kernel("weight_scale", INT8_TABLE)
     if isinstance(fmt, CtIntGroups):
         return Int4InInt8Kernel("weight_scale", INT8_TABLE)

@@ -7,7 +7,8 @@ Every element sits a fixed fraction of a grid step above a grid point (1/4 to 7/
 never at the tie at 1/2, so no rounding order moves it across), and each group that computes a
 dynamic scale holds one element at exactly the scale's amax: for FP8 the scale is a power of two
 (amax / 448 exact in any float dtype), for NVFP4 a block scale on the E4M3 grid, for MXFP4 a
-power of two (6 * 2**k, whose OCP scale is 2**k). Quantization then
+power of two (6 * 2**k, whose OCP scale is 2**k); for static int8 (Quark's) every element is
+(k + 1/4) * s, k in [0, 31], and one per row 200 * s (beyond the top code: clamped). Quantization then
 moves every element by 1/4 to 7/16 of a step (2 to 5% of its value for FP8), while bfloat16
 rounds at 2**-9 to 2**-8: no bfloat16 rounding moves a quantized value across a grid point.
 """
@@ -35,6 +36,10 @@ DYNAMIC_SCALES = (2.0**-4, 2.0**4, 2.0**-8, 2.0**0)
 #: mantissa below 1.75) is 2**8, so the MX scale is the probe's own power of two, while FP8's amax / 448
 #: would not be one (a kernel that scales MXFP8 inputs as FP8 groups moves them off the grid)
 MXFP8_AMAX = 384.0
+#: static int8: codes below this (k + 1/4 then needs 7 significant bits, so two bfloat16 roundings of
+#: 2**-9 each, the input's and the held scale's, move it 1/16 at most), and the one beyond the range
+INT8_CODES = 32
+INT8_CLAMPED = 200.0
 #: E2M1 values below the largest, each with the distance to the next one up
 _E2M1_STEPS = ((0.0, 0.5), (0.5, 0.5), (1.0, 0.5), (1.5, 0.5), (2.0, 1.0), (3.0, 1.0), (4.0, 2.0))
 
@@ -52,6 +57,8 @@ def probe_input(
     if scheme.kind == "mxfp4":
         return _fp4(scheme.group_size, False, 1.0, in_features, rows, generator).to(dtype)
     static = scheme.static and stored is not None
+    if scheme.kind == "int8" and static:
+        return _int8_static(float(stored.to(torch.float64).reshape(())), in_features, rows, generator).to(dtype)
     groups = _scale_groups(scheme, in_features)
     scale = torch.full((rows, in_features), DYNAMIC_SCALES[0], dtype=torch.float64)
     if static:
@@ -77,6 +84,15 @@ def probe_input(
             pick = columns.start + torch.randint(0, len(columns), (rows,), generator=generator)
             x[torch.arange(rows), pick] = top * scale[torch.arange(rows), pick]
     return x.to(dtype)
+
+
+def _int8_static(scale: float, in_features: int, rows: int, generator) -> torch.Tensor:
+    """(k + 1/4) * scale with random signs and k in [0, INT8_CODES), one element a row at
+    INT8_CLAMPED * scale (quantized to the top code, 127 * scale)."""
+    codes = torch.randint(0, INT8_CODES, (rows, in_features), generator=generator).to(torch.float64) + 0.25
+    codes[torch.arange(rows), torch.randint(0, in_features, (rows,), generator=generator)] = INT8_CLAMPED
+    sign = torch.where(torch.rand(rows, in_features, generator=generator) < 0.5, -1.0, 1.0).to(torch.float64)
+    return sign * codes * scale
 
 
 def _scale_groups(scheme: ActivationScheme, in_features: int) -> list[range]:

@@ -51,8 +51,56 @@ def test_quarks_fp8_is_compressed_tensors_fp8_with_its_scale_shapes(case, format
     ],
 )
 def test_what_quark_writes_beyond_the_definitions_is_unsupported_in_its_words(case, said):
+    config = quantization_config(case)
+    if case == "int8":  # its asymmetric variant (zero points that are not 0) is not defined here
+        config["global_quant_config"]["weight"]["symmetric"] = False
     with pytest.raises(UnsupportedFormat, match=said):
-        detect_format(quantization_config(case))
+        detect_format(config)
+
+
+def test_quarks_int8_is_codes_times_its_0d_scale_as_quark_itself_reads_them():
+    """Quark's int8 per tensor: code * weight_scale, equal to amd-quark's own reading of the file (its
+    QParamsLinear's `_get_qweight`, producer_truth) bit for bit; its zero points must be 0."""
+    from harness.formats.quark_int8 import INPUT_SCALE
+
+    config = quantization_config("int8")
+    fmt = detect_format(config)
+    knobs = fmt.knobs_from_config(config)
+    assert (fmt.name, knobs) == ("quark-int8", {INPUT_SCALE: True, equivalents.SCALAR_SCALES: True})
+    truth = load_file(CORPUS / "int8" / "producer_truth" / "weights.safetensors")
+    module = "model.layers.0.mlp.down_proj"
+    tensors = module_tensors("int8", module)
+    assert set(tensors) == set(fmt.suffixes)
+    weight = fmt.dequantize(tensors, knobs)
+    assert torch.equal(weight.to(truth[f"{module}.weight"].dtype), truth[f"{module}.weight"])
+    for zero_point in ("weight_zero_point", "input_zero_point"):
+        with pytest.raises(FormatError, match=f"{zero_point} is 3"):
+            fmt.dequantize({**tensors, zero_point: torch.tensor(3, dtype=torch.int8)}, knobs)
+    with pytest.raises(FormatError, match="input_scale has shape \\[1\\], expected \\[\\]"):
+        fmt.dequantize({**tensors, "input_scale": tensors["input_scale"].reshape(1)}, knobs)
+    # an engine holds its scales as parameters of its own ([1]) and may drop the zero points it folds
+    held = {name: t.reshape(1) if t.dim() == 0 else t for name, t in tensors.items() if "zero_point" not in name}
+    assert torch.equal(fmt.dequantize_held(held, knobs), weight)
+
+
+def test_quarks_int8_inputs_are_static_per_tensor_with_its_stored_scale():
+    """x -> clamp(round(x / s), -128, 127) * s with the module's `input_scale` s, the same rule as
+    Quark's observer and fake quantization (round half to even)."""
+    from harness.oracle.activations import quantize_activations, scheme_of
+    from harness.oracle.probe_inputs import INT8_CLAMPED, probe_input
+
+    scheme = scheme_of(quantization_config("int8"))
+    assert (scheme.kind, scheme.strategy, scheme.dynamic, scheme.static) == ("int8", "tensor", False, "input_scale")
+    scale = torch.tensor(0.5, dtype=torch.float32)
+    x = torch.tensor([[0.25, 0.75, -0.25, 63.0, 64.0, -100.0, 0.0]], dtype=torch.float64)
+    expected = torch.tensor([[0.0, 1.0, -0.0, 63.0, 63.5, -64.0, 0.0]], dtype=torch.float64)
+    assert torch.equal(quantize_activations(x, scheme, scale), expected)
+    rows = probe_input(scheme, scale, 96, 4, torch.bfloat16, seed=0)
+    codes = rows.double().abs() / 0.5  # each k + 1/4, away from any tie, and one per row past the range
+    clamped = codes == INT8_CLAMPED
+    assert (clamped.sum(dim=1) == 1).all() and torch.equal((codes - 0.25)[~clamped].round(), (codes - 0.25)[~clamped])
+    quantized = quantize_activations(rows, scheme, scale).double() / 0.5
+    assert set(quantized[clamped].tolist()) <= {127.0, -128.0} and torch.equal(quantized, quantized.round())
 
 
 def test_a_0d_per_tensor_scale_is_quarks_and_an_engines_held_scale_is_its_own():
@@ -171,6 +219,36 @@ def test_the_even_mxfp4_activation_rule_is_quarks_own():
     x[2, 64:96] *= 1.74 / x[2, 64:96].abs().max()  # just below it
     theirs = fake_quantize_mx(x, axis=-1, block_size=32, scale_calculation_mode="even", mx_element_dtype="fp4")
     assert torch.equal(quantize_activations(x, scheme), theirs)
+
+
+@pytest.mark.nightly
+def test_the_static_int8_activation_rule_is_quarks_own():
+    """Quark's int8 inputs: the activation definition against amd-quark's own `fake_quantize_int` per
+    tensor (round half to even, [-128, 127]) on the same tensor, element for element, in float32 and
+    bfloat16, ties and values past the range included (skipped without amd-quark; nightly, as above)."""
+    pytest.importorskip("quark")
+    from quark.torch.kernel.hw_emulation.hw_emulation_interface import fake_quantize_int
+    from quark.torch.quantization.config.type import RoundType
+
+    from harness.oracle.activations import quantize_activations, scheme_of
+
+    scheme = scheme_of(quantization_config("int8"))
+    generator = torch.Generator().manual_seed(0)
+    scale = torch.tensor(0.0123, dtype=torch.float32)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(4, 256, generator=generator) * 3).to(dtype)
+        x[0, :4] = (torch.tensor([0.5, 1.5, 2.5, -0.5]) * scale).to(dtype)  # ties, as near as the dtype holds
+        x[1, :2] = (torch.tensor([500.0, -500.0]) * scale).to(dtype)  # past the range: clamped
+        theirs = fake_quantize_int(
+            x,
+            scale,
+            torch.tensor(0, dtype=torch.int32),
+            quant_min=-128,
+            quant_max=127,
+            round_mode=RoundType.half_even.value,
+            qscheme="per_tensor",
+        )
+        assert torch.equal(quantize_activations(x, scheme, scale), theirs)
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe_fp8", "mixtral_mxfp4"])

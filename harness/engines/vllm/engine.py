@@ -37,7 +37,7 @@ from harness.engines.gptqmodel_modules import MARKER as GPTQ_MARKER
 from harness.engines.hf_common import LEAD, captured_warnings, stored_names
 from harness.engines.vllm.capability import config_refusal, declined_option, missing_kernel
 from harness.engines.vllm.capability import unsupported_reason as probed_unsupported_reason
-from harness.engines.vllm.tensor_parallel.layout import unpermute_rotary_rows
+from harness.engines.vllm.tensor_parallel.layout import part_piece, unpermute_rotary_rows
 
 # The engine core must run in this process: the weight capture below and `apply_model` need
 # the model object here. setdefault, so that a user's explicit choice still wins.
@@ -446,15 +446,10 @@ class VllmEngine(Engine):
             and held[scale_name].dim() == 1
             and held[scale_name].numel() == len(parts)
         )
-        if per_part_scale:  # per-tensor FP8: one scale per fused part, as loaded (before requantizing)
+        if per_part_scale:  # per-tensor scales: one per fused part, as loaded (before requantizing)
             result, start = {}, 0
             for index, (part, rows) in enumerate(parts):
-                piece = {
-                    suffix: tensor[index : index + 1]
-                    if tensor.dim() == 1 and tensor.numel() == len(parts)
-                    else tensor[start : start + rows]
-                    for suffix, tensor in held.items()
-                }
+                piece = {suffix: part_piece(t, index, len(parts), start, rows) for suffix, t in held.items()}
                 result[f"{module.rpartition('.')[0]}.{part}.weight"] = self.fmt.dequantize_held(piece, self.knobs)
                 start += rows
             return result

@@ -34,6 +34,7 @@ from harness.engines.vllm.tensor_parallel.layout import (
     lane_config,
     lane_linears,
     owned_slice,
+    part_piece,
     unpermute_rotary_rows,
     vocab_linears,
 )
@@ -357,14 +358,7 @@ def dequantize_held(shard: Shard, truth: Truth) -> dict[str, torch.Tensor]:
         return {part.name: whole[start : start + rows] for part, start, rows in layout}
     result = {}
     for index, (part, start, rows) in enumerate(layout):
-        piece = {  # a scalar (a static input scale vLLM keeps whole) is every part's
-            s: t
-            if t.dim() == 0
-            else t[index : index + 1]
-            if t.dim() == 1 and t.numel() == len(layout)
-            else t[start : start + rows]
-            for s, t in quantized.items()
-        }
+        piece = {s: part_piece(t, index, len(layout), start, rows) for s, t in quantized.items()}
         result[part.name] = fmt.dequantize_held(with_shape(piece, rows, columns) if shaped else piece, knobs)
     return result
 

@@ -123,6 +123,17 @@ class FusedLinear:
         return self.part_module(layer, part) + ("" if self.kind == "heads" else ".weight")
 
 
+def part_piece(tensor, index: int, parts: int, start: int, rows: int):
+    """Part `index` (of `parts`, its rows start:start+rows) of a tensor vLLM holds for a fused layer:
+    a per-part scale's own element (1-D, one per part), a layer-wide scalar whole (a static input
+    scale vLLM keeps one of: 0-D, or [1] as Quark int8's), else the part's rows."""
+    if tensor.dim() == 1 and tensor.numel() == parts:
+        return tensor[index : index + 1]
+    if tensor.numel() == 1:
+        return tensor
+    return tensor[start : start + rows]
+
+
 def unpermute_rotary_rows(tensor, heads: int):
     """Rows vLLM permuted for its rotary embedding (each head's (d/2, 2) rows as (2, d/2)) back in
     checkpoint order; a torch tensor whose first dimension is `heads` whole heads."""
