@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from harness.core.errors import HarnessError
+from harness.core.machine import isa_class
 
 CORPUS = Path(__file__).resolve().parents[2] / "cases" / "producers"
 PROVENANCE = "provenance.json"
@@ -54,7 +55,9 @@ class CorpusCase:
     loaded_by: tuple[str, ...] = ()
     #: findings a correct judgement makes that no known issue covers (`engine kind: message`
     #: regexes, each matched by exactly one finding): an engine's misbehaviour seen only on this
-    #: producer's output, which the generator cannot write yet (so it has no known-issue reproducer)
+    #: producer's output, which the generator cannot write yet (so it has no known-issue reproducer);
+    #: with those corpus.toml's `findings_on` records for this machine's instruction-set class only
+    #: (harness.core.machine.isa_class, e.g. `amx`: vLLM picks its CPU kernels by it)
     findings: tuple[str, ...] = ()
     reason: str = ""
     extra: dict = field(default_factory=dict)
@@ -83,7 +86,7 @@ def corpus_cases(root: Path = CORPUS) -> list[CorpusCase]:
                 tuple(entry.get("audit_checks", ())),
                 int(entry.get("truth_ulps", 0)),
                 tuple(entry.get("loaded_by", ())),
-                tuple(entry.get("findings", ())),
+                tuple(entry.get("findings", ())) + tuple((entry.get("findings_on") or {}).get(isa_class(), ())),
                 entry.get("reason", ""),
             )
         )

@@ -27,6 +27,21 @@ def by_case(cases):
     return pytest.mark.parametrize("case", cases, ids=[case.name for case in cases])
 
 
+def test_a_finding_recorded_for_one_instruction_set_class_is_expected_on_that_class_only(tmp_path, monkeypatch):
+    """corpus.toml's `findings_on.CLASS`: added to the case's findings where harness.core.machine's
+    class is CLASS (scripts/isa_emulation lowers it: an AVX2 kind expects none of the AMX ones)."""
+    case = tmp_path / "producer" / "case"
+    case.mkdir(parents=True)
+    (case / "provenance.json").write_text("{}")
+    (tmp_path / "corpus.toml").write_text(
+        '[case."producer/case"]\nfindings = ["a"]\nfindings_on.amx = ["b"]\nfindings_on.avx2 = ["c"]\n'
+    )
+    monkeypatch.setattr("harness.lanes.producers.isa_class", lambda: "amx")
+    assert corpus_cases(tmp_path)[0].findings == ("a", "b")
+    monkeypatch.setattr("harness.lanes.producers.isa_class", lambda: "avx512-bf16")
+    assert corpus_cases(tmp_path)[0].findings == ("a",)
+
+
 def test_the_corpus_holds_real_producers_output():
     assert len({case.provenance["producer"] for case in CASES}) >= 2, sorted(
         {case.provenance["producer"] for case in CASES}
