@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from harness.core.errors import HarnessError
+from harness.formats.ct_common import CT_KV_SCHEME
 
 CHOICES = ("none", "self_attn", "output_scale", "proj", "k-only", "v-only", "declared-only")
 FP8_MAX = 448.0
@@ -34,8 +35,6 @@ SUFFIXES = (
     "k_proj.k_scale",
     "v_proj.v_scale",
 )
-#: the compressed-tensors kv_cache_scheme producers write for a static FP8 per-tensor KV cache
-CT_KV_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
 
 
 def is_kv_scale(name: str) -> bool:

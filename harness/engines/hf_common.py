@@ -116,12 +116,18 @@ class HFModelEngine(Engine):
 
     def kv_cache_scales(self):
         """compressed-tensors' kv_cache_scheme gives each attention module `k_scale` and `v_scale`
-        parameters (in the model dtype), which its cache hooks quantize with."""
+        parameters (in the model dtype), which its cache hooks quantize with; amd-quark's QParamsLinear
+        gives k_proj and v_proj an `output_quantizer` whose `scale` quantizes their outputs (Quark's KV
+        cache, harness.oracle.kv_cache)."""
         held = {}
         for name, module in self.model.named_modules():
             own = dict(module.named_parameters(recurse=False))
             if "k_scale" in own and "v_scale" in own:
                 held[name] = tuple(float(own[s].detach().reshape(-1)[0]) for s in ("k_scale", "v_scale"))
+            outputs = [getattr(getattr(module, p, None), "output_quantizer", None) for p in ("k_proj", "v_proj")]
+            scales = [getattr(quantizer, "scale", None) for quantizer in outputs]
+            if all(isinstance(scale, torch.Tensor) for scale in scales):
+                held[name] = tuple(float(scale.detach().reshape(-1)[0]) for scale in scales)
         return held
 
     def unload(self):

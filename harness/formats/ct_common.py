@@ -8,6 +8,8 @@ from collections.abc import Mapping
 
 #: the compressed-tensors release whose `ModelCompressor.update_config` output we reproduce
 CT_VERSION = "0.20.0"
+#: the compressed-tensors kv_cache_scheme producers write for a static FP8 per-tensor KV cache
+CT_KV_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
 
 
 def single_group_config(format_name: str, weights: dict, ignore: list[str]) -> dict:

@@ -29,8 +29,16 @@ Quark's config holds one `global_quant_config` (QuantizationSpecs for `weight`, 
   float32 0-D `weight_scale` and `input_scale`, int8 0-D `weight_zero_point` and `input_zero_point`
   (zeros: symmetric), a format of its own (harness.formats.quark_int8; `int8_per_tensor` below).
 
+- An FP8 KV cache (`kv_cache_scheme="fp8"` on an FP8 scheme): `kv_cache_group` `*k_proj`, `*v_proj`,
+  each a per-layer override (`layer_quant_config`, and the same in `kv_cache_quant_config`) that is the
+  global scheme plus static FP8 per-tensor `output_tensors`; bfloat16 0-D `k_proj.output_scale` and
+  `v_proj.output_scale`. With `kv_cache_post_rope: false` Quark quantizes the projections' outputs,
+  before the rotary embedding (harness.oracle.kv_cache): compressed-tensors' kv_cache_scheme beside
+  the equivalent config (`kv_cache_fp8` below).
+
 Whatever else Quark writes is UnsupportedFormat with what it declares: asymmetric int8, int4 in its
-`order` packing, per-layer overrides, fake-quantized exports, KV-cache and output quantization.
+`order` packing, other per-layer overrides, fake-quantized exports, a KV cache quantized after the
+rotary embedding or in another dtype, output quantization.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from harness.core.errors import UnsupportedFormat
+from harness.formats.ct_common import CT_KV_SCHEME
 
 QUANT_METHOD = "quark"
 FP8 = "fp8_e4m3"
@@ -50,6 +59,8 @@ PACK_REORDER = "reorder"
 #: Quark's 4-bit integer dtypes: signed codes (symmetric) and unsigned codes with zero points
 INT4_DTYPES = ("int4", "uint4")
 INT8 = "int8"
+#: the projections whose outputs Quark's KV-cache quantization quantizes (its `kv_cache_group`)
+KV_GROUP = ("*k_proj", "*v_proj")
 
 
 def from_quark(config: Mapping) -> bool:
@@ -124,6 +135,7 @@ def _one_global_scheme(config: Mapping, weight: Callable[[object], bool], inputs
     return (
         from_quark(config)
         and _beyond_global(config) is None
+        and not _declares_kv(config)  # measured on Quark's FP8 only (kv_cache_fp8)
         and scheme.get("output_tensors") is None
         and weight(scheme.get("weight"))
         and (scheme.get("input_tensors") is None or inputs(scheme.get("input_tensors")))
@@ -194,16 +206,60 @@ def is_mxfp4(config: Mapping) -> bool:
     return _one_global_scheme(config, lambda w: _mxfp4_spec(w, dynamic=False), lambda i: _mxfp4_spec(i, dynamic=True))
 
 
+def _fp8_static_tensor(spec: object) -> bool:
+    return isinstance(spec, Mapping) and (
+        spec.get("dtype"),
+        spec.get("qscheme"),
+        bool(spec.get("is_dynamic")),
+        spec.get("symmetric"),
+    ) == (FP8, "per_tensor", False, True)
+
+
+def kv_cache_fp8(config: Mapping) -> bool:
+    """Whether a Quark config quantizes its KV cache as defined here: `kv_cache_group` k_proj and
+    v_proj, each override the global scheme plus static FP8 per-tensor outputs, before the rotary
+    embedding. Another KV-cache declaration is UnsupportedFormat, in its words."""
+    export = config.get("export") or {}
+    kv, layers = config.get("kv_cache_quant_config") or {}, config.get("layer_quant_config") or {}
+    if not _declares_kv(config):
+        return False
+    scheme = config.get("global_quant_config") or {}
+    beside = {key: value for key, value in scheme.items() if key != "output_tensors"}
+    defined = (
+        sorted(export.get("kv_cache_group") or ()) == sorted(KV_GROUP) == sorted(kv)
+        and layers == kv
+        and all(
+            isinstance(entry, Mapping)
+            and {key: value for key, value in entry.items() if key != "output_tensors"} == beside
+            and _fp8_static_tensor(entry.get("output_tensors"))
+            for entry in kv.values()
+        )
+    )
+    if not defined:
+        return _unsupported("Quark's KV-cache quantization other than static FP8 per tensor on k_proj and v_proj")
+    if config.get("kv_cache_post_rope"):
+        return _unsupported("Quark's KV-cache quantization after the rotary embedding (kv_cache_post_rope)")
+    return True
+
+
+def _declares_kv(config: Mapping) -> bool:
+    return bool(config.get("kv_cache_quant_config") or (config.get("export") or {}).get("kv_cache_group"))
+
+
+def _unsupported(what: str) -> bool:
+    raise UnsupportedFormat(f"{what}: not defined here")
+
+
 def _beyond_global(config: Mapping) -> str | None:
-    """What a Quark config declares beyond its one global scheme, in words; None where nothing."""
+    """What a Quark config declares beyond its one global scheme, in words; None where nothing (its
+    KV-cache overrides are read by kv_cache_fp8, not here)."""
     export = config.get("export") or {}
     if export.get("weight_format", "real_quantized") != "real_quantized":
         return f"Quark's weight_format {export.get('weight_format')!r}: only real_quantized is defined"
+    kv_overrides = _declares_kv(config) and config.get("layer_quant_config") == config.get("kv_cache_quant_config")
     for key in ("layer_quant_config", "layer_type_quant_config"):
-        if config.get(key):
+        if config.get(key) and not (key == "layer_quant_config" and kv_overrides):
             return f"Quark's {key} (per-layer overrides of the global scheme): not defined here"
-    if config.get("kv_cache_quant_config") or export.get("kv_cache_group"):
-        return "Quark's KV-cache quantization (kv_cache_group): not defined here"
     return None
 
 
@@ -236,5 +292,6 @@ def equivalent_config(config: Mapping) -> dict | None:
         "format": "float-quantized",
         "config_groups": {"group_0": group},
         "ignore": list(config.get("exclude") or []),
+        "kv_cache_scheme": dict(CT_KV_SCHEME) if kv_cache_fp8(config) else None,
         "quantization_status": "compressed",
     }

@@ -6,6 +6,10 @@ same per-tensor rule as a static input scale, harness.oracle.activations).
 
 The scales are read under every naming real checkpoints use (harness.checkpoints.kv_scales):
 `self_attn.k_scale`, `k_proj.output_scale`, ModelOpt's `k_proj.k_scale`, and the same for v.
+
+AMD Quark's FP8 KV cache (harness.formats.quark.kv_cache_fp8, `kv_cache_post_rope: false`) is
+quantized where Quark's own model quantizes it: the outputs of k_proj and v_proj, before the rotary
+embedding (`quantized_at`: "projection"; every other producer's: "cache").
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Mapping
 import torch
 
 from harness.core.errors import HarnessError
+from harness.formats import quark
 from harness.oracle.activations import ActivationScheme, quantize_activations
 
 #: per naming: (suffix of the key scale, suffix of the value scale), after `<layer>.self_attn.`
@@ -26,6 +31,8 @@ STATIC_FP8 = ActivationScheme("fp8", "tensor", False, static="kv_scale")
 def declares_fp8_kv_cache(quantization_config: Mapping) -> bool:
     """True when the config quantizes the KV cache; a KV scheme other than static per-tensor FP8
     is a one-line HarnessError."""
+    if quark.from_quark(quantization_config):
+        return quark.kv_cache_fp8(quantization_config)
     scheme = quantization_config.get("kv_cache_scheme")
     if isinstance(scheme, Mapping):
         if (scheme.get("num_bits"), scheme.get("type"), scheme.get("strategy"), scheme.get("dynamic")) != (
@@ -40,6 +47,12 @@ def declares_fp8_kv_cache(quantization_config: Mapping) -> bool:
     if algo is not None and algo != "FP8":
         raise HarnessError(f"kv_cache_quant_algo {algo!r} is not defined here")
     return algo == "FP8"
+
+
+def quantized_at(quantization_config: Mapping) -> str:
+    """Where the declared FP8 KV cache quantizes keys and values: "cache" (what enters it, the keys
+    after the rotary embedding) or "projection" (k_proj's and v_proj's outputs: Quark's)."""
+    return "projection" if quark.from_quark(quantization_config) else "cache"
 
 
 def kv_scales(attention_modules: list[str], names: set[str]) -> dict[str, tuple[str, str]]:
@@ -98,16 +111,20 @@ def install(
     scales: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
     arithmetic: str = "float64",
     kind: str = "fp8",
+    at: str = "cache",
 ) -> list:
     """Quantize the KV cache of each named attention module (name -> (k_scale, v_scale)) with
-    forward pre-hooks that hand it a quantizing cache; the handles, to remove them. `arithmetic`:
-    as in harness.oracle.activations; `kind`: "fp8" (E4M3, as checkpoints declare it) or
-    "fp8_e5m2" (an E5M2 cache, as vLLM's `kv_cache_dtype=fp8_e5m2` keeps it)."""
+    forward pre-hooks that hand it a quantizing cache, or where `at` is "projection" (quantized_at)
+    with forward hooks on its k_proj and v_proj; the handles, to remove them. `arithmetic`: as in
+    harness.oracle.activations; `kind`: "fp8" (E4M3, as checkpoints declare it) or "fp8_e5m2" (an
+    E5M2 cache, as vLLM's `kv_cache_dtype=fp8_e5m2` keeps it)."""
     scheme = dataclasses.replace(STATIC_FP8, arithmetic=arithmetic, kind=kind)
     modules = dict(model.named_modules())
     absent = sorted(set(scales) - set(modules))
     if absent:
         raise HarnessError(f"no attention module in the model for {absent[0]}")
+    if at == "projection":
+        return _install_at_projections(modules, scales, scheme)
     handles = []
     for name, (k_scale, v_scale) in scales.items():
 
@@ -119,4 +136,21 @@ def install(
             return args, kwargs
 
         handles.append(modules[name].register_forward_pre_hook(hook, with_kwargs=True))
+    return handles
+
+
+def _install_at_projections(modules: dict, scales: Mapping, scheme: ActivationScheme) -> list:
+    handles = []
+    for name, pair in scales.items():
+        for projection, scale in zip(("k_proj", "v_proj"), pair, strict=True):
+            module = modules.get(f"{name}.{projection}")
+            if module is None:
+                for handle in handles:
+                    handle.remove()
+                raise HarnessError(f"{name} has no {projection} whose output the KV-cache scale quantizes")
+
+            def hook(module, args, output, scale=scale):
+                return quantize_activations(output, scheme, scale)
+
+            handles.append(module.register_forward_hook(hook))
     return handles

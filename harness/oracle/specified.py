@@ -25,11 +25,19 @@ class Plan:
     kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     #: that cache's element format: "fp8" (E4M3) or "fp8_e5m2"
     kv_kind: str = "fp8"
+    #: where it is quantized (harness.oracle.kv_cache.quantized_at): "cache" or "projection"
+    kv_at: str = "cache"
     #: a model's packed experts module -> per expert, the (gate, up, down) static input scales
     experts: dict[str, list[tuple]] = field(default_factory=dict)
     #: a Linear or packed experts module whose inputs another scheme quantizes (a mixed checkpoint's
     #: config groups, harness.formats.mixed) -> that scheme
     own: dict[str, activations.ActivationScheme] = field(default_factory=dict)
+
+    def quantized_outputs(self) -> set[str]:
+        """The Linears whose outputs the plan quantizes (a KV cache quantized at its projections)."""
+        if self.kv_at != "projection":
+            return set()
+        return {f"{module}.{projection}" for module in self.kv for projection in ("k_proj", "v_proj")}
 
     def scheme_for(self, name: str) -> activations.ActivationScheme | None:
         """The scheme that quantizes the inputs of the Linear or packed experts module `name`."""
@@ -59,7 +67,7 @@ class Plan:
                 scheme = dataclasses.replace(declared, arithmetic=arithmetic)
                 handles += activations.install(model, inputs, scheme)
                 handles += expert_activations.install(model, experts, scheme)
-            return handles + kv_cache.install(model, self.kv, arithmetic, self.kv_kind)
+            return handles + kv_cache.install(model, self.kv, arithmetic, self.kv_kind, self.kv_at)
         except BaseException:  # a half-installed plan would change every later forward
             for handle in handles:
                 handle.remove()
@@ -172,6 +180,7 @@ def plan(checkpoint, option: str = "") -> Plan | str:
         except HarnessError as error:
             return str(error)
         result.kv = {canonical_name(m): (checkpoint.tensor(k), checkpoint.tensor(v)) for m, (k, v) in pairs.items()}
+        result.kv_at = kv_cache.quantized_at(config)
     if unit_kv:
         one = torch.tensor(1.0)
         result.kv = {canonical_name(m): (one, one) for m in kv_cache.attention_modules(checkpoint.config, names)}

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.core.errors import UnsupportedFormat
+from harness.core.errors import HarnessError, UnsupportedFormat
 from harness.formats import detect_format, equivalents, get_format
 from harness.formats.base import FormatError
 from harness.formats.modelopt_nvfp4 import WEIGHT_ONLY
@@ -54,8 +54,53 @@ def test_what_quark_writes_beyond_the_definitions_is_unsupported_in_its_words(ca
     config = quantization_config(case)
     if case == "int8":  # its asymmetric variant (zero points that are not 0) is not defined here
         config["global_quant_config"]["weight"]["symmetric"] = False
+    else:  # a per-layer override that is not the KV cache's
+        config["layer_quant_config"]["*o_proj"] = config["global_quant_config"]
     with pytest.raises(UnsupportedFormat, match=said):
         detect_format(config)
+
+
+def test_quarks_fp8_kv_cache_is_read_and_quantized_at_k_proj_and_v_proj_outputs():
+    """Quark's FP8 KV cache: compressed-tensors' kv_cache_scheme beside the FP8 config, its scales
+    `k_proj.output_scale` / `v_proj.output_scale`, quantizing those projections' outputs (before the
+    rotary embedding, `kv_cache_post_rope: false`); other KV declarations unsupported in words."""
+    from harness.checkpoints.reader import Checkpoint
+    from harness.oracle.activations import quantize_activations
+    from harness.oracle.kv_cache import STATIC_FP8, declares_fp8_kv_cache, install, quantized_at
+    from harness.oracle.specified import plan
+
+    config = quantization_config("fp8_kv")
+    assert detect_format(config).name == "ct-fp8-tensor" and declares_fp8_kv_cache(config)
+    assert quantized_at(config) == "projection" and equivalents.read_as(config)["kv_cache_scheme"]["type"] == "float"
+    specified = plan(Checkpoint(CORPUS / "fp8_kv"))
+    attention = "model.layers.1.self_attn"
+    stored = module_tensors("fp8_kv", f"{attention}.v_proj")["output_scale"]
+    assert specified.kv_at == "projection" and torch.equal(specified.kv[attention][1], stored)
+    assert f"{attention}.k_proj" in specified.quantized_outputs() and len(specified.quantized_outputs()) == 4
+
+    model = torch.nn.Module()
+    model.attn = torch.nn.Module()
+    model.attn.k_proj, model.attn.v_proj = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    plain = model.attn.k_proj(x)
+    scales = (torch.tensor(0.01), torch.tensor(0.02))
+    handles = install(model, {"attn": scales}, at="projection")
+    assert torch.equal(model.attn.k_proj(x), quantize_activations(plain, STATIC_FP8, scales[0]))
+    assert not torch.equal(model.attn.k_proj(x), plain)
+    for handle in handles:
+        handle.remove()
+    assert torch.equal(model.attn.k_proj(x), plain)
+    with pytest.raises(HarnessError, match="has no k_proj"):
+        install(model, {"": scales}, at="projection")
+
+    after_rope = dict(config, kv_cache_post_rope=True)
+    with pytest.raises(UnsupportedFormat, match="after the rotary embedding"):
+        declares_fp8_kv_cache(after_rope)
+    int8_cache = json.loads(json.dumps(config))
+    for entry in (*int8_cache["kv_cache_quant_config"].values(), *int8_cache["layer_quant_config"].values()):
+        entry["output_tensors"]["dtype"] = "int8"
+    with pytest.raises(UnsupportedFormat, match="other than static FP8 per tensor"):
+        detect_format(int8_cache)
 
 
 def test_quarks_int8_is_codes_times_its_0d_scale_as_quark_itself_reads_them():

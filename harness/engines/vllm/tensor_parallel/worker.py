@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from harness.checkpoints.kv_scales import is_kv_scale
 from harness.core.errors import first_line
 from harness.engines.base import Engine, EngineRefuses
 from harness.engines.vllm.capability import config_refusal, missing_kernel
@@ -589,7 +590,9 @@ def vllm_context(directory: str, config: dict, notes: list[str]):
     with set_current_vllm_config(vllm_config):
         quant_config = None  # an unquantized checkpoint: vLLM's unquantized Linear methods
         if config.get("quantization_config"):
-            quant_config = get_quant_config(model_config, LoadConfig())
+            # the one VllmConfig made: a second from_config of the same hf_config dict can refuse what
+            # the first accepted (QuarkConfig sets its KV-cache layers' output_tensors to None in it)
+            quant_config = vllm_config.quant_config or get_quant_config(model_config, LoadConfig())
             quant_config.packed_modules_mapping = dict(PACKED_MODULES)
         with stand_in_kernels(notes):
             yield quant_config, dtype
@@ -864,8 +867,10 @@ def rotary_permutation(config: dict):
 def feed(module, linear, layer: int, checkpoint, rotary=None) -> None:
     """Each checkpoint tensor of the layer's parts through the parameter's own `weight_loader`,
     with the shard id vLLM's Llama/Qwen2 `load_weights` passes (its stacked_params_mapping).
-    With `rotary`, each tensor passes through it first (Llama-4's q/k permutation)."""
-    names = set(checkpoint.names())
+    With `rotary`, each tensor passes through it first (Llama-4's q/k permutation). KV-cache scales
+    stored under a projection (`k_proj.output_scale`, ModelOpt's `k_proj.k_scale`) are not the Linear's:
+    vLLM's `load_weights` hands them to the attention (its quant config's `get_cache_scale`)."""
+    names = {n for n in checkpoint.names() if not is_kv_scale(n)}
     params = dict(module.named_parameters())
     for part in linear.parts:
         prefix = linear.part_module(layer, part) + "."
