@@ -23,7 +23,9 @@ Quark's config holds one `global_quant_config` (QuantizationSpecs for `weight`, 
   (harness.formats.quark_int4; `int4_weights` below).
 
 - MXFP4 (`mxfp4`: weight and dynamic input e2m1 per group of 32, E8M0 scales, `even` rounding):
-  compressed-tensors' MXFP4 tensors under Quark's names (harness.formats.quark_mxfp4; `is_mxfp4`).
+  compressed-tensors' MXFP4 tensors under Quark's names (harness.formats.quark_mxfp4; `is_mxfp4`);
+  `mxfp4_weight_only` the same weights alone, `mxfp4_fp8` with a static FP8 input per tensor
+  (bfloat16 0-D `input_scale`, a multiplier as its `fp8` scheme's).
 
 - INT8 per tensor (`int8`: weight and input int8 `per_tensor`, static, symmetric): int8 `weight`,
   float32 0-D `weight_scale` and `input_scale`, int8 0-D `weight_zero_point` and `input_zero_point`
@@ -201,12 +203,17 @@ def _mxfp4_spec(spec: object, dynamic: bool) -> bool:
 
 
 def is_mxfp4(config: Mapping) -> bool:
-    """Whether a Quark config is its MXFP4 scheme, weights with dynamic inputs or weights only, with
-    nothing beyond (harness.formats.quark_mxfp4 reads it)."""
-    return _one_global_scheme(config, lambda w: _mxfp4_spec(w, dynamic=False), lambda i: _mxfp4_spec(i, dynamic=True))
+    """Whether a Quark config is its MXFP4 scheme, weights with dynamic MXFP4 or static FP8 per-tensor
+    inputs or weights only, with nothing beyond (harness.formats.quark_mxfp4 reads it)."""
+    return _one_global_scheme(
+        config,
+        lambda w: _mxfp4_spec(w, dynamic=False),
+        lambda i: _mxfp4_spec(i, dynamic=True) or fp8_static_tensor(i),
+    )
 
 
-def _fp8_static_tensor(spec: object) -> bool:
+def fp8_static_tensor(spec: object) -> bool:
+    """Whether a spec is static symmetric FP8 (e4m3) per tensor."""
     return isinstance(spec, Mapping) and (
         spec.get("dtype"),
         spec.get("qscheme"),
@@ -231,7 +238,7 @@ def kv_cache_fp8(config: Mapping) -> bool:
         and all(
             isinstance(entry, Mapping)
             and {key: value for key, value in entry.items() if key != "output_tensors"} == beside
-            and _fp8_static_tensor(entry.get("output_tensors"))
+            and fp8_static_tensor(entry.get("output_tensors"))
             for entry in kv.values()
         )
     )

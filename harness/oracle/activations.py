@@ -151,12 +151,14 @@ def _ct_mx(args: Mapping) -> bool:
 
 def _quark_scheme(config: Mapping) -> ActivationScheme | None:
     """The inputs of Quark's schemes read under its own names: NVFP4's are ModelOpt's, with the
-    multiplier `input_scale_2`; MXFP4's are dynamic, their scales by Quark's `even` rounding; int8's
-    static per tensor."""
+    multiplier `input_scale_2`; MXFP4's are dynamic, their scales by Quark's `even` rounding, or static
+    FP8 per tensor (`mxfp4_fp8`); int8's static per tensor."""
     if config["global_quant_config"].get("input_tensors") is None:
         return None
     if quark.int8_per_tensor(config):
         return ActivationScheme("int8", "tensor", False, static="input_scale")
+    if quark.fp8_static_tensor(config["global_quant_config"]["input_tensors"]):  # MXFP4 weights, FP8 inputs
+        return ActivationScheme("fp8", "tensor", False, static="input_scale")
     if quark.is_nvfp4(config):
         return ActivationScheme("nvfp4", "tensor_group", True, NVFP4_GROUP, "input_scale_2", multiplier=True)
     return ActivationScheme("mxfp4", "group", True, MXFP4_GROUP, exponent="even")

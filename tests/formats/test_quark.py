@@ -237,11 +237,36 @@ def test_quarks_mxfp4_is_compressed_tensors_mxfp4_under_quarks_names():
     fmt = detect_format(config)
     assert fmt.name == "quark-mxfp4"
     tensors = module_tensors("mxfp4", "model.layers.0.mlp.down_proj")
-    assert set(tensors) == set(fmt.suffixes)
+    assert set(tensors) == set(fmt.suffixes) - {"input_scale"}  # its inputs are dynamic
     renamed = {("weight_packed" if name == "weight" else name): t for name, t in tensors.items()}
     assert torch.equal(fmt.dequantize(tensors, {}), get_format("ct-mxfp4").dequantize(renamed, {}))
     with pytest.raises(FormatError, match="weight has 1 dimensions"):  # said under the file's names
         fmt.dequantize({**tensors, "weight": tensors["weight"].flatten()}, {})
+
+
+def test_quarks_mxfp4_with_fp8_inputs_reads_their_0d_static_scale():
+    """`mxfp4_fp8`: quark/mxfp4's weights, static FP8 inputs per tensor (a 0-D bfloat16 `input_scale`, [1]
+    where an engine holds it); `mxfp4_weight_only`: the weights alone."""
+    from harness.formats.quark_mxfp4 import FP8_INPUTS
+    from harness.oracle.activations import scheme_of
+
+    config = quantization_config("mxfp4_fp8")
+    fmt = detect_format(config)
+    knobs = fmt.knobs_from_config(config)
+    assert (fmt.name, knobs) == ("quark-mxfp4", {FP8_INPUTS: True, equivalents.SCALAR_SCALES: True})
+    scheme = scheme_of(config)
+    assert (scheme.kind, scheme.strategy, scheme.static) == ("fp8", "tensor", "input_scale")
+    tensors = module_tensors("mxfp4_fp8", "model.layers.0.mlp.down_proj")
+    weight = fmt.dequantize(tensors, knobs)
+    with pytest.raises(FormatError, match="input_scale has shape \\[1\\], expected \\[\\]"):
+        fmt.dequantize({**tensors, "input_scale": tensors["input_scale"].reshape(1)}, knobs)
+    assert torch.equal(
+        fmt.dequantize_held({**tensors, "input_scale": tensors["input_scale"].reshape(1)}, knobs), weight
+    )
+    with pytest.raises(FormatError, match="missing tensor 'input_scale'"):
+        fmt.dequantize({name: t for name, t in tensors.items() if name != "input_scale"}, knobs)
+    weight_only = quantization_config("mxfp4_weight_only")
+    assert detect_format(weight_only).knobs_from_config(weight_only) == {} and scheme_of(weight_only) is None
 
 
 @pytest.mark.nightly
