@@ -225,7 +225,10 @@ class ReferenceEngine(HFModelEngine):
         weight_only = isinstance(plan, str) or plan.scheme is None
         experts = {n: (s[1], self.model.dtype) for n, s in self.expert_shapes.items() if n not in shapes}
         experts = experts if weight_only else {}
+        quantized_outputs = set() if isinstance(plan, str) else plan.quantized_outputs()
         for name in linears + sorted(experts):
+            if name in quantized_outputs:  # its outputs are quantized too (the KV cache): no weight to read
+                continue
             width, dtype = shapes.get(name) or experts[name]
             scheme = plan.scheme_for(name) if name in inputs else None
             try:

@@ -31,7 +31,7 @@ Quark's config holds one `global_quant_config` (QuantizationSpecs for `weight`, 
   float32 0-D `weight_scale` and `input_scale`, int8 0-D `weight_zero_point` and `input_zero_point`
   (zeros: symmetric), a format of its own (harness.formats.quark_int8; `int8_per_tensor` below).
 
-- An FP8 KV cache (`kv_cache_scheme="fp8"` on an FP8 scheme): `kv_cache_group` `*k_proj`, `*v_proj`,
+- An FP8 KV cache (`kv_cache_scheme="fp8"`, on its FP8 and MXFP4 schemes): `kv_cache_group` `*k_proj`, `*v_proj`,
   each a per-layer override (`layer_quant_config`, and the same in `kv_cache_quant_config`) that is the
   global scheme plus static FP8 per-tensor `output_tensors`; bfloat16 0-D `k_proj.output_scale` and
   `v_proj.output_scale`. With `kv_cache_post_rope: false` Quark quantizes the projections' outputs,
@@ -137,7 +137,7 @@ def _one_global_scheme(config: Mapping, weight: Callable[[object], bool], inputs
     return (
         from_quark(config)
         and _beyond_global(config) is None
-        and not _declares_kv(config)  # measured on Quark's FP8 only (kv_cache_fp8)
+        and _kv_defined(config)
         and scheme.get("output_tensors") is None
         and weight(scheme.get("weight"))
         and (scheme.get("input_tensors") is None or inputs(scheme.get("input_tensors")))
@@ -246,6 +246,12 @@ def kv_cache_fp8(config: Mapping) -> bool:
         return _unsupported("Quark's KV-cache quantization other than static FP8 per tensor on k_proj and v_proj")
     if config.get("kv_cache_post_rope"):
         return _unsupported("Quark's KV-cache quantization after the rotary embedding (kv_cache_post_rope)")
+    return True
+
+
+def _kv_defined(config: Mapping) -> bool:
+    """True where the config's KV cache is none or defined here (kv_cache_fp8); else UnsupportedFormat."""
+    kv_cache_fp8(config)
     return True
 
 

@@ -66,6 +66,7 @@ CASES: dict[str, tuple[str, str, str | None]] = {
     "int4_fp8": ("int4 weight per group with fp8 input", "int4_fp8", None),
     "mxfp4_fp8": ("OCP MXFP4 weight with fp8 input", "mxfp4_fp8", None),
     "mxfp4_weight_only": ("OCP MXFP4 weight-only (e2m1, E8M0 scales per 32)", "mxfp4_weight_only", None),
+    "mxfp4_kv": ("OCP MXFP4 weight and dynamic input, fp8 KV cache scales", "mxfp4", "fp8"),
     "qwen3_moe_fp8": ("fp8-e4m3 weight and static input per tensor; Qwen3-MoE experts", "fp8", None),
     "mixtral_mxfp4": ("OCP MXFP4 weight and dynamic input; Mixtral experts", "mxfp4", None),
 }
