@@ -44,6 +44,7 @@ READ_ONLY: dict[str, str] = {
     "gptq-dynamic": "harness.formats.mixed:GPTQ_DYNAMIC",
     "quark-nvfp4": "harness.formats.quark_nvfp4:FORMAT",
     "quark-int4": "harness.formats.quark_int4:FORMAT",
+    "quark-int4-channel": "harness.formats.quark_int4_channel:FORMAT",
     "quark-mxfp4": "harness.formats.quark_mxfp4:FORMAT",
     "quark-int8": "harness.formats.quark_int8:FORMAT",
     "ct-w4a8": "harness.formats.ct_int_groups:FORMAT",

@@ -20,7 +20,8 @@ Quark's config holds one `global_quant_config` (QuantizationSpecs for `weight`, 
 
 - int4 and uint4 weight-only over groups (`int4_wo_128`, `uint4_wo_128`: packed along the outputs in
   its `reorder` order, AutoAWQ's): AWQ's layout under Quark's names, signed codes where symmetric
-  (harness.formats.quark_int4; `int4_weights` below).
+  (harness.formats.quark_int4; `int4_weights` below); per output row (`uint4_wo_per_channel`): packed
+  along the inputs instead, a format of its own (harness.formats.quark_int4_channel; `int4_per_channel`).
 
 - MXFP4 (`mxfp4`: weight and dynamic input e2m1 per group of 32, E8M0 scales, `even` rounding):
   compressed-tensors' MXFP4 tensors under Quark's names (harness.formats.quark_mxfp4; `is_mxfp4`);
@@ -159,6 +160,23 @@ def int4_weights(config: Mapping) -> Mapping | None:
     return config["global_quant_config"]["weight"]
 
 
+def int4_per_channel(config: Mapping) -> Mapping | None:
+    """The weight spec of a Quark config that is its int4 or uint4 weight-only scheme per output row,
+    with nothing beyond (harness.formats.quark_int4_channel reads it); None for any other config."""
+    if not _one_global_scheme(config, _int4_rows, lambda inputs: False):
+        return None
+    if (config.get("export") or {}).get("pack_method", PACK_REORDER) != PACK_REORDER:
+        return None
+    return config["global_quant_config"]["weight"]
+
+
+def _int4_rows(spec: object) -> bool:
+    """Whether a spec is Quark's int4 or uint4 per output row (one scale per channel of axis 0)."""
+    return isinstance(spec, Mapping) and (
+        spec.get("dtype") in INT4_DTYPES and (spec.get("qscheme"), spec.get("ch_axis")) == ("per_channel", 0)
+    )
+
+
 def _int4_groups(spec: object) -> bool:
     """Whether a spec is Quark's int4 or uint4 over groups of inputs."""
     if not isinstance(spec, Mapping):
@@ -282,7 +300,7 @@ def equivalent_config(config: Mapping) -> dict | None:
     UnsupportedFormat, in its words."""
     if not from_quark(config) or is_nvfp4(config) or is_mxfp4(config) or int8_per_tensor(config):
         return None
-    if int4_weights(config) is not None:
+    if int4_weights(config) is not None or int4_per_channel(config) is not None:
         return None
     beyond = _beyond_global(config)
     if beyond:

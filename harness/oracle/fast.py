@@ -538,7 +538,7 @@ class Mxfp4Kernel:
 
 
 #: built-in formats the fast path does not cover yet (their float64 reference is the only path)
-WITHOUT_KERNEL = ("gptq", "awq", "unquantized")
+WITHOUT_KERNEL = ("gptq", "awq", "unquantized", "quark-int4-channel")
 
 
 def kernel_for(fmt: QuantFormat) -> Fp8Kernel | Nvfp4Kernel | IntKernel | Mxfp4Kernel:

@@ -63,6 +63,7 @@ CASES: dict[str, tuple[str, str, str | None]] = {
     "mxfp4": ("OCP MXFP4 weight and dynamic input (e2m1, E8M0 scales per 32)", "mxfp4", None),
     "nvfp4": ("NVFP4 weight and input (e2m1, e4m3 scales per 16, float32 second-level scale)", "nvfp4", None),
     "uint4_wo_per_channel": ("uint4 weight-only, one group per output row, zero points", "uint4_wo_per_channel", None),
+    "int4_wo_per_channel": ("int4 weight-only, one group per output row, symmetric", "int4_wo_per_channel", None),
     "int4_fp8": ("int4 weight per group with fp8 input", "int4_fp8", None),
     "mxfp4_fp8": ("OCP MXFP4 weight with fp8 input", "mxfp4_fp8", None),
     "mxfp4_weight_only": ("OCP MXFP4 weight-only (e2m1, E8M0 scales per 32)", "mxfp4_weight_only", None),

@@ -221,6 +221,34 @@ def test_quarks_int4_is_awqs_packing_under_quarks_names(case, signed):
         fmt.dequantize({**tensors, "weight_scale": tensors["weight_scale"][:1]}, knobs)
 
 
+@pytest.mark.parametrize(("case", "signed"), [("uint4_wo_per_channel", False), ("int4_wo_per_channel", True)])
+def test_quarks_per_channel_int4_is_packed_along_the_inputs(case, signed):
+    """Per output row: `weight` [N, K/8] packed along the inputs in AWQ's order, `weight_scale` [N],
+    `weight_zero_point` [N/8] packed along the rows; equal to Quark's own reading (producer_truth), and
+    the audit's model of a module decodes to its own truth."""
+    from harness.formats.quark_int4 import SIGNED
+
+    config = quantization_config(case)
+    fmt = detect_format(config)
+    knobs = fmt.knobs_from_config(config)
+    assert (fmt.name, knobs) == ("quark-int4-channel", {SIGNED: signed})
+    module = "model.layers.0.mlp.down_proj"
+    tensors = module_tensors(case, module)
+    truth = load_file(CORPUS / case / "producer_truth" / "weights.safetensors")[f"{module}.weight"]
+    weight = fmt.dequantize(tensors, knobs)
+    assert weight.shape == (128, 256) and torch.equal(weight.to(truth.dtype), truth)
+    zeros = fmt.unpack_rows("weight_zero_point", tensors["weight_zero_point"], 128, knobs)
+    assert zeros.shape == (128, 1) and bool((zeros == 0).all()) is signed
+    if signed:
+        with pytest.raises(FormatError, match="weight_zero_point"):
+            fmt.dequantize({**tensors, "weight_zero_point": torch.ones_like(tensors["weight_zero_point"])}, knobs)
+    with pytest.raises(FormatError, match="weight_scale has shape"):
+        fmt.dequantize({**tensors, "weight_scale": tensors["weight_scale"][:64]}, knobs)
+    modelled = fmt.quantize(truth.float() * 1.3, knobs, model_dtype=torch.bfloat16, activation_amax=1.0)
+    assert {name: t.shape for name, t in modelled.tensors.items()} == {name: t.shape for name, t in tensors.items()}
+    assert torch.equal(fmt.dequantize(modelled.tensors, knobs), modelled.truth)
+
+
 def test_quarks_nvfp4_inputs_are_modelopts_with_quarks_scale_name_and_its_exclude_list_is_read():
     from harness.oracle.activations import declared_ignored, scheme_of
 
