@@ -153,17 +153,18 @@ def fragment(ignore: list[str]) -> dict:
 def int4_weights(config: Mapping) -> Mapping | None:
     """The weight spec of a Quark config that is its int4 or uint4 weight-only scheme over groups,
     with nothing beyond (harness.formats.quark_int4 reads it); None for any other config."""
-    if not _one_global_scheme(config, _int4_groups, lambda inputs: False):
-        return None
-    if (config.get("export") or {}).get("pack_method", PACK_REORDER) != PACK_REORDER:
-        return None
-    return config["global_quant_config"]["weight"]
+    return _int4_weight_only(config, _int4_groups)
 
 
 def int4_per_channel(config: Mapping) -> Mapping | None:
     """The weight spec of a Quark config that is its int4 or uint4 weight-only scheme per output row,
     with nothing beyond (harness.formats.quark_int4_channel reads it); None for any other config."""
-    if not _one_global_scheme(config, _int4_rows, lambda inputs: False):
+    return _int4_weight_only(config, _int4_rows)
+
+
+def _int4_weight_only(config: Mapping, weight: Callable[[object], bool]) -> Mapping | None:
+    """The weight spec of a weight-only Quark config whose spec passes `weight`, packed in its `reorder` order."""
+    if not _one_global_scheme(config, weight, lambda inputs: False):
         return None
     if (config.get("export") or {}).get("pack_method", PACK_REORDER) != PACK_REORDER:
         return None
@@ -191,20 +192,20 @@ def _int4_groups(spec: object) -> bool:
     )
 
 
-def _int8_per_tensor(spec: object) -> bool:
-    """Whether a spec is Quark's symmetric static int8 per tensor (its `int8` scheme's weight and input)."""
+def _static_per_tensor(spec: object, dtype: str) -> bool:
+    """Whether a spec is symmetric, static, per tensor, of `dtype`."""
     return isinstance(spec, Mapping) and (
         spec.get("dtype"),
         spec.get("qscheme"),
         bool(spec.get("is_dynamic")),
         spec.get("symmetric"),
-    ) == (INT8, "per_tensor", False, True)
+    ) == (dtype, "per_tensor", False, True)
 
 
 def int8_per_tensor(config: Mapping) -> bool:
     """Whether a Quark config is its int8 scheme: symmetric static int8 per tensor for the weight and,
     where quantized, the input, with nothing beyond (harness.formats.quark_int8 reads it)."""
-    return _one_global_scheme(config, _int8_per_tensor, _int8_per_tensor)
+    return _one_global_scheme(config, lambda w: _static_per_tensor(w, INT8), lambda i: _static_per_tensor(i, INT8))
 
 
 def _mxfp4_spec(spec: object, dynamic: bool) -> bool:
@@ -232,12 +233,7 @@ def is_mxfp4(config: Mapping) -> bool:
 
 def fp8_static_tensor(spec: object) -> bool:
     """Whether a spec is static symmetric FP8 (e4m3) per tensor."""
-    return isinstance(spec, Mapping) and (
-        spec.get("dtype"),
-        spec.get("qscheme"),
-        bool(spec.get("is_dynamic")),
-        spec.get("symmetric"),
-    ) == (FP8, "per_tensor", False, True)
+    return _static_per_tensor(spec, FP8)
 
 
 def kv_cache_fp8(config: Mapping) -> bool:

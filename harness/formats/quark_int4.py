@@ -31,6 +31,15 @@ _QUARK_NAMES = re.compile(r"\b(qweight|qzeros|scales)\b")
 SIGNED = "signed"
 
 
+def signed_codes(weight) -> bool:
+    """Whether Quark's int4 weight spec stores signed codes (int4, symmetric) or unsigned ones with zero
+    points (uint4, asymmetric); FormatError for another pairing."""
+    signed = weight["dtype"] == "int4"
+    if weight.get("symmetric") is not signed:
+        raise FormatError(f"Quark's {weight['dtype']} with symmetric={weight.get('symmetric')!r}")
+    return signed
+
+
 def as_awq(tensors):
     return {AWQ_NAMES.get(name, name): t for name, t in tensors.items()}
 
@@ -51,10 +60,7 @@ class QuarkInt4(Awq):
         weight = quark.int4_weights(quantization_config)
         if weight is None:
             raise FormatError("quantization_config is not Quark's int4 or uint4 weight-only scheme over groups")
-        signed = weight["dtype"] == "int4"
-        if weight.get("symmetric") is not signed:
-            raise FormatError(f"Quark's {weight['dtype']} with symmetric={weight.get('symmetric')!r}")
-        return {"group_size": weight["group_size"], SIGNED: signed}
+        return {"group_size": weight["group_size"], SIGNED: signed_codes(weight)}
 
     def schemes(self, knobs):
         # the kernel an engine needs is AWQ's (vLLM: the same mixed-precision int4 kernels), asked of a

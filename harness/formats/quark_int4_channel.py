@@ -27,7 +27,7 @@ from harness.formats.base import (
     require_tensor,
 )
 from harness.formats.int_packing import AWQ_ORDER
-from harness.formats.quark_int4 import SIGNED
+from harness.formats.quark_int4 import SIGNED, signed_codes
 
 BITS = 4
 PER_WORD = 8
@@ -56,10 +56,7 @@ class QuarkInt4Channel(QuantFormat):
         weight = quark.int4_per_channel(quantization_config)
         if weight is None:
             raise FormatError("quantization_config is not Quark's int4 or uint4 weight-only scheme per channel")
-        signed = weight["dtype"] == "int4"
-        if weight.get("symmetric") is not signed:
-            raise FormatError(f"Quark's {weight['dtype']} with symmetric={weight.get('symmetric')!r}")
-        return {SIGNED: signed}
+        return {SIGNED: signed_codes(weight)}
 
     def quantize(self, weight, knobs, *, model_dtype, activation_amax):
         """Quark's per-row int4 quantization (its observer: symmetric amax / 7.5 over [-8, 7], else
