@@ -241,7 +241,7 @@ def kv_cache_fp8(config: Mapping) -> bool:
     v_proj, each override the global scheme plus static FP8 per-tensor outputs, before the rotary
     embedding. Another KV-cache declaration is UnsupportedFormat, in its words."""
     export = config.get("export") or {}
-    kv, layers = config.get("kv_cache_quant_config") or {}, config.get("layer_quant_config") or {}
+    kv, layers = _kv_layers(config), config.get("layer_quant_config") or {}
     if not _declares_kv(config):
         return False
     scheme = config.get("global_quant_config") or {}
@@ -269,6 +269,12 @@ def _kv_defined(config: Mapping) -> bool:
     return True
 
 
+def _kv_layers(config: Mapping) -> Mapping:
+    """The KV-cache overrides: `kv_cache_quant_config`, or where an export lacks it (it repeats them) the
+    `layer_quant_config` that holds them, as vLLM's QuarkConfig reads them."""
+    return config.get("kv_cache_quant_config") or config.get("layer_quant_config") or {}
+
+
 def _declares_kv(config: Mapping) -> bool:
     return bool(config.get("kv_cache_quant_config") or (config.get("export") or {}).get("kv_cache_group"))
 
@@ -283,7 +289,7 @@ def _beyond_global(config: Mapping) -> str | None:
     export = config.get("export") or {}
     if export.get("weight_format", "real_quantized") != "real_quantized":
         return f"Quark's weight_format {export.get('weight_format')!r}: only real_quantized is defined"
-    kv_overrides = _declares_kv(config) and config.get("layer_quant_config") == config.get("kv_cache_quant_config")
+    kv_overrides = _declares_kv(config) and config.get("layer_quant_config") == _kv_layers(config)
     for key in ("layer_quant_config", "layer_type_quant_config"):
         if config.get(key) and not (key == "layer_quant_config" and kv_overrides):
             return f"Quark's {key} (per-layer overrides of the global scheme): not defined here"

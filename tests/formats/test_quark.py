@@ -93,6 +93,9 @@ def test_quarks_fp8_kv_cache_is_read_and_quantized_at_k_proj_and_v_proj_outputs(
     with pytest.raises(HarnessError, match="has no k_proj"):
         install(model, {"": scales}, at="projection")
 
+    repeated_once = {key: value for key, value in config.items() if key != "kv_cache_quant_config"}
+    assert declares_fp8_kv_cache(repeated_once)  # its overrides in layer_quant_config alone, as vLLM reads them
+    assert equivalents.read_as(repeated_once) == equivalents.read_as(config)
     after_rope = dict(config, kv_cache_post_rope=True)
     with pytest.raises(UnsupportedFormat, match="after the rotary embedding"):
         declares_fp8_kv_cache(after_rope)
