@@ -166,9 +166,10 @@ class ReferenceEngine(HFModelEngine):
             raise EngineUnsupported("the config quantizes no Linear's input")
         modules = dict(self.model.named_modules())
         probe = {f"{name}{LEAD}": lead for name, lead in input_leads(self.model, plan.inputs).items()}
+        quantized_outputs = plan.quantized_outputs()  # judged by the logits and the KV scales (the KV cache)
         for seed, (name, stored) in enumerate(sorted(plan.inputs.items())):
-            if name in plan.quantized_outputs():  # its output is quantized too (the KV cache): judged by
-                continue  # the logits and the KV scales, not by one Linear's output
+            if name in quantized_outputs:  # its output is quantized too: not by one Linear's output
+                continue
             weight, scheme = modules[name].weight, plan.scheme_for(name)
             rows_in = probe_input(scheme, stored, weight.shape[1], rows, weight.dtype, seed)
             quantized = quantize_activations(rows_in, scheme, stored)

@@ -142,10 +142,11 @@ class QuantFormat:
     def dequantize_held(self, tensors: Mapping[str, torch.Tensor], knobs: Mapping[str, Any]) -> torch.Tensor:
         """An engine's held tensors decoded as they are. A non-finite scale an engine holds (a slot
         its loader never wrote, left uninitialised) is the engine's state, judged as its weights
-        (non-finite or mismatched), not a file to refuse; malformed shapes still raise."""
+        (non-finite or mismatched), not a file to refuse; malformed shapes still raise. A per-tensor
+        scale is read as an engine holds it, [1], whatever the file's shape (SCALAR_SCALES)."""
         token = _FINITE_REQUIRED.set(False)
         try:
-            return self.dequantize(tensors, knobs)
+            return self.dequantize(tensors, {k: v for k, v in knobs.items() if k != SCALAR_SCALES})
         finally:
             _FINITE_REQUIRED.reset(token)
 
@@ -179,6 +180,9 @@ class QuantFormat:
         raise NotImplementedError(f"{self.name} packs no tensor across rows")
 
 
+#: the reading knob that says a per-tensor scale is stored 0-D in the file, not [1] (Quark's exports,
+#: harness.formats.equivalents); an engine holds it as its own parameter, [1], whatever the file's shape
+SCALAR_SCALES = "scalar_scales"
 #: False while an engine's held state is decoded (QuantFormat.dequantize_held)
 _FINITE_REQUIRED: ContextVar[bool] = ContextVar("finite_required", default=True)
 

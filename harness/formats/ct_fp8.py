@@ -272,10 +272,6 @@ class CtFp8(QuantFormat):
             require_finite("input_scale", input_scale)
         return dequantize_fp8_blocks(weight, scale, self.scale_block(knobs, (rows, cols)), "weight_scale")
 
-    def dequantize_held(self, tensors, knobs):
-        # an engine holds a per-tensor scale as its own parameter ([1] per part) whatever the file's shape
-        return super().dequantize_held(tensors, {k: v for k, v in knobs.items() if k != equivalents.SCALAR_SCALES})
-
     def scale_block(self, knobs, shape):
         if self.strategy == "tensor":
             return tuple(shape)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from harness.formats import auto_round, quark
+from harness.formats import auto_round, base, quark
 
 #: the reading knob that says a channel strategy's weight_scale is stored [N], not [N, 1]
 ROW_SCALES_1D = "row_scales_1d"
@@ -34,7 +34,7 @@ ROW_SCALES_1D = "row_scales_1d"
 #: ([N/bn, 1, K/bk, 1] with its one-block dimensions squeezed), not [N/bn, K/bk]
 BLOCK_GRID_4D = "block_grid_4d"
 #: the reading knob that says a tensor strategy's weight_scale and input_scale are stored 0-D, not [1]
-SCALAR_SCALES = "scalar_scales"
+SCALAR_SCALES = base.SCALAR_SCALES
 MODELOPT_PER_CHANNEL = "FP8_PER_CHANNEL_PER_TOKEN"
 MODELOPT_BLOCK_WEIGHT_ONLY = "FP8_PB_WO"
 #: ModelOpt's FP8_2D_BLOCKWISE_WEIGHT_ONLY block (`block_sizes` {-1: 128, -2: 128})

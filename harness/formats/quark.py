@@ -32,7 +32,8 @@ Quark's config holds one `global_quant_config` (QuantizationSpecs for `weight`, 
   float32 0-D `weight_scale` and `input_scale`, int8 0-D `weight_zero_point` and `input_zero_point`
   (zeros: symmetric), a format of its own (harness.formats.quark_int8; `int8_per_tensor` below).
 
-- An FP8 KV cache (`kv_cache_scheme="fp8"`, on its FP8 and MXFP4 schemes): `kv_cache_group` `*k_proj`, `*v_proj`,
+- An FP8 KV cache (`kv_cache_scheme="fp8"`; measured on its FP8 and MXFP4 schemes, read beside any
+  scheme defined here, each override checked against it): `kv_cache_group` `*k_proj`, `*v_proj`,
   each a per-layer override (`layer_quant_config`, and the same in `kv_cache_quant_config`) that is the
   global scheme plus static FP8 per-tensor `output_tensors`; bfloat16 0-D `k_proj.output_scale` and
   `v_proj.output_scale`. With `kv_cache_post_rope: false` Quark quantizes the projections' outputs,
@@ -138,10 +139,10 @@ def _one_global_scheme(config: Mapping, weight: Callable[[object], bool], inputs
     return (
         from_quark(config)
         and _beyond_global(config) is None
-        and _kv_defined(config)
         and scheme.get("output_tensors") is None
         and weight(scheme.get("weight"))
         and (scheme.get("input_tensors") is None or inputs(scheme.get("input_tensors")))
+        and _kv_defined(config)
     )
 
 

@@ -91,10 +91,6 @@ class QuarkInt8(QuantFormat):
                     raise FormatError(f"{zero_point} is {int(zero.reshape(-1)[0])}: a symmetric {of} has zero point 0")
         return weight.to(torch.float64) * scale.to(torch.float64).reshape(())
 
-    def dequantize_held(self, tensors, knobs):
-        # an engine holds a per-tensor scale as its own parameter ([1]) whatever the file's shape
-        return super().dequantize_held(tensors, {k: v for k, v in knobs.items() if k != equivalents.SCALAR_SCALES})
-
     def scale_block(self, knobs, shape):
         return tuple(shape)
 

@@ -69,9 +69,5 @@ class QuarkMxfp4(CtMxfp4):
         except FormatError as error:  # said under the names the file holds
             raise FormatError(str(error).replace("weight_packed", "weight")) from None
 
-    def dequantize_held(self, tensors, knobs):
-        # an engine holds a per-tensor input scale as its own parameter ([1]) whatever the file's shape
-        return super().dequantize_held(tensors, {k: v for k, v in knobs.items() if k != equivalents.SCALAR_SCALES})
-
 
 FORMAT = QuarkMxfp4()

@@ -26,6 +26,8 @@ from harness.oracle.activations import ActivationScheme, quantize_activations
 #: per naming: (suffix of the key scale, suffix of the value scale), after `<layer>.self_attn.`
 NAMINGS = (("k_scale", "v_scale"), ("k_proj.output_scale", "v_proj.output_scale"), ("k_proj.k_scale", "v_proj.v_scale"))
 STATIC_FP8 = ActivationScheme("fp8", "tensor", False, static="kv_scale")
+#: the Linears whose outputs a KV cache quantized at its projections quantizes (quantized_at)
+PROJECTIONS = ("k_proj", "v_proj")
 
 
 def declares_fp8_kv_cache(quantization_config: Mapping) -> bool:
@@ -142,7 +144,7 @@ def install(
 def _install_at_projections(modules: dict, scales: Mapping, scheme: ActivationScheme) -> list:
     handles = []
     for name, pair in scales.items():
-        for projection, scale in zip(("k_proj", "v_proj"), pair, strict=True):
+        for projection, scale in zip(PROJECTIONS, pair, strict=True):
             module = modules.get(f"{name}.{projection}")
             if module is None:
                 for handle in handles:

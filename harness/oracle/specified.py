@@ -37,7 +37,7 @@ class Plan:
         """The Linears whose outputs the plan quantizes (a KV cache quantized at its projections)."""
         if self.kv_at != "projection":
             return set()
-        return {f"{module}.{projection}" for module in self.kv for projection in ("k_proj", "v_proj")}
+        return {f"{module}.{projection}" for module in self.kv for projection in kv_cache.PROJECTIONS}
 
     def scheme_for(self, name: str) -> activations.ActivationScheme | None:
         """The scheme that quantizes the inputs of the Linear or packed experts module `name`."""
