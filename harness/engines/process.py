@@ -179,7 +179,10 @@ class EngineProcess:
 
     def unsupported_schemes(self, fmt, knobs) -> str | None:
         """Why the engine cannot load a checkpoint of format `fmt` here: the reason of the first of
-        the formats its modules are stored in (QuantFormat.schemes: a mixed checkpoint's groups')."""
+        the formats its modules are stored in (QuantFormat.schemes: a mixed checkpoint's groups'), unless
+        no probe answers for its knobs (QuantFormat.probe_answers): then its own load does."""
+        if not fmt.probe_answers(knobs):
+            return None
         return next(filter(None, (self.unsupported(scheme.name) for scheme in fmt.schemes(knobs))), None)
 
     def load(self, directory: str | Path, variant: str | None = None) -> dict:

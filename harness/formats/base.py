@@ -90,6 +90,12 @@ class QuantFormat:
         format that is itself is answered by the checkpoint's own load."""
         return (self,)
 
+    def probe_answers(self, knobs: Mapping[str, Any]) -> bool:
+        """Whether an engine's capability probe (a checkpoint of the default knobs) answers for a
+        checkpoint of these knobs, which then needs the same kernels; else that checkpoint's own
+        load answers."""
+        return True
+
     def groups(self, knobs: Mapping[str, Any]) -> tuple:
         """A mixed checkpoint's config groups in the config's order (harness.formats.mixed_groups.Member:
         each group's format, knobs, targets and config alone); none for a checkpoint of one scheme."""

@@ -3,7 +3,9 @@
 Tensors: `weight` float8_e4m3fn [N, K] and `weight_scale_inv` [ceil(N/bn), ceil(K/bk)]
 (float32 normally). Despite its name the scale is a multiplier: W = w * scale_inv per
 block, edge blocks partial. Config: `quant_method: fp8`, `weight_block_size` [bn, bk]
-(a scalar or one-element list means a square block), default [128, 128].
+(a scalar or one-element list means a square block), default [128, 128]. `weight_block_size: null`
+(transformers' FineGrainedFP8Config(weight_block_size=None)) means one scale per weight: the block
+is the whole tensor and `weight_scale_inv` is its one-block grid [1, 1] (knob `granularity`).
 
 `scale_fmt: ue8m0` (DeepSeek-V3.1, transformers' FineGrainedFP8Config) declares every scale a
 power of two: the quantizer rounds amax / 448 up to one, 2**ceil(log2(.)), and divides the
@@ -18,7 +20,7 @@ from typing import Any
 
 import torch
 
-from harness.core.errors import HarnessError, UnsupportedFormat
+from harness.core.errors import HarnessError
 from harness.core.numerics import E4M3_MAX, ceil_div, decode_e4m3, encode_e4m3
 from harness.formats import equivalents
 from harness.formats.base import (
@@ -41,10 +43,8 @@ E8M0_STORAGE = {"ue8m0-e8m0fnu": torch.float8_e8m0fnu, "ue8m0-uint8": torch.uint
 
 
 def parse_block_size(value: Any) -> tuple[int, int]:
-    """`weight_block_size` as written in the wild: [bn, bk], [b], or b. null (transformers 5.23's
-    per-tensor FineGrainedFP8, one weight_scale_inv [1, 1] per weight) is not defined here yet."""
-    if value is None:
-        raise UnsupportedFormat("FineGrainedFP8 with weight_block_size null (one scale per tensor)")
+    """`weight_block_size` as written in the wild: [bn, bk], [b], or b (null, one scale per
+    tensor, is the caller's to read: it has no block size)."""
     if isinstance(value, bool):
         raise FormatError(f"weight_block_size {value!r} is not a block size")
     if isinstance(value, int):
@@ -167,6 +167,9 @@ class Fp8Block(QuantFormat):
         "scale_dtype": Knob("float32", tuple(SCALE_DTYPES), "dtype of weight_scale_inv"),
         "scale_layout": Knob("normal", ("normal", "transposed"), "store the grid transposed (a perturbation)"),
         "scale_fmt": Knob("float", SCALE_FMTS, "power-of-two (UE8M0) scales and how they are stored"),
+        "granularity": Knob(
+            "block", ("block", "tensor"), "one scale per block, or per weight (weight_block_size null)"
+        ),
     }
 
     def resolve_knobs(self, overrides):
@@ -184,9 +187,15 @@ class Fp8Block(QuantFormat):
         quantization_config = equivalents.read_as(quantization_config)
         return quantization_config.get("quant_method") == "fp8" and "weight_block_size" in quantization_config
 
+    def probe_answers(self, knobs):
+        # one scale per weight takes another kernel than the probe's blocks
+        return knobs.get("granularity", "block") == "block"
+
     def quantization_config(self, knobs, ignore):
         rows, cols = knobs["block_rows"], knobs["block_cols"]
         block = {"list": [rows, cols], "one-element": [rows], "scalar": rows}[knobs["block_size_style"]]
+        if knobs.get("granularity", "block") == "tensor":
+            block = None
         config = {
             "quant_method": "fp8",
             "activation_scheme": "dynamic",
@@ -201,14 +210,16 @@ class Fp8Block(QuantFormat):
     def knobs_from_config(self, quantization_config):
         # AutoRound's own auto_round:fp8 config over these tensors (harness.formats.auto_round)
         quantization_config = equivalents.read_as(quantization_config)
-        rows, cols = parse_block_size(quantization_config.get("weight_block_size"))
         scale_fmt = quantization_config.get("scale_fmt", "float")
         if scale_fmt not in ("float", "ue8m0"):
             raise FormatError(f"scale_fmt {scale_fmt!r} is not 'float' or 'ue8m0'")
+        if quantization_config.get("weight_block_size") is None:
+            return {"granularity": "tensor", "scale_fmt": scale_fmt}
+        rows, cols = parse_block_size(quantization_config.get("weight_block_size"))
         return {"block_rows": rows, "block_cols": cols, "scale_fmt": scale_fmt}
 
     def quantize(self, weight, knobs, *, model_dtype, activation_amax):
-        block = (knobs["block_rows"], knobs["block_cols"])
+        block = self.scale_block(knobs, tuple(weight.shape))
         scale_fmt = knobs.get("scale_fmt", "float")
         rounded = scale_fmt not in ("float", "ue8m0-unrounded")
         quantized, scale = quantize_fp8_blocks(weight, block, SCALE_DTYPES[knobs["scale_dtype"]], rounded)
@@ -228,6 +239,8 @@ class Fp8Block(QuantFormat):
         return result
 
     def scale_block(self, knobs, shape):
+        if knobs.get("granularity", "block") == "tensor":
+            return tuple(shape)
         return knobs["block_rows"], knobs["block_cols"]
 
     def subnormal_amax(self, knobs, weight_amax):
@@ -236,8 +249,8 @@ class Fp8Block(QuantFormat):
         return 448.0 * 2.0 ** (-127 if knobs.get("scale_fmt") in E8M0_STORAGE else -130)
 
     def dequantize(self, tensors, knobs):
-        block = (knobs["block_rows"], knobs["block_cols"])
         weight = require_tensor(tensors, "weight")
+        block = self.scale_block(knobs, tuple(weight.shape))
         scale = require_tensor(tensors, "weight_scale_inv")
         if scale.dtype == torch.uint8 and knobs.get("scale_fmt", "float") == "float":
             raise FormatError("weight_scale_inv is uint8 (E8M0 bytes) but the config does not declare scale_fmt ue8m0")

@@ -102,6 +102,10 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
     if quantization_config.get("quant_method") == "fp8":  # FineGrainedFP8 (DeepSeek): dynamic 1 x block_cols groups
         if quantization_config.get("activation_scheme", "dynamic") != "dynamic":
             return ActivationScheme("fp8", "tensor", False, static="input_scale")
+        if "weight_block_size" in quantization_config and quantization_config["weight_block_size"] is None:
+            # one weight scale per tensor: transformers' kernel (finegrained-fp8's tensor-scale
+            # matmul) quantizes its inputs per token
+            return ActivationScheme("fp8", "token", True)
         block = quantization_config.get("weight_block_size") or [128, 128]
         cols = block[-1] if isinstance(block, list) else block
         return ActivationScheme("fp8", "group", True, int(cols))

@@ -6,7 +6,8 @@ as E8M0 bytes in uint8 ("ue8m0-uint8"), read by their bits; "ue8m0-unrounded" de
 stores amax / 448 unrounded.
 
 Definitions:
-  fp8-block: W = fp8 * weight_scale_inv of its [{block_rows}, {block_cols}] block (edge blocks partial)
+  fp8-block: W = fp8 * weight_scale_inv of its [{block_rows}, {block_cols}] block (edge blocks partial);
+    with weight_block_size null one weight_scale_inv [1, 1] per tensor
   ct-fp8-tensor: W = fp8 * weight_scale (one per tensor)
   ct-fp8-channel: W = fp8 * weight_scale of its row
   ct-fp8-block: W = fp8 * weight_scale of its [{block_rows}, {block_cols}] block (edge blocks partial)
@@ -23,8 +24,9 @@ from harness.lanes.upstream.parts.parameters import FORMAT, KNOBS, LAYOUT
 # ---- reproduce.py ----
 
 E4M3_MAX = 448.0
-#: tensor, channel or block
+#: tensor, channel or block (FineGrainedFP8 with weight_block_size null: one [1, 1] grid per tensor)
 STRATEGY = {"fp8-block": "block", "modelopt-fp8": "tensor"}.get(FORMAT, FORMAT.rpartition("-")[2])
+STRATEGY = "tensor" if KNOBS.get("granularity") == "tensor" else STRATEGY
 SCALE_NAME = "weight_scale_inv" if FORMAT == "fp8-block" else "weight_scale"
 SCALE_FMT = KNOBS.get("scale_fmt", "float")
 #: UE8M0 scales stored as their E8M0 bytes (2**e -> e + 127)
@@ -68,7 +70,7 @@ def quantize_weight(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     stored = (torch.log2(scale.double()).round() + 127).to(torch.uint8).view(E8M0_STORAGE) if E8M0_STORAGE else scale
     tensors = {
         "weight": quantized.to(torch.float8_e4m3fn),
-        SCALE_NAME: stored.reshape(1) if STRATEGY == "tensor" else stored,
+        SCALE_NAME: stored.reshape(1) if STRATEGY == "tensor" and FORMAT != "fp8-block" else stored,
     }
     if KNOBS.get("input_scale"):  # a static per-tensor activation scale
         tensors["input_scale"] = torch.tensor([LAYOUT["activation_amax"] / E4M3_MAX]).to(scale_dtype())
