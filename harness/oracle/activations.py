@@ -99,16 +99,8 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
     if quark.is_nvfp4(original) or quark.is_mxfp4(original) or quark.int8_per_tensor(original):
         return _quark_scheme(original)
     quantization_config = equivalents.read_as(quantization_config)
-    if quantization_config.get("quant_method") == "fp8":  # FineGrainedFP8 (DeepSeek): dynamic 1 x block_cols groups
-        if quantization_config.get("activation_scheme", "dynamic") != "dynamic":
-            return ActivationScheme("fp8", "tensor", False, static="input_scale")
-        if "weight_block_size" in quantization_config and quantization_config["weight_block_size"] is None:
-            # one weight scale per tensor: transformers' kernel (finegrained-fp8's tensor-scale
-            # matmul) quantizes its inputs per token
-            return ActivationScheme("fp8", "token", True)
-        block = quantization_config.get("weight_block_size") or [128, 128]
-        cols = block[-1] if isinstance(block, list) else block
-        return ActivationScheme("fp8", "group", True, int(cols))
+    if quantization_config.get("quant_method") == "fp8":
+        return _finegrained_fp8_scheme(quantization_config)
     groups = [g for g in (quantization_config.get("config_groups") or {}).values() if isinstance(g, dict)]
     inputs = [g.get("input_activations") for g in groups if g.get("input_activations")]
     if not inputs:
@@ -143,6 +135,19 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
         f"activations of {bits} bits, type {args.get('type')!r}, strategy {strategy!r} are not defined here"
         f" (quant_method {method!r})"
     )
+
+
+def _finegrained_fp8_scheme(config: Mapping) -> ActivationScheme:
+    """FineGrainedFP8 (DeepSeek): dynamic 1 x block_cols groups; per token where one scale covers
+    the weight (`weight_block_size: null`: transformers' tensor-scale kernel, finegrained-fp8's
+    w8a8_tensor_dynamic_fp8_matmul, takes one input scale per row); static: one per tensor."""
+    if config.get("activation_scheme", "dynamic") != "dynamic":
+        return ActivationScheme("fp8", "tensor", False, static="input_scale")
+    if "weight_block_size" in config and config["weight_block_size"] is None:
+        return ActivationScheme("fp8", "token", True)
+    block = config.get("weight_block_size") or [128, 128]
+    cols = block[-1] if isinstance(block, list) else block
+    return ActivationScheme("fp8", "group", True, int(cols))
 
 
 def _ct_mx(args: Mapping) -> bool:
