@@ -25,6 +25,7 @@ REGISTRY: dict[str, str] = {
     "ct-nvfp4a16": "harness.formats.ct_nvfp4:W4A16",
     "modelopt-nvfp4": "harness.formats.modelopt_nvfp4:FORMAT",
     "modelopt-fp8": "harness.formats.modelopt_fp8:FORMAT",
+    "autofp8": "harness.formats.autofp8:FORMAT",
     "ct-int4": "harness.formats.ct_int4:FORMAT",
     "ct-int8": "harness.formats.ct_int4:INT8",
     "ct-w8a8": "harness.formats.ct_w8a8:FORMAT",

@@ -140,12 +140,15 @@ def scheme_of(quantization_config: Mapping) -> ActivationScheme | None:
 def _finegrained_fp8_scheme(config: Mapping) -> ActivationScheme:
     """FineGrainedFP8 (DeepSeek): dynamic 1 x block_cols groups; per token where one scale covers
     the weight (`weight_block_size: null`: transformers' tensor-scale kernel, finegrained-fp8's
-    w8a8_tensor_dynamic_fp8_matmul, takes one input scale per row); static: one per tensor."""
+    w8a8_tensor_dynamic_fp8_matmul, takes one input scale per row); static: one per tensor. Without
+    the key, vLLM's per-tensor FP8 (harness.formats.autofp8): dynamic per tensor."""
     if config.get("activation_scheme", "dynamic") != "dynamic":
         return ActivationScheme("fp8", "tensor", False, static="input_scale")
-    if "weight_block_size" in config and config["weight_block_size"] is None:
+    if "weight_block_size" not in config:  # vLLM's per-tensor FP8 (AutoFP8's FP8DynamicLinear)
+        return ActivationScheme("fp8", "tensor", True)
+    if config["weight_block_size"] is None:
         return ActivationScheme("fp8", "token", True)
-    block = config.get("weight_block_size") or [128, 128]
+    block = config["weight_block_size"]
     cols = block[-1] if isinstance(block, list) else block
     return ActivationScheme("fp8", "group", True, int(cols))
 
@@ -175,10 +178,10 @@ def _quark_scheme(config: Mapping) -> ActivationScheme | None:
 
 def declared_ignored(quantization_config: Mapping, module: str) -> bool:
     """Whether the config leaves `module` unquantized: its `ignore` (compressed-tensors, ModelOpt),
-    `modules_to_not_convert` (transformers' fp8) or `exclude` (Quark) names it exactly, by `re:`
+    `modules_to_not_convert` (transformers' fp8), `exclude` (Quark) or `ignored_layers` (AutoFP8) names it exactly, by `re:`
     pattern or by wildcard."""
     get = quantization_config.get
-    patterns = get("ignore") or get("modules_to_not_convert") or get("exclude") or []
+    patterns = get("ignore") or get("modules_to_not_convert") or get("exclude") or get("ignored_layers") or []
     for pattern in patterns:
         if not isinstance(pattern, str):
             continue

@@ -30,6 +30,7 @@ FORMAT_PIECES = {
     "ct-fp8-channel": "fp8",
     "ct-fp8-block": "fp8",
     "modelopt-fp8": "fp8",
+    "autofp8": "fp8",
     "ct-nvfp4": "nvfp4",
     "ct-nvfp4a16": "nvfp4",
     "modelopt-nvfp4": "nvfp4",

@@ -33,9 +33,13 @@ E4M3_MAX_INPUT = 448.0
 def activation_scheme() -> dict | None:
     """The input activations the config specifies: {"strategy", "dynamic", "group_size"}, or None."""
     config = CONFIG["quantization_config"]
+    if config.get("quant_method") == "fp8" and "weight_block_size" not in config:  # vLLM's / AutoFP8's per tensor
+        return {"strategy": "tensor", "dynamic": config.get("activation_scheme") == "dynamic", "group_size": None}
     if config.get("quant_method") == "fp8":  # FineGrainedFP8: dynamic 1 x block_cols groups
         if config.get("activation_scheme") != "dynamic":
             return None
+        if config["weight_block_size"] is None:  # one scale per weight: per token
+            return {"strategy": "token", "dynamic": True, "group_size": None}
         return {"strategy": "group", "dynamic": True, "group_size": config["weight_block_size"][1]}
     for group in (config.get("config_groups") or {}).values():
         inputs = group.get("input_activations")

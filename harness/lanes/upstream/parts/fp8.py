@@ -12,6 +12,7 @@ Definitions:
   ct-fp8-channel: W = fp8 * weight_scale of its row
   ct-fp8-block: W = fp8 * weight_scale of its [{block_rows}, {block_cols}] block (edge blocks partial)
   modelopt-fp8: W = fp8 * weight_scale (one per tensor; input_scale the static activation multiplier)
+  autofp8: W = fp8 * weight_scale (one per tensor, 0-D; input_scale where activation_scheme is static)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from harness.lanes.upstream.parts.parameters import FORMAT, KNOBS, LAYOUT
 
 E4M3_MAX = 448.0
 #: tensor, channel or block (FineGrainedFP8 with weight_block_size null: one [1, 1] grid per tensor)
-STRATEGY = {"fp8-block": "block", "modelopt-fp8": "tensor"}.get(FORMAT, FORMAT.rpartition("-")[2])
+STRATEGY = {"fp8-block": "block", "modelopt-fp8": "tensor", "autofp8": "tensor"}.get(FORMAT, FORMAT.rpartition("-")[2])
 STRATEGY = "tensor" if KNOBS.get("granularity") == "tensor" else STRATEGY
 SCALE_NAME = "weight_scale_inv" if FORMAT == "fp8-block" else "weight_scale"
 SCALE_FMT = KNOBS.get("scale_fmt", "float")
@@ -72,8 +73,12 @@ def quantize_weight(weight: torch.Tensor) -> dict[str, torch.Tensor]:
         "weight": quantized.to(torch.float8_e4m3fn),
         SCALE_NAME: stored.reshape(1) if STRATEGY == "tensor" and FORMAT != "fp8-block" else stored,
     }
+    if FORMAT == "autofp8" and KNOBS.get("scale_shape", "scalar") == "scalar":  # 0-D, as AutoFP8 saves it
+        tensors[SCALE_NAME] = tensors[SCALE_NAME].reshape(())
     if KNOBS.get("input_scale"):  # a static per-tensor activation scale
         tensors["input_scale"] = torch.tensor([LAYOUT["activation_amax"] / E4M3_MAX]).to(scale_dtype())
+        if FORMAT == "autofp8":
+            tensors["input_scale"] = tensors["input_scale"].reshape(tensors[SCALE_NAME].shape)
     if FORMAT == "modelopt-fp8":  # always static, a scalar as ModelOpt exports it; amax in the model dtype
         amax = torch.tensor(LAYOUT["activation_amax"], dtype=MODEL_DTYPE).float()
         tensors["input_scale"] = amax / E4M3_MAX

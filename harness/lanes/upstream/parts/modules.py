@@ -34,7 +34,10 @@ def held_weights(model) -> dict[str, torch.Tensor]:
         if weight is None or weight.dim() != 2:
             continue
         packed = weight.dtype in PACKED_DTYPES or "weight_packed" in tensors
-        held[name] = dequantize_definition(tensors) if packed else weight
+        try:
+            held[name] = dequantize_definition(tensors) if packed else weight
+        except KeyError:  # codes held without the scales the definition reads: judged as the values they are
+            held[name] = weight
     return held | packed_experts(model)
 
 
