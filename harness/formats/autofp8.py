@@ -58,7 +58,9 @@ def read_scale(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 class AutoFp8(QuantFormat):
     name = "autofp8"
-    description = "vLLM / AutoFP8 per-tensor FP8 (quant_method fp8 without weight_block_size: weight_scale, input_scale)"
+    description = (
+        "vLLM / AutoFP8 per-tensor FP8 (quant_method fp8 without weight_block_size: weight_scale, input_scale)"
+    )
     suffixes = ("weight", "weight_scale", "input_scale")
     marker = "weight_scale"
     knobs = {
