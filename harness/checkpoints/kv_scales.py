@@ -9,8 +9,9 @@ real checkpoints use, and the config fragment that declares them.
 - `declared-only`: the config declares the FP8 cache, no layer stores a scale (exact-or-refuse).
 
 A scale is kv_amax / 448 (the FP8 e4m3 maximum), typed and shaped as its producer writes it: [1]
-in the model dtype (a compressed-tensors parameter), float32 [] (ModelOpt's export). `proj` goes with ModelOpt formats,
-`output_scale` with compressed-tensors ones. The
+in the model dtype (a compressed-tensors parameter), float32 [] (ModelOpt's export, AutoFP8's). `proj` goes with
+ModelOpt formats, `output_scale` with compressed-tensors ones; AutoFP8 (`autofp8`, `kv_cache_scheme: "static"`)
+writes `self_attn` only. The
 reference engine's weight-only forward leaves its KV cache unquantized; its activation candidate
 quantizes the cache with them (harness.oracle.kv_cache); weights are judged exactly either way.
 """
@@ -22,6 +23,7 @@ from collections.abc import Mapping
 import torch
 
 from harness.core.errors import HarnessError
+from harness.formats.autofp8 import is_autofp8
 from harness.formats.ct_common import CT_KV_SCHEME
 
 CHOICES = ("none", "self_attn", "output_scale", "proj", "k-only", "v-only", "declared-only")
@@ -45,12 +47,17 @@ def check(kind: str, arch, quantization_config: Mapping) -> None:
     """Refuse (one line) a KV naming the checkpoint cannot carry."""
     if kind == "none":
         return
-    if quantization_config.get("quant_method") not in ("compressed-tensors", "modelopt"):
-        raise HarnessError(
-            f"kv_scales={kind} needs a compressed-tensors or ModelOpt format (a config that declares them)"
-        )
     method = quantization_config.get("quant_method")
-    if (kind, method) in (("proj", "compressed-tensors"), ("output_scale", "modelopt")):
+    if method not in ("compressed-tensors", "modelopt") and not is_autofp8(quantization_config):
+        raise HarnessError(
+            f"kv_scales={kind} needs a compressed-tensors, ModelOpt or AutoFP8 format (a config that declares them)"
+        )
+    if (kind, method) in (
+        ("proj", "compressed-tensors"),
+        ("output_scale", "modelopt"),
+        ("proj", "fp8"),
+        ("output_scale", "fp8"),
+    ):
         raise HarnessError(f"kv_scales={kind} is not a naming {method} producers write")
     if arch.attention == "mla":
         raise HarnessError(f"kv_scales={kind}: {arch.name}'s latent attention has no k/v projections")
@@ -58,11 +65,14 @@ def check(kind: str, arch, quantization_config: Mapping) -> None:
         raise HarnessError(f"kv_scales={kind} names k_proj/v_proj, which {arch.name} fuses into qkv_proj")
 
 
-def tensors(kind: str, settings: Mapping, amax: float, model_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The KV scales of every layer, distinct per layer and between k and v: ModelOpt's float32 [],
-    compressed-tensors' [1] parameters in the model dtype (llm-compressor 0.14 writes them so)."""
-    shape = () if kind == "proj" else (1,)
-    dtype = torch.float32 if kind == "proj" else model_dtype
+def tensors(
+    kind: str, settings: Mapping, amax: float, model_dtype: torch.dtype, quant_method: str = "compressed-tensors"
+) -> dict[str, torch.Tensor]:
+    """The KV scales of every layer, distinct per layer and between k and v: ModelOpt's and AutoFP8's
+    float32 [], compressed-tensors' [1] parameters in the model dtype (llm-compressor 0.14 writes them so)."""
+    exported = kind == "proj" or quant_method == "fp8"
+    shape = () if exported else (1,)
+    dtype = torch.float32 if exported else model_dtype
     names = {
         "self_attn": ("self_attn.k_scale", "self_attn.v_scale"),
         "output_scale": ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
@@ -84,6 +94,8 @@ def declare(kind: str, quantization_config: dict) -> None:
         return
     if quantization_config["quant_method"] == "compressed-tensors":
         quantization_config["kv_cache_scheme"] = dict(CT_KV_SCHEME)
+    elif quantization_config["quant_method"] == "fp8":  # AutoFP8
+        quantization_config["kv_cache_scheme"] = "static"
     else:
         quantization_config["kv_cache_quant_algo"] = "FP8"
 

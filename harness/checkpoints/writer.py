@@ -219,6 +219,7 @@ def generate(recipe: Recipe, out: str | Path) -> dict[str, Any]:
         resolved.settings,
         resolved.layout["activation_amax"],
         DTYPES[resolved.layout["dtype"]],
+        (fmt.quantization_config(resolved.knobs, []) or {}).get("quant_method", ""),
     )
     unused: list[str] = []
     misstated: dict[str, str] = {}  # what the index says wrong, by name

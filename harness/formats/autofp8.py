@@ -11,15 +11,16 @@ FP8DynamicLinear, vLLM without CUTLASS; vLLM with CUTLASS quantizes per token in
 
 Scales follow AutoFP8 (`per_tensor_quantize`), every step in the model dtype: amax = max |w|,
 s = 448 / max(amax, 1e-12), q = e4m3(clamp(w * s, +-448)) (w * s rounded to the model dtype first),
-stored weight_scale = 1 / float32(s). A `kv_cache_scheme` (AutoFP8's k_proj/v_proj output scales)
-is not read here.
+stored weight_scale = 1 / float32(s). `kv_cache_scheme: "static"` declares a static FP8 KV cache
+per tensor, its scales `self_attn.k_scale` / `v_scale` float32 0-D (AutoFP8 calibrates them on
+k_proj's and v_proj's outputs; vLLM quantizes what enters its cache with them:
+harness.oracle.kv_cache).
 """
 
 from __future__ import annotations
 
 import torch
 
-from harness.core.errors import UnsupportedFormat
 from harness.core.numerics import E4M3_MAX, encode_e4m3
 from harness.formats.base import (
     FormatError,
@@ -83,8 +84,8 @@ class AutoFp8(QuantFormat):
         scheme = quantization_config.get("activation_scheme")
         if scheme not in ("static", "dynamic"):
             raise FormatError(f"activation_scheme {scheme!r} is not 'static' or 'dynamic'")
-        if quantization_config.get("kv_cache_scheme") is not None:
-            raise UnsupportedFormat("AutoFP8's kv_cache_scheme (k_proj/v_proj output scales)")
+        if quantization_config.get("kv_cache_scheme") not in (None, "static"):
+            raise FormatError(f"kv_cache_scheme {quantization_config['kv_cache_scheme']!r} is not 'static'")
         return {"input_scale": scheme == "static"}
 
     def quantize(self, weight, knobs, *, model_dtype, activation_amax):

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 
 from harness.core.errors import HarnessError
-from harness.formats import quark
+from harness.formats import autofp8, quark
 from harness.oracle.activations import ActivationScheme, quantize_activations
 
 #: per naming: (suffix of the key scale, suffix of the value scale), after `<layer>.self_attn.`
@@ -36,6 +36,10 @@ def declares_fp8_kv_cache(quantization_config: Mapping) -> bool:
     if quark.from_quark(quantization_config):
         return quark.kv_cache_fp8(quantization_config)
     scheme = quantization_config.get("kv_cache_scheme")
+    if autofp8.is_autofp8(quantization_config):  # AutoFP8 names its static FP8 per-tensor cache so
+        if scheme not in (None, "static"):
+            raise HarnessError(f"AutoFP8's kv_cache_scheme {scheme!r} is not defined here (only 'static')")
+        return scheme == "static"
     if isinstance(scheme, Mapping):
         if (scheme.get("num_bits"), scheme.get("type"), scheme.get("strategy"), scheme.get("dynamic")) != (
             8,
