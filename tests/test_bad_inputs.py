@@ -680,10 +680,17 @@ for _name, _value in [
     ("negative", [-32, 32]),
     ("float", [32.0, 32]),
     ("bool", True),
-    ("null", None),
     ("object", {"rows": 32}),
 ]:
     block_size_case(_name, _value)
+
+
+@case("weight-block-size-null")
+def _(sandbox, ck):
+    # null is one scale per weight (transformers' per-tensor FineGrainedFP8): the stored block grids
+    # then disagree with the config, and the shard holding the first one is named
+    edit_json(ck / "config.json", lambda c: c["quantization_config"].__setitem__("weight_block_size", None))
+    return Expect([".safetensors"], r"needs the grid \[1, 1\]")
 
 
 @case("weight-block-size-huge", source="one-block", cli=True)

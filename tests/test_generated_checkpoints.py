@@ -23,7 +23,7 @@ from harness.checkpoints.writer import MANIFEST_FILE, TRUTH_FILE, generate
 from harness.core.dtypes import MODEL_DTYPES as DTYPES
 from harness.core.errors import CheckpointError, HarnessError
 from harness.formats import FORMAT_NAMES, get_format
-from harness.oracle.audit import matches
+from harness.oracle.audit import ignore_entries, matches
 from harness.oracle.reference import dequantize_checkpoint, group_modules
 
 
@@ -117,7 +117,7 @@ def assert_disagreement(directory: Path, manifest: dict) -> None:
     suffixes = [n.removeprefix(f"{target}.") for n in stored if n.startswith(f"{target}.")]
     quantization = json.loads((directory / "config.json").read_text())["quantization_config"]
     if kind == "ignored-but-quantized":
-        listed = quantization.get("ignore", quantization.get("modules_to_not_convert", []))
+        listed = ignore_entries(quantization, fmt)
         # by name, by a `re:` entry (ignore_style=patterns), or by GPTQModel's dynamic exclusion
         by_name = target in listed or any(matches(target, entry) for entry in listed if entry.startswith("re:"))
         assert by_name or f"-:^{re.escape(target)}$" in quantization.get("dynamic", {})

@@ -11,7 +11,7 @@ arithmetic does (the reference checks before it computes; tests/oracle/test_fast
 fast path to its refusals word for word).
 
 Exactness (asserted bit for bit, NaN where the reference has NaN):
-- FP8 (`fp8-block`, `ct-fp8-*`, `modelopt-fp8`): code (4 significant bits) x scale (float32,
+- FP8 (`fp8-block`, `ct-fp8-*`, `modelopt-fp8`, `autofp8`): code (4 significant bits) x scale (float32,
   bfloat16 or float16, all exact in float32) is exact in float64, so the reference holds the exact
   product; one float32 multiply rounds it once to nearest-even: float32 output == `reference.to(float32)`.
 - int4/int8 (`ct-int4`, `ct-int8`): code minus zero point (an integer in [-255, 255], at most 8
@@ -52,6 +52,7 @@ from harness.checkpoints.reader import Checkpoint
 from harness.core.errors import CheckpointError, HarnessError
 from harness.core.numerics import E2M1_TABLE, E4M3_TABLE, NVFP4_GROUP, ceil_div
 from harness.formats import nvfp4_common as nv
+from harness.formats.autofp8 import AutoFp8
 from harness.formats.base import FormatError, QuantFormat
 from harness.formats.ct_fp8 import CtFp8
 from harness.formats.ct_int4 import CtPackQuantized, read_weight_shape
@@ -246,7 +247,7 @@ def code_pairs(table: torch.Tensor) -> torch.Tensor:
 
 
 class Fp8Kernel:
-    """`fp8-block`, `ct-fp8-*`, `modelopt-fp8`, `ct-mxfp8`, `ct-w8a8` and `quark-int8`: a one-byte code (e4m3 or int8) x its
+    """`fp8-block`, `ct-fp8-*`, `modelopt-fp8`, `autofp8`, `ct-mxfp8`, `ct-w8a8` and `quark-int8`: a one-byte code (e4m3 or int8) x its
     block's scale, one float32 multiply per element (a per-tensor scale is one block the size of
     the weight)."""
 
@@ -545,7 +546,7 @@ def kernel_for(fmt: QuantFormat) -> Fp8Kernel | Nvfp4Kernel | IntKernel | Mxfp4K
     """The fast kernel of a built-in format; a plugin's format has none."""
     if isinstance(fmt, Fp8Block):
         return Fp8Kernel("weight_scale_inv")
-    if isinstance(fmt, CtFp8 | ModeloptFp8):
+    if isinstance(fmt, CtFp8 | ModeloptFp8 | AutoFp8):
         return Fp8Kernel("weight_scale")
     if isinstance(fmt, CtW8a8 | QuarkInt8):  # int8 codes x a per-row or per-tensor scale
         return Fp8Kernel("weight_scale", INT8_TABLE)

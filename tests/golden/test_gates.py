@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness.core.errors import HarnessError
 from harness.differential.known_issues import KnownIssues
 from harness.differential.preconditions import checkpoint_context
 from harness.engines import ENGINE_NAMES
@@ -31,6 +32,12 @@ def gate_matrix():
 @pytest.mark.parametrize(("model", "fmt", "engine"), list(gate_matrix()))
 def test_clean_variant_passes_its_gate(model, fmt, engine, engine_session, variant, run_gate, update_golden):
     directory = variant(model, fmt)
+    failure = known_issue(engine, fmt, directory, "load-error")
+    if failure is not None:
+        # no golden can be recorded from a load a known bug breaks: it must still fail, as recorded
+        with pytest.raises(HarnessError, match=failure.message):
+            run_gate(engine_session, engine, directory, model, fmt, False, golden_engine="reference")
+        return
     bug = known_corruption(engine, fmt, directory)
     if bug is not None:
         # no golden is recorded from a load a known bug corrupts: the variant must fail the
@@ -44,14 +51,20 @@ def test_clean_variant_passes_its_gate(model, fmt, engine, engine_session, varia
 
 
 def known_corruption(engine: str, fmt: str, directory) -> str | None:
-    """A known issue of `engine` that corrupts the weights of this clean variant: in scope for
-    its format and architecture, every precondition holding on the checkpoint."""
+    """A known issue of `engine` that corrupts the weights of this clean variant."""
+    issue = known_issue(engine, fmt, directory, "weight-mismatch")
+    return None if issue is None else issue.id
+
+
+def known_issue(engine: str, fmt: str, directory, kind: str):
+    """A known issue of `engine` of this kind on this clean variant: in scope for its format and
+    architecture, every precondition holding on the checkpoint."""
     context = checkpoint_context(directory)
     for issue in KnownIssues.load().issues:
-        in_scope = issue.engine == engine and fmt in issue.formats and "weight-mismatch" in issue.kinds
+        in_scope = issue.engine == engine and fmt in issue.formats and kind in issue.kinds
         if in_scope and (not issue.archs or context.get("model_type") in issue.archs):
             if all(predicate.holds(context) for predicate in issue.when):
-                return issue.id
+                return issue
     return None
 
 
