@@ -19,6 +19,7 @@ from harness.checkpoints.kv_scales import CHOICES as KV_SCALES
 from harness.core.errors import HarnessError
 from harness.core.naming import VLM_PREFIX
 from harness.formats import FORMAT_NAMES, get_format, require_formats
+from harness.formats.autofp8 import is_autofp8
 from harness.formats.spelling import CHOICES as SPELLINGS
 from harness.formats.spelling import other_case
 
@@ -233,6 +234,10 @@ def layout_refusal(key: str, value: Any, fmt, arch, knobs: Mapping) -> str | Non
         config = fmt.quantization_config(fmt.resolve_knobs(knobs), [])
         if not other_case(config)[1]:
             return f"config_spelling={value!r}: {fmt.name}'s quantization config has no enum-valued field to respell"
+        if is_autofp8(config):  # its reader, vLLM's Fp8Config, compares activation_scheme with case
+            return (
+                f"config_spelling={value!r}: vLLM, the reader of {fmt.name}, compares its activation_scheme with case"
+            )
     if key == "producer_config":
         return foreign_configs.refusal(value, fmt, arch)
     if key == "kv_scales":

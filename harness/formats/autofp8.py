@@ -9,9 +9,9 @@ MULTIPLIER: W = e4m3 * weight_scale; a static scheme adds `input_scale` float32 
 activations' multiplier. Inputs: static per tensor, or dynamic per tensor (AutoFP8's
 FP8DynamicLinear, vLLM without CUTLASS; vLLM with CUTLASS quantizes per token instead, for speed).
 
-Scales follow AutoFP8 (`per_tensor_quantize`), every step in the model dtype: amax = max |w|,
-s = 448 / max(amax, 1e-12), q = e4m3(clamp(w * s, +-448)) (w * s rounded to the model dtype first),
-stored weight_scale = 1 / float32(s). `kv_cache_scheme: "static"` declares a static FP8 KV cache
+Scales follow AutoFP8 (`per_tensor_quantize`): amax = max |w|, s = 448 / max(amax, 1e-12),
+q = e4m3(clamp(w * s, +-448)), stored weight_scale = 1 / s, in float32 here (AutoFP8 computes in the
+model dtype, which rounds w * s once more and in float16 turns an all-zero weight into NaN codes). `kv_cache_scheme: "static"` declares a static FP8 KV cache
 per tensor, its scales `self_attn.k_scale` / `v_scale` float32 0-D (AutoFP8 calibrates them on
 k_proj's and v_proj's outputs; vLLM quantizes what enters its cache with them:
 harness.oracle.kv_cache).
@@ -89,15 +89,18 @@ class AutoFp8(QuantFormat):
         return {"input_scale": scheme == "static"}
 
     def quantize(self, weight, knobs, *, model_dtype, activation_amax):
-        weight = weight.to(model_dtype)  # AutoFP8 quantizes the module's weight in the model dtype
+        # the module's weight, held in the model dtype; the arithmetic in float32, not in the model
+        # dtype as AutoFP8's: in float16 its clamp to 1e-12 underflows, and an all-zero weight
+        # becomes 0 x inf = NaN codes (a producer's accident, not the format)
+        weight = weight.to(model_dtype).to(torch.float32)
         multiplier = autofp8_scale(weight.abs().amax())
-        quantized = encode_e4m3((weight * multiplier).to(torch.float32))
-        scale = multiplier.float().reciprocal()
+        quantized = encode_e4m3(weight * multiplier)
+        scale = multiplier.reciprocal()
         shape = SCALE_SHAPES[knobs["scale_shape"]]
         tensors = {"weight": quantized, "weight_scale": scale.reshape(shape)}
         if knobs["input_scale"]:
-            amax = torch.tensor(float(activation_amax), dtype=model_dtype).abs()
-            tensors["input_scale"] = autofp8_scale(amax).float().reciprocal().reshape(shape)
+            amax = torch.tensor(float(activation_amax), dtype=model_dtype).abs().float()
+            tensors["input_scale"] = autofp8_scale(amax).reciprocal().reshape(shape)
         return QuantizedWeight(tensors, truth=quantized.to(torch.float64) * scale.to(torch.float64))
 
     def dequantize(self, tensors, knobs):
@@ -105,10 +108,7 @@ class AutoFp8(QuantFormat):
         scale = read_scale("weight_scale", require_tensor(tensors, "weight_scale"))
         if knobs.get("input_scale"):
             read_scale("input_scale", require_tensor(tensors, "input_scale"))
-        require_dtype("weight", weight, (torch.float8_e4m3fn,))
-        if weight.dim() != 2:
-            raise FormatError(f"weight has {weight.dim()} dimensions, expected 2")
-        return dequantize_fp8_blocks(weight, scale, tuple(weight.shape), "weight_scale")
+        return dequantize_fp8_blocks(weight, scale, tuple(weight.shape), "weight_scale")  # checks dtype, 2-D
 
     def scale_block(self, knobs, shape):
         return tuple(shape)

@@ -103,10 +103,7 @@ class ModeloptFp8(QuantFormat):
         weight = require_tensor(tensors, "weight")
         scale = read_scale("weight_scale", require_tensor(tensors, "weight_scale"))
         read_scale("input_scale", require_tensor(tensors, "input_scale"))
-        require_dtype("weight", weight, (torch.float8_e4m3fn,))
-        if weight.dim() != 2:
-            raise FormatError(f"weight has {weight.dim()} dimensions, expected 2")
-        return dequantize_fp8_blocks(weight, scale, tuple(weight.shape), "weight_scale")
+        return dequantize_fp8_blocks(weight, scale, tuple(weight.shape), "weight_scale")  # checks dtype, 2-D
 
     def scale_block(self, knobs, shape):
         return tuple(shape)
