@@ -11,10 +11,11 @@ FP8DynamicLinear, vLLM without CUTLASS; vLLM with CUTLASS quantizes per token in
 
 Scales follow AutoFP8 (`per_tensor_quantize`): amax = max |w|, s = 448 / max(amax, 1e-12),
 q = e4m3(clamp(w * s, +-448)), stored weight_scale = 1 / s, in float32 here (AutoFP8 computes in the
-model dtype, which rounds w * s once more and in float16 turns an all-zero weight into NaN codes). `kv_cache_scheme: "static"` declares a static FP8 KV cache
-per tensor, its scales `self_attn.k_scale` / `v_scale` float32 0-D (AutoFP8 calibrates them on
-k_proj's and v_proj's outputs; vLLM quantizes what enters its cache with them:
-harness.oracle.kv_cache).
+model dtype, which rounds w * s once more and in float16 turns an all-zero weight into NaN codes).
+
+`kv_cache_scheme: "static"` declares a static FP8 KV cache per tensor, its scales `self_attn.k_scale` /
+`v_scale` float32 0-D (AutoFP8 calibrates them on k_proj's and v_proj's outputs; vLLM quantizes what
+enters its cache with them: harness.oracle.kv_cache).
 """
 
 from __future__ import annotations
