@@ -410,6 +410,40 @@ def test_vllm_writes_every_element_it_holds_when_loaded_into_sentinels(engine, t
         assert torch.equal(filled[name].view(torch.uint8), tensor.view(torch.uint8)), name
 
 
+INSPECT_BOTH_WAYS = """
+import os, subprocess, tempfile
+from vllm.model_executor.models import registry
+from harness.engines.vllm.engine import inspect_model_classes_in_process
+started, run = [], subprocess.run
+subprocess.run = lambda *args, **kwargs: started.append(args) or run(*args, **kwargs)
+model = registry.ModelRegistry.models["LlamaForCausalLM"]
+answers = []
+for in_process in (False, True):
+    os.environ["VLLM_CACHE_ROOT"] = root = tempfile.mkdtemp()
+    if in_process:
+        inspect_model_classes_in_process()
+    before = len(started)
+    answers.append(model.inspect_model_cls())
+    print(in_process, len(started) - before, os.listdir(os.path.join(root, "modelinfos")))
+print("same answer", answers[0] == answers[1])
+"""
+
+
+@needs_vllm
+@pytest.mark.nightly
+def test_a_model_class_inspected_in_the_worker_is_what_vllms_subprocess_answers_and_is_cached():
+    """On CPU the worker runs vLLM's model-class inspection itself instead of in vLLM's subprocess
+    (inspect_model_classes_in_process): no process started, the same `_ModelInfo`, cached where vLLM
+    caches it. Nightly: two vLLM imports (about 24 s on the AVX2 kind); every vLLM load in CI goes
+    through the in-process path."""
+    done = subprocess.run([VLLM_PYTHON, "-c", INSPECT_BOTH_WAYS], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    vllms_way, in_the_worker, answer = (line.split(" ", 2) for line in done.stdout.splitlines()[-3:])
+    cached = "['vllm-model_executor-models-llama-LlamaForCausalLM.json']"
+    assert vllms_way[0] == "False" and int(vllms_way[1]) > 0 and vllms_way[2] == cached, done.stdout
+    assert in_the_worker == ["True", "0", cached] and answer == ["same", "answer", "True"], done.stdout
+
+
 def test_young_collections_only_skips_full_collections_inside_and_restores_the_collector():
     """vLLM's full collections while it builds or frees an engine become young ones (the load's
     speed-up, docs/benchmarks.md); outside, and after an error inside, gc.collect is the real one."""
