@@ -24,7 +24,6 @@ Usage: python scripts/producers/autofp8_produce.py --out DIR [--only SUBSTRING .
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import json
 import os
@@ -164,12 +163,8 @@ def run_case(case: str, llama_dir: Path, out_root: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path, help="output root; cases go to OUT/autofp8/")
-    parser.add_argument("--only", nargs="*", default=[], help="run only cases whose name contains one of these")
-    args = parser.parse_args()
-    cases = [c for c in CASES if not args.only or any(s in c for s in args.only)]
-    return producing.run_cases(PRODUCER, cases, args.out, base_model, run_case)
+    out, cases = producing.chosen_cases(__doc__, PRODUCER, CASES)
+    return producing.run_cases(PRODUCER, cases, out, base_model, run_case)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ Usage: python scripts/producers/autoround_produce.py --out DIR [--only SUBSTRING
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib.metadata
 import json
@@ -441,16 +440,9 @@ def run_case(case: str, base_dir: Path, out_root: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path, help="output root; cases go to OUT/autoround/")
-    parser.add_argument("--only", nargs="*", default=[], help="run only cases whose name contains one of these")
-    parser.add_argument("--exact", action="store_true", help="--only names whole cases, not substrings")
-    args = parser.parse_args()
-    if args.exact and (unknown := sorted(set(args.only) - set(CASES))):
-        parser.error(f"unknown cases: {', '.join(unknown)}")
-    cases = [c for c in CASES if not args.only or any(s == c if args.exact else s in c for s in args.only)]
+    out, cases = producing.chosen_cases(__doc__, PRODUCER, CASES)
     install_truth_hooks()
-    return producing.run_cases(PRODUCER, cases, args.out, prepare, run_case)
+    return producing.run_cases(PRODUCER, cases, out, prepare, run_case)
 
 
 if __name__ == "__main__":

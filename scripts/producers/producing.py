@@ -1,10 +1,11 @@
 """What every producer script shares (each imports it from beside itself; it imports torch and, for
 the base model, transformers, both in every producer's environment, never the harness): package
-versions, the seeded tiny Llama, file digests, the truth under the saved names and the loop over cases
-that records what fails."""
+versions, the seeded tiny Llama, file digests, the truth under the saved names, the command line and the
+loop over cases that records what fails."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib.metadata
 import json
@@ -91,6 +92,21 @@ def digests(directory: Path) -> dict[str, str]:
         and path.name != "provenance.json"
         and not path.relative_to(directory).as_posix().startswith("producer_truth/")
     }
+
+
+def chosen_cases(doc: str, producer: str, cases: Iterable[str]) -> tuple[Path, list[str]]:
+    """A producer script's command line: `--out ROOT` (cases go to ROOT/<producer>/, the path resolved)
+    and `--only` (names containing one of these; with `--exact`, whole names, an unknown one an error)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path, help=f"output root; cases go to OUT/{producer}/")
+    parser.add_argument("--only", nargs="*", default=[], help="run only cases whose name contains one of these")
+    parser.add_argument("--exact", action="store_true", help="--only names whole cases, not substrings")
+    args = parser.parse_args()
+    cases = list(cases)
+    if args.exact and (unknown := sorted(set(args.only) - set(cases))):
+        parser.error(f"unknown cases: {', '.join(unknown)}")
+    chosen = [c for c in cases if not args.only or any(s == c if args.exact else s in c for s in args.only)]
+    return args.out.resolve(), chosen
 
 
 def run_cases(

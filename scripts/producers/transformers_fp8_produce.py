@@ -21,7 +21,6 @@ Usage: python scripts/producers/transformers_fp8_produce.py --out DIR [--only SU
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import json
 import os
@@ -166,14 +165,10 @@ def run_case(case: str, base_dir: Path, out_root: Path, bypassed: bool) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path, help="output root; cases go to OUT/transformers_fp8/")
-    parser.add_argument("--only", nargs="*", default=[], help="run only cases whose name contains one of these")
-    args = parser.parse_args()
-    cases = [c for c in CASES if not args.only or any(s in c for s in args.only)]
+    out, cases = producing.chosen_cases(__doc__, PRODUCER, CASES)
     bypassed = bypass_cpu_refusal()
     return producing.run_cases(
-        PRODUCER, cases, args.out, base_model, lambda case, base, out: run_case(case, base, out, bypassed)
+        PRODUCER, cases, out, base_model, lambda case, base, root: run_case(case, base, root, bypassed)
     )
 
 
